@@ -1,0 +1,24 @@
+"""Every environment variable cube reads, read in this one place."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def single_dev_mode() -> bool:
+    """``SINGLE_DEV_MODE=1``: run the script in one process, world size 1, no torchrun."""
+    return os.environ.get("SINGLE_DEV_MODE", "0") not in ("", "0", "false", "False")
+
+
+def cache_dir() -> Path:
+    """Where generated code is kept: ``CUBE_CACHE_DIR``, else ``~/.cache/cube``."""
+    env = os.environ.get("CUBE_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cube"
+
+
+def launch_env() -> dict:
+    """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them (absent: one process)."""
+    return {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}

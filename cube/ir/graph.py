@@ -1,0 +1,159 @@
+"""The IR graph and the primitives a policy uses on it."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, List, Optional, Sequence, Union
+
+from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
+from cube.ir.tensor import IRTensor
+
+
+class IRGraph:
+    """A traced training step: the data operation, then forward ops in order.
+
+    Backward is not in the graph: the generated code runs autograd over the
+    forward. Attributes are plain data; a graph belongs to one compile.
+
+    Attributes:
+        ops: operators in program order (pieces replace their op in place).
+        attrs: parameters, buffers and constants in the model's order.
+        loss: the scalar the forward returns.
+        name: the user's model class name.
+    """
+
+    def __init__(self, ops: List[IROperator], attrs: List[IRTensor], loss: IRTensor,
+                 name: str = "Model"):
+        self.ops = list(ops)
+        self.attrs = list(attrs)
+        self.loss = loss
+        self.name = name
+        self.recompute_groups: List[List[IROperator]] = []
+
+    # ------------------------------------------------------------------ queries
+    def nodes(self) -> List[IROperator]:
+        """All operators (pieces included) in program order."""
+        return list(self.ops)
+
+    def select(self, name: Optional[str] = None, ntype: Optional[type] = None) -> List[IROperator]:
+        """Operators whose op name is ``name`` and/or that are instances of ``ntype``.
+
+        Without ``ntype`` only forward operators are considered when ``name`` is given.
+        """
+        out = []
+        for op in self.ops:
+            if ntype is not None and not isinstance(op, ntype):
+                continue
+            if name is not None and op.name != name:
+                continue
+            out.append(op)
+        return out
+
+    @property
+    def data_op(self) -> IRDataOperation:
+        return next(op for op in self.ops if isinstance(op, IRDataOperation))
+
+    def producers(self) -> dict:
+        """Maps each tensor to the op that produces it (first piece if partitioned)."""
+        prod = {}
+        for op in self.ops:
+            for t in op.outputs:
+                prod.setdefault(t, op)
+        return prod
+
+    # --------------------------------------------------------------- primitives
+    def _check_member(self, op: IROperator, what: str) -> int:
+        if not isinstance(op, IROperator):
+            raise TypeError(f"graph.{what} expects an op of this graph, got {type(op).__name__}: {op!r}")
+        for i, o in enumerate(self.ops):
+            if o is op:
+                return i
+        raise ValueError(f"graph.{what}: {op!r} is not in the graph (already partitioned or replicated? "
+                         f"use the pieces it returned)")
+
+    def _replace(self, op: IROperator, pieces: Sequence[IROperator]) -> None:
+        i = self._check_member(op, "replace")
+        self.ops[i:i + 1] = list(pieces)
+
+    def partition(self, node: IROperator, algo, idx: int, dim: int, num: int) -> List[IROperator]:
+        """Splits ``node`` into ``num`` pieces along input ``idx``'s dimension ``dim``.
+
+        Returns:
+            The pieces in order; each still needs a device.
+
+        Raises:
+            ValueError: the split is illegal or uneven (the message lists the legal pairs).
+        """
+        self._check_member(node, "partition")
+        if isinstance(node, IRDataOperation):
+            return self._partition_data(node, idx, dim, num)
+        if algo is None or getattr(algo, "op", None) is not node:
+            raise ValueError(f"graph.partition: algo must come from node.algorithms('dim') of the same op {node!r}")
+        ident = algo.check(idx, dim, num)
+        pieces = [_copy(node, split=(ident.name, i, num)) for i in range(num)]
+        self._replace(node, pieces)
+        return pieces
+
+    def _partition_data(self, node: IRDataOperation, idx: int, dim: int, num: int) -> List[IROperator]:
+        t = node.outputs[idx] if 0 <= idx < len(node.outputs) else None
+        if t is None or not -t.ndim <= dim < t.ndim:
+            raise ValueError(f"illegal split of the data operation at idx={idx}, dim={dim}: "
+                             f"the batch tensors are {node.outputs}")
+        dim = dim % t.ndim
+        size = t.shape[dim]
+        for o in node.outputs:
+            if o.ndim <= dim or o.shape[dim] != size:
+                raise ValueError(f"the data operation splits every batch tensor along dim {dim}, but {o!r} "
+                                 f"does not have size {size} there")
+        if size % num:
+            raise ValueError(f"uneven split of the data operation: dim {dim} has size {size}, which {num} "
+                             f"does not divide. Use a global batch size divisible by {num}.")
+        pieces = [_copy(node, split=(str(dim), i, num)) for i in range(num)]
+        self._replace(node, pieces)
+        return pieces
+
+    def replicate(self, node: IROperator, times: int = 1) -> List[IROperator]:
+        """Makes ``times`` full copies of ``node`` (each needs a device)."""
+        self._check_member(node, "replicate")
+        if not isinstance(times, int) or times < 1:
+            raise ValueError(f"graph.replicate({node!r}): times must be a positive int, got {times!r}")
+        pieces = [_copy(node, replica=(i, times)) for i in range(times)]
+        self._replace(node, pieces)
+        return pieces
+
+    def assign(self, node: Union[IROperator, Iterable[IROperator]], device: Union[int, Sequence[int]]) -> None:
+        """Places an op (or each op of a list, e.g. a stage) on a device."""
+        if isinstance(node, IROperator):
+            nodes = [node]
+        else:
+            nodes = list(node)
+        devs = (device,) if isinstance(device, int) else tuple(device)
+        if not devs or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
+            raise ValueError(f"graph.assign: device must be a non-negative int, got {device!r}")
+        for n in nodes:
+            self._check_member(n, "assign")
+            n.device = devs
+
+    def recompute(self, nodes: Sequence[IROperator]) -> None:
+        """Marks ``nodes`` as one recompute group (activations re-made in backward)."""
+        nodes = list(nodes)
+        for n in nodes:
+            self._check_member(n, "recompute")
+            if not isinstance(n, IRFwOperation):
+                raise ValueError(f"graph.recompute: only forward ops can be recomputed, got {n!r}")
+        gid = len(self.recompute_groups)
+        for n in nodes:
+            n.recompute = gid
+        self.recompute_groups.append(nodes)
+
+    # ------------------------------------------------------------------ display
+    def __repr__(self) -> str:
+        lines = [f"IRGraph({self.name}, {len(self.ops)} ops, loss={self.loss!r})"]
+        for op in self.ops:
+            lines.append(f"  {op!r}")
+        return "\n".join(lines)
+
+
+def _copy(node: IROperator, **changes) -> IROperator:
+    """A piece of ``node``: same op, own lists, no device yet."""
+    return dataclasses.replace(node, origin=node.origin or node, device=None, inputs=list(node.inputs),
+                               outputs=list(node.outputs), **changes)

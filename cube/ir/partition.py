@@ -1,0 +1,90 @@
+"""The ``dim`` partition algorithm: which (input, dim) splits an op allows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from cube.ir.annotation import Ident
+
+
+def _register_hint(op) -> str:
+    return (f"register an annotation with cube.register_op(\"<annotation>\", name=...) on a "
+            f"function that wraps this computation, or leave {op.name!r} replicated")
+
+
+@dataclass
+class DimSplit:
+    """Splitting an op's tensors along one annotated dimension."""
+
+    op: object
+
+    def legal(self) -> List[Tuple[int, int]]:
+        """All (input index, dim) pairs this op may be split on."""
+        anno = self.op.anno
+        if anno is None:
+            return []
+        inner = {i.name for g in anno.inputs + anno.outputs for d in g for i in d.idents[1:]}
+        pairs = []
+        for idx, group in enumerate(anno.inputs):
+            for dim, d in enumerate(group):
+                h = d.head
+                if h is not None and not h.frozen and h.name not in inner:
+                    pairs.append((idx, dim))
+        return pairs
+
+    def ident(self, idx: int, dim: int) -> Ident:
+        """The annotated factor that splitting input ``idx`` at ``dim`` splits.
+
+        Raises:
+            ValueError: the split is not legal for this op.
+        """
+        op = self.op
+        if op.anno is None:
+            raise ValueError(
+                f"op {op.name!r} ({op.where()}) cannot be partitioned: {op.anno_error or 'cube has no partition rule for it'}. "
+                f"To split it, {_register_hint(op)}.")
+        if (idx, dim) not in self.legal():
+            ntens = len(op.inputs)
+            why = (f"it has {ntens} tensor input(s)" if not 0 <= idx < ntens else
+                   f"input {idx} has {op.inputs[idx].ndim} dim(s)" if not -op.inputs[idx].ndim <= dim < op.inputs[idx].ndim
+                   else f"dim {dim} of input {idx} is '{op.anno.inputs[idx][dim]}' which may not be split")
+            raise ValueError(
+                f"illegal split of op {op.name!r} ({op.where()}) at idx={idx}, dim={dim}: {why}. "
+                f"Annotation: '{op.anno}'. Legal (idx, dim) pairs: {self.legal() or 'none'}.")
+        return op.anno.inputs[idx][dim].head
+
+    def satisfy(self, idx: int, dim: int, num: int) -> bool:
+        try:
+            self.check(idx, dim, num)
+        except ValueError:
+            return False
+        return True
+
+    def check(self, idx: int, dim: int, num: int) -> Ident:
+        """Validates a split; returns the factor it splits.
+
+        Raises:
+            ValueError: illegal (idx, dim), or ``num`` does not divide the dim.
+        """
+        op = self.op
+        if not isinstance(num, int) or num < 1:
+            raise ValueError(f"op {op.name!r} ({op.where()}): num must be a positive int, got {num!r}")
+        ident = self.ident(idx, dim)
+        size = self.size(ident)
+        if size % num != 0:
+            raise ValueError(
+                f"uneven split of op {op.name!r} ({op.where()}): '{ident.name}' has size {size}, "
+                f"which {num} does not divide. Choose num among the divisors of {size}.")
+        return ident
+
+    def size(self, ident: Ident) -> int:
+        """The size of one annotated factor, read from the tensors that carry it."""
+        op = self.op
+        for tensors, groups in ((op.inputs, op.anno.inputs), (op.outputs, op.anno.outputs)):
+            for t, g in zip(tensors, groups):
+                for s, d in zip(t.shape, g):
+                    if d.head is not None and d.head.name == ident.name:
+                        if len(d.idents) == 1:
+                            return s
+        # only seen as a merge head: the outer factor of (h d ...) with all inner sizes known
+        raise ValueError(f"op {op.name!r}: cannot tell the size of '{ident.name}' from its tensors")

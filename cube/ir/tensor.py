@@ -1,0 +1,63 @@
+"""IR tensors: the logical values that flow between operators.
+
+An ``IRTensor`` is plain data: its shape, dtype, whether it needs a gradient and
+what kind of value it is (a parameter, a buffer, a constant, a batch input or an
+activation). Identity is by object; names are chosen only when code is printed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+
+class TensorKind(enum.Enum):
+    PARAM = "param"
+    BUFFER = "buffer"
+    CONST = "const"
+    DATA = "data"          # produced by the data operation (a batch from the dataloader)
+    ACTIVATION = "activation"
+
+
+@dataclass(eq=False)
+class IRTensor:
+    """A logical tensor of the traced model.
+
+    Attributes:
+        shape: static shape.
+        dtype: element type.
+        requires_grad: whether autograd tracks it in the single-device model.
+        kind: what produced it (see ``TensorKind``).
+        hint: a readable name hint (the fx node name); printing may uniquify it.
+        names: for parameters and buffers, the user's dotted names (tied weights
+            have several, the first is canonical).
+    """
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = False
+    kind: TensorKind = TensorKind.ACTIVATION
+    hint: str = "t"
+    names: Tuple[str, ...] = field(default=())
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def name(self) -> Optional[str]:
+        """The canonical user name of a parameter/buffer, else None."""
+        return self.names[0] if self.names else None
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self) -> str:
+        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        label = self.name or self.hint
+        return f"{label}:{shape}:{str(self.dtype).replace('torch.', '')}"

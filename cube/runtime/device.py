@@ -1,0 +1,47 @@
+"""Process group and device set-up: torchrun, or one process in SINGLE_DEV_MODE."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from cube import config
+
+log = logging.getLogger("cube")
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where this process runs: its rank, the world size and its device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def init(backend: Optional[str] = None) -> Env:
+    """Initialises the process group (once) and returns this process's ``Env``.
+
+    Under torchrun (``WORLD_SIZE`` set) the backend is NCCL when CUDA is
+    available, gloo otherwise. With ``SINGLE_DEV_MODE=1`` or outside torchrun
+    there is no process group and the world size is 1.
+    """
+    env = config.launch_env()
+    cuda = torch.cuda.is_available()
+    if config.single_dev_mode() or "WORLD_SIZE" not in env:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return Env(0, 1, 0, device)
+    local = env.get("LOCAL_RANK", 0)
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if cuda else "gloo")
+        kwargs = {"device_id": device} if cuda else {}
+        dist.init_process_group(backend=backend, **kwargs)
+        log.debug("initialised process group: backend=%s world=%d", backend, dist.get_world_size())
+    return Env(dist.get_rank(), dist.get_world_size(), local, device)

@@ -1,0 +1,85 @@
+"""What generated modules derive from, and what their train steps call."""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Sequence, Tuple
+
+import torch
+
+
+class CubeModule(torch.nn.Module):
+    """Base of a generated per-rank module.
+
+    Subclasses declare ``PARAMS``/``BUFFERS``/``CONSTS``: local attribute name ->
+    (names in the user's model, dimension splits of this rank's piece).
+    """
+
+    PARAMS: Dict[str, Tuple[List[str], list]] = {}
+    BUFFERS: Dict[str, Tuple[List[str], list]] = {}
+    CONSTS: Dict[str, Tuple[List[str], list]] = {}
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def load_from(self, model: torch.nn.Module, consts: Dict[str, torch.Tensor]) -> None:
+        """Copies this rank's pieces of the user's parameters, buffers and constants."""
+        state = dict(model.named_parameters(remove_duplicate=False))
+        state.update(dict(model.named_buffers(remove_duplicate=False)))
+        for table, source in ((self.PARAMS, state), (self.BUFFERS, state), (self.CONSTS, consts)):
+            for local, (names, splits) in table.items():
+                if names[0] not in source:
+                    raise ValueError(f"the model has no tensor {names[0]!r} that the generated code expects; "
+                                     f"the cached plan is stale: clear the cube cache directory")
+                full = source[names[0]]
+                getattr(self, local).copy_(piece(full, splits))
+
+    def full_names(self) -> Dict[str, List[str]]:
+        """Local parameter/buffer name -> the user's names for it."""
+        out = {k: v[0] for k, v in self.PARAMS.items()}
+        out.update({k: v[0] for k, v in self.BUFFERS.items()})
+        return out
+
+
+def piece(full: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.Tensor:
+    """The piece of ``full`` for dimension splits ``[(dim, index, num), ...]``."""
+    t = full
+    for dim, index, num in splits:
+        t = t.chunk(num, dim)[index]
+    return t
+
+
+def next_batch(dataloader: Iterator, device: torch.device, shapes: Sequence[tuple], structure: str):
+    """Takes the next batch and checks it against the traced one.
+
+    Raises:
+        ValueError: the dataloader is exhausted, or the batch differs in structure
+            or shape from the one the step was compiled for.
+    """
+    try:
+        batch = next(dataloader)
+    except StopIteration:
+        raise ValueError("the dataloader is exhausted: the compiled step needs one more batch. "
+                         "Use an endless iterator or stop the loop before the data runs out.") from None
+    items = [batch] if structure == "tensor" else batch
+    if structure == "tensor" and not isinstance(batch, torch.Tensor) or (
+            structure == "tuple" and not isinstance(batch, (tuple, list))) or len(items) != len(shapes):
+        raise ValueError(f"the dataloader yielded {_describe(batch)}, but the step was compiled for "
+                         f"{'one tensor' if structure == 'tensor' else f'{len(shapes)} tensors'} of shapes "
+                         f"{[list(s) for s in shapes]}. Keep every batch the same structure.")
+    out = []
+    for i, (t, shape) in enumerate(zip(items, shapes)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+            raise ValueError(f"batch item {i} is {_describe(t)} but the step was compiled for shape "
+                             f"{list(shape)}: cube compiles for static shapes. Keep batch shapes fixed "
+                             f"(drop_last=True, padding to a fixed length), or compile once per shape.")
+        out.append(t.to(device, non_blocking=True))
+    return out[0] if structure == "tensor" else out
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {list(x.shape)}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)} ({', '.join(_describe(y) for y in x)})"
+    return f"a {type(x).__name__}"

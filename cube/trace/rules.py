@@ -1,0 +1,483 @@
+"""Partition annotations per op: the registry and the built-in rules.
+
+A rule maps an op (its tensor inputs/outputs with shapes, and its constant
+arguments) to an annotation string (see ``cube.ir.annotation``). Rules are
+looked up by op name (``linear``, ``view``, ...). An op without a rule still
+runs, replicated; splitting it raises an error that explains how to add one.
+"""
+from __future__ import annotations
+
+import string
+from typing import Callable, Dict, List, Sequence, Union
+
+from cube.ir.annotation import OpAnno, parse
+from cube.ir.operator import IRFwOperation
+
+Rule = Union[str, Callable[[IRFwOperation], str]]
+
+# letters rules use by name (b c e f h k l m n o s v) stay out of the pool of fresh ones
+_POOL = [c for c in string.ascii_lowercase if c not in "bcefhklmnosv"]
+_LETTERS = _POOL + [f"{c}{i}" for i in range(1, 10) for c in _POOL]
+
+
+class _Names:
+    """Hands out fresh dimension letters for one annotation."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __call__(self, frozen: bool = False) -> str:
+        name = _LETTERS[self.i]
+        self.i += 1
+        return name + ("^" if frozen else "")
+
+    def many(self, n: int, frozen: bool = False) -> List[str]:
+        return [self(frozen) for _ in range(n)]
+
+
+def _fmt(*groups: Sequence[str]) -> str:
+    return " ".join(groups)
+
+
+def _anno(ins: List[List[str]], outs: List[List[str]]) -> str:
+    return ", ".join(" ".join(g) for g in ins) + " -> " + ", ".join(" ".join(g) for g in outs)
+
+
+def _arg(op: IRFwOperation, i: int, name: str, default=None):
+    if len(op.args) > i:
+        return op.args[i]
+    return op.kwargs.get(name, default)
+
+
+def _dim(d: int, n: int) -> int:
+    return d % n if n else 0
+
+
+# ----------------------------------------------------------------------------- elementwise
+def elementwise(op: IRFwOperation) -> str:
+    """Output shape is the broadcast of the inputs; equal dims share a letter."""
+    out = op.outputs[0].shape
+    names = _Names()
+    oletters = names.many(len(out))
+    ins = []
+    for t in op.inputs:
+        g = []
+        off = len(out) - t.ndim
+        for k, s in enumerate(t.shape):
+            o = k + off
+            if s == out[o]:
+                g.append("1" if s == 1 else oletters[o])
+            elif s == 1:
+                g.append("1")
+            else:
+                raise ValueError(f"shape {t.shape} does not broadcast to {out}")
+        ins.append(g)
+    outs = [["1" if s == 1 else oletters[k] for k, s in enumerate(out)]]
+    for extra in op.outputs[1:]:
+        if extra.shape != out:
+            raise ValueError("outputs of different shapes")
+        outs.append(outs[0])
+    return _anno(ins, outs)
+
+
+def _frozen_dims(dims_of: Callable[[IRFwOperation], Sequence[int]]) -> Callable[[IRFwOperation], str]:
+    """Elementwise over the first input, except the given dims may not be split."""
+    def rule(op: IRFwOperation) -> str:
+        x = op.inputs[0]
+        frozen = {_dim(d, x.ndim) for d in dims_of(op)}
+        names = _Names()
+        g = [names(k in frozen) if s != 1 else "1" for k, s in enumerate(x.shape)]
+        return _anno([g] + [g] * (len(op.inputs) - 1), [g] * len(op.outputs))
+    return rule
+
+
+# ----------------------------------------------------------------------------- matmul family
+def linear(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    names = _Names()
+    lead = names.many(x.ndim - 1)
+    ins = [lead + ["k+"], ["n", "k+"]]
+    if len(op.inputs) == 3:
+        ins.append(["n"])
+    return _anno(ins, [lead + ["n"]])
+
+
+def addmm(op: IRFwOperation) -> str:
+    bias = op.inputs[0]
+    bg = ["m", "n"][2 - bias.ndim:] if bias.ndim else []
+    bg = ["1" if s == 1 else l for s, l in zip(bias.shape, bg)]
+    return _anno([bg, ["m", "k+"], ["k+", "n"]], [["m", "n"]])
+
+
+def matmul(op: IRFwOperation) -> str:
+    a, b = op.inputs
+    out = op.outputs[0]
+    if a.ndim < 2 or b.ndim < 2:
+        raise ValueError("1-D matmul operands have no rule")
+    names = _Names()
+    batch = names.many(out.ndim - 2)
+    def batch_of(t):
+        g = []
+        off = len(batch) - (t.ndim - 2)
+        for k, s in enumerate(t.shape[:-2]):
+            o = k + off
+            g.append(batch[o] if s == out.shape[o] and s != 1 else "1")
+        return g
+    return _anno([batch_of(a) + ["m", "k+"], batch_of(b) + ["k+", "n"]],
+                 [[l if s != 1 else "1" for l, s in zip(batch, out.shape)] + ["m", "n"]])
+
+
+def sdpa(op: IRFwOperation) -> str:
+    q, k, v = op.inputs[:3]
+    causal = bool(_arg(op, 5, "is_causal", False))
+    gqa = bool(op.kwargs.get("enable_gqa", False)) or q.shape[:-2] != k.shape[:-2]
+    names = _Names()
+    batch = names.many(q.ndim - 3)
+    h = "h^" if gqa else "h"
+    ins = [batch + [h, "l^" if causal else "l", "e^"], batch + [h, "s^", "e^"], batch + [h, "s^", "f"]]
+    if len(op.inputs) > 3:  # attention mask: broadcastable to (..., l, s)
+        mask = op.inputs[3]
+        ins.append(["1" if s == 1 else names(True) for s in mask.shape])
+    return _anno(ins, [batch + [h, "l^" if causal else "l", "f"]])
+
+
+def embedding(op: IRFwOperation) -> str:
+    idx = op.inputs[1]
+    names = _Names()
+    lead = ["1" if s == 1 else names() for s in idx.shape]
+    return _anno([["v^", "h"], lead], [lead + ["h"]])
+
+
+# ----------------------------------------------------------------------------- normalization / conv / pool
+def layer_norm(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    nnorm = len(_arg(op, 1, "normalized_shape"))
+    names = _Names()
+    lead = ["1" if s == 1 else names() for s in x.shape[:x.ndim - nnorm]]
+    norm = names.many(nnorm, frozen=True)
+    ins = [lead + norm] + [norm] * (len(op.inputs) - 1)
+    return _anno(ins, [lead + norm] + [lead + ["1"] * nnorm] * (len(op.outputs) - 1))
+
+
+def rms_norm(op: IRFwOperation) -> str:
+    return layer_norm(op)
+
+
+def batch_norm(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    names = _Names()
+    g = [names(True), "c"] + names.many(x.ndim - 2, frozen=True)
+    return _anno([g] + [["c"]] * (len(op.inputs) - 1), [g])
+
+
+def conv(op: IRFwOperation) -> str:
+    x, w = op.inputs[:2]
+    groups = _arg(op, 6, "groups", 1)
+    out = op.outputs[0]
+    nsp = x.ndim - 2
+    c = "c+" if groups == 1 else "c^"
+    o = "o" if groups == 1 else "o^"
+    names = _Names()
+    ins = [["b", c] + names.many(nsp, True), [o, c] + names.many(nsp, True)]
+    if len(op.inputs) == 3:
+        ins.append([o])
+    return _anno(ins, [["b", o] + names.many(out.ndim - 2, True)])
+
+
+def pool(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    names = _Names()
+    lead = names.many(x.ndim - 2)
+    outs = [lead + names.many(o.ndim - len(lead), True) for o in op.outputs]
+    return _anno([lead + names.many(2, True)], outs)
+
+
+# ----------------------------------------------------------------------------- reductions and losses
+def _reduce(op: IRFwOperation, dims, keepdim: bool, mark: str) -> str:
+    x = op.inputs[0]
+    dims = set(range(x.ndim)) if dims is None or len(dims) == 0 else {_dim(d, x.ndim) for d in dims}
+    names = _Names()
+    ig, og = [], []
+    for k, s in enumerate(x.shape):
+        if s == 1:
+            ig.append("1")
+            if k not in dims or keepdim:
+                og.append("1")
+            continue
+        letter = names()
+        if k in dims:
+            ig.append(letter + mark)
+            if keepdim:
+                og.append("1")
+        else:
+            ig.append(letter)
+            og.append(letter)
+    return _anno([ig], [og] * len(op.outputs))
+
+
+def sum_rule(op: IRFwOperation) -> str:
+    return _reduce(op, _arg(op, 1, "dim"), bool(_arg(op, 2, "keepdim", False)), "+")
+
+
+def max_rule(op: IRFwOperation) -> str:
+    return _reduce(op, _arg(op, 1, "dim"), bool(_arg(op, 2, "keepdim", False)), "^")
+
+
+def loss(op: IRFwOperation) -> str:
+    logits, target = op.inputs[:2]
+    reduction = _arg(op, 3, "reduction", 1)
+    names = _Names()
+    n = "n" if reduction == 0 else "n+"
+    extra = names.many(logits.ndim - 2)
+    ins = [[n, "c^"] + extra, [n] + extra]
+    if len(op.inputs) > 2:
+        ins.append(["c^"])
+    return _anno(ins, [[n] + extra] if reduction == 0 else [[]])
+
+
+def pointwise_loss(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    reduction = _arg(op, 2, "reduction", 1)
+    names = _Names()
+    g = names.many(x.ndim, frozen=False)
+    if reduction == 0:
+        return _anno([g, g], [g])
+    return _anno([[l + "+" for l in g]] * 2, [[]])
+
+
+# ----------------------------------------------------------------------------- shape ops
+def reshape(op: IRFwOperation) -> str:
+    """view/reshape/flatten/unsqueeze/squeeze: dims grouped by equal products.
+
+    One input dim becoming several output dims is ``(x y) -> x y`` (and the
+    reverse for merges), so a split of the outer factor survives the reshape.
+    """
+    src, dst = op.inputs[0].shape, op.outputs[0].shape
+    names = _Names()
+    ins = ["1" if s == 1 else None for s in src]
+    outs = ["1" if s == 1 else None for s in dst]
+    si = [k for k, s in enumerate(src) if s != 1]
+    di = [k for k, s in enumerate(dst) if s != 1]
+    i = j = 0
+    while i < len(si) or j < len(di):
+        gi, gj = [si[i]], [di[j]]
+        pi, pj = src[si[i]], dst[di[j]]
+        i += 1
+        j += 1
+        while pi != pj:
+            if pi < pj:
+                gi.append(si[i]); pi *= src[si[i]]; i += 1
+            else:
+                gj.append(di[j]); pj *= dst[di[j]]; j += 1
+        if len(gi) == 1 and len(gj) == 1:
+            letter = names()
+            ins[gi[0]] = outs[gj[0]] = letter
+        elif len(gi) == 1:
+            letters = names.many(len(gj))
+            ins[gi[0]] = "(" + " ".join(letters) + ")"
+            for k, l in zip(gj, letters):
+                outs[k] = l
+        elif len(gj) == 1:
+            letters = names.many(len(gi))
+            outs[gj[0]] = "(" + " ".join(letters) + ")"
+            for k, l in zip(gi, letters):
+                ins[k] = l
+        else:
+            for k in gi:
+                ins[k] = names(True)
+            for k in gj:
+                outs[k] = names(True)
+    return _anno([ins], [outs])
+
+
+def permute(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    if op.name in ("transpose", "swapaxes"):
+        d0, d1 = _dim(op.args[1], x.ndim), _dim(op.args[2], x.ndim)
+        perm = list(range(x.ndim))
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    elif op.name in ("t", "numpy_T"):
+        perm = list(range(x.ndim))[::-1]
+    else:
+        perm = [_dim(d, x.ndim) for d in op.args[1]]
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in x.shape]
+    return _anno([g], [[g[p] for p in perm]])
+
+
+def expand(op: IRFwOperation) -> str:
+    x, out = op.inputs[0], op.outputs[0]
+    names = _Names()
+    off = out.ndim - x.ndim
+    og = [names(True) for _ in range(off)]
+    ig = []
+    for k, s in enumerate(x.shape):
+        o = out.shape[k + off]
+        if s == o:
+            letter = "1" if s == 1 else names()
+            ig.append(letter)
+            og.append(letter)
+        else:
+            ig.append("1")
+            og.append(names(True))
+    return _anno([ig], [og])
+
+
+def select(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    d = _dim(op.args[1], x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    return _anno([g], [g[:d] + g[d + 1:]])
+
+
+def slice_rule(op: IRFwOperation) -> str:
+    x, out = op.inputs[0], op.outputs[0]
+    d = _dim(_arg(op, 1, "dim", 0), x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in x.shape]
+    og = list(g)
+    if x.shape[d] != out.shape[d]:
+        g[d] = "1" if x.shape[d] == 1 else g[d] + "^"
+        og[d] = "1" if out.shape[d] == 1 else names(True)
+    return _anno([g], [og])
+
+
+def split(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    d = _dim(_arg(op, 2, "dim", 0), x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    outs = []
+    for o in op.outputs:
+        og = list(g)
+        og[d] = "1" if o.shape[d] == 1 else names(True)
+        outs.append(og)
+    return _anno([g], outs)
+
+
+def unbind(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    d = _dim(_arg(op, 1, "dim", 0), x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    return _anno([g], [g[:d] + g[d + 1:]] * len(op.outputs))
+
+
+def cat(op: IRFwOperation) -> str:
+    out = op.outputs[0]
+    d = _dim(_arg(op, 1, "dim", 0), out.ndim)
+    names = _Names()
+    base = ["1" if s == 1 else names() for s in out.shape]
+    ins = []
+    for t in op.inputs:
+        g = list(base)
+        g[d] = "1" if t.shape[d] == 1 else names(True)
+        ins.append(g)
+    og = list(base)
+    og[d] = names(True)
+    return _anno(ins, [og])
+
+
+def stack(op: IRFwOperation) -> str:
+    out = op.outputs[0]
+    d = _dim(_arg(op, 1, "dim", 0), out.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in op.inputs[0].shape]
+    return _anno([g] * len(op.inputs), [g[:d] + [names(True)] + g[d:]])
+
+
+def pad(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    npad = len(op.args[1]) // 2
+    return _frozen_dims(lambda o: range(x.ndim - npad, x.ndim))(op) if npad else elementwise(op)
+
+
+def creation(op: IRFwOperation) -> str:
+    names = _Names()
+    return _anno([], [["1" if s == 1 else names(True) for s in o.shape] for o in op.outputs])
+
+
+# ----------------------------------------------------------------------------- registry
+_ELEMENTWISE = """abs add add_ sub sub_ rsub mul mul_ div div_ neg exp log log1p sqrt rsqrt pow
+sin cos tanh sigmoid relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus
+erf clamp clamp_min clamp_max minimum maximum where masked_fill masked_fill_ le lt ge gt eq ne
+logical_not logical_and logical_or bitwise_not bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone
+alias detach detach_ lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like
+rand_like randn_like fill_ zero_ copy_ reciprocal square floor ceil round sign
+native_dropout""".split()
+
+_BUILTIN: Dict[str, Rule] = {name: elementwise for name in _ELEMENTWISE}
+_BUILTIN.update({
+    "linear": linear, "addmm": addmm, "matmul": matmul, "mm": matmul, "bmm": matmul,
+    "scaled_dot_product_attention": sdpa, "embedding": embedding,
+    "layer_norm": layer_norm, "rms_norm": rms_norm, "group_norm": batch_norm,
+    "batch_norm": batch_norm, "instance_norm": batch_norm,
+    "conv1d": conv, "conv2d": conv, "conv3d": conv,
+    "max_pool1d": pool, "max_pool2d": pool, "max_pool2d_with_indices": pool, "max_pool3d": pool,
+    "avg_pool1d": pool, "avg_pool2d": pool, "avg_pool3d": pool,
+    "adaptive_avg_pool1d": pool, "adaptive_avg_pool2d": pool, "adaptive_max_pool2d": pool,
+    "sum": sum_rule, "mean": sum_rule, "amax": max_rule, "amin": max_rule, "max": max_rule,
+    "min": max_rule, "argmax": max_rule, "logsumexp": max_rule, "norm": max_rule,
+    "cross_entropy_loss": loss, "nll_loss": loss, "mse_loss": pointwise_loss,
+    "l1_loss": pointwise_loss, "smooth_l1_loss": pointwise_loss,
+    "softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
+    "_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
+    "log_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
+    "_log_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
+    "cumsum": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
+    "triu": _frozen_dims(lambda op: [-2, -1]), "tril": _frozen_dims(lambda op: [-2, -1]),
+    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape,
+    "unflatten": reshape, "unsqueeze": reshape, "squeeze": reshape, "view_as": reshape,
+    "transpose": permute, "swapaxes": permute, "permute": permute, "t": permute,
+    "expand": expand, "expand_as": expand, "select": select, "slice": slice_rule,
+    "split": split, "split_with_sizes": split, "chunk": split, "unbind": unbind,
+    "cat": cat, "concat": cat, "stack": stack, "pad": pad, "constant_pad_nd": pad,
+    "arange": creation, "zeros": creation, "ones": creation, "full": creation, "empty": creation,
+    "rand": creation, "randn": creation, "randint": creation, "scalar_tensor": creation,
+    "tensor": creation,
+})
+
+
+class Registry:
+    """Annotation rules by op name: built-ins plus what ``cube.register_op`` added."""
+
+    def __init__(self):
+        self.rules: Dict[str, Rule] = dict(_BUILTIN)
+        self.builtin = frozenset(_BUILTIN)
+
+    def register(self, name: str, rule: Rule) -> None:
+        if isinstance(rule, str):
+            parse(rule)  # fail early on a malformed annotation
+        self.rules[name] = rule
+
+    def annotate(self, op: IRFwOperation) -> None:
+        """Sets ``op.anno`` (or ``op.anno_error``) from the rule for ``op.name``."""
+        rule = self.rules.get(op.name)
+        if rule is None:
+            op.anno_error = f"cube has no partition rule for {op.name!r}"
+            return
+        try:
+            text = rule if isinstance(rule, str) else rule(op)
+            anno = parse(text, len(op.inputs))
+        except Exception as e:  # a rule that does not apply to this call: stays replicated
+            op.anno_error = f"the rule for {op.name!r} does not apply to this call ({e})"
+            return
+        problem = _mismatch(anno, op)
+        if problem:
+            op.anno_error = f"annotation '{anno}' does not match the op's tensors: {problem}"
+            return
+        op.anno = anno
+
+
+def _mismatch(anno: OpAnno, op: IRFwOperation) -> str:
+    for what, groups, tensors in (("input", anno.inputs, op.inputs), ("output", anno.outputs, op.outputs)):
+        if len(groups) != len(tensors):
+            return f"{len(groups)} {what} group(s) for {len(tensors)} tensor {what}(s)"
+        for k, (g, t) in enumerate(zip(groups, tensors)):
+            if len(g) != t.ndim:
+                return f"{what} {k} has {t.ndim} dims, annotation gives {len(g)}"
+    return ""
+
+
+REGISTRY = Registry()

@@ -1,0 +1,75 @@
+"""A stack of Linear layers trained with cube.
+
+    SINGLE_DEV_MODE=1 python examples/mlp/linears.py --policy PASSingle
+    torchrun --nproc_per_node=2 examples/mlp/linears.py --policy PASSingle
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class MLP(nn.Module):
+    """Linear layers with a squared-error loss against zero."""
+
+    def __init__(self, dim: int = 256, nlayers: int = 8):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(dim, dim) for _ in range(nlayers)])
+
+    def forward(self, data):
+        x = data
+        for layer in self.layers:
+            x = layer(x)
+        loss = torch.sum(x * x) / x.numel()
+        return loss
+
+
+def main(argv=None):
+    import argparse
+    import logging
+
+    import cube
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", default="PASSingle",
+                        help="a policy in policies/ (e.g. PASSingle), or 'file.py:Name' / 'module:Name'")
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--verbose", action="store_true", help="log compile phases")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+
+    policy = args.policy if ":" in args.policy else f"policies.{_POLICY_FILES.get(args.policy, 'single')}:{args.policy}"
+    torch.manual_seed(0)
+    model = MLP(args.dim, args.layers)
+    dataloader = cube.runtime.utils.create_dummy_dataloader(torch.randn(args.dim), args.batch)
+
+    @cube.compile(model, dataloader, PAS=policy)
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(data)
+        loss.backward()
+        return loss
+
+    model = cube.load_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    env = cube.init()
+    for step in range(args.steps):
+        loss = train_iter(model, dataloader)
+        optimizer.step()
+        optimizer.zero_grad()
+        if env.rank == 0:
+            print(f"step {step}: loss {loss.item():.6f}")
+
+
+# policy name -> file in policies/ that defines it
+_POLICY_FILES = {"PASSingle": "single"}
+
+
+if __name__ == "__main__":
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    main()

@@ -1,0 +1,1 @@
+"""Expert policies: plain functions ``PAS(graph, resource) -> graph``."""

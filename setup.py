@@ -1,0 +1,11 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="cube-compiler",
+    version="0.1.0",
+    description="Compile single-device PyTorch training into distributed training from a policy.",
+    packages=find_packages(include=["cube", "cube.*", "policies", "policies.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4,<=2.14.1", "numpy"],
+    extras_require={"test": ["pytest", "transformers", "viztracer"]},
+)

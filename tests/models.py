@@ -1,0 +1,128 @@
+"""Models the parity tests run: small configs, built locally (no downloads)."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from examples.gpt.model import GPT, GPTConfig
+from examples.mlp.linears import MLP
+
+
+class PatchViT(nn.Module):
+    """A ViT: conv patch embedding, class token, pre-norm encoder, linear head."""
+
+    def __init__(self, image=16, patch=4, dim=64, depth=2, heads=4, classes=10):
+        super().__init__()
+        self.patch = nn.Conv2d(3, dim, kernel_size=patch, stride=patch)
+        npatch = (image // patch) ** 2
+        self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
+        self.pos = nn.Parameter(torch.randn(1, npatch + 1, dim) * 0.02)
+        layer = dict(d_model=dim, nhead=heads, dim_feedforward=4 * dim, dropout=0.0,
+                     activation="gelu", batch_first=True, norm_first=True)
+        self.blocks = nn.ModuleList([ViTBlock(dim, heads) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+        del layer
+
+    def forward(self, images, labels):
+        x = self.patch(images).flatten(2).transpose(1, 2)
+        cls = self.cls.expand(x.shape[0], -1, -1)
+        x = torch.cat([cls, x], dim=1) + self.pos
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x)[:, 0])
+        return F.cross_entropy(logits, labels)
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, N, C = x.shape
+        qkv = self.qkv(self.norm1(x)).reshape(B, N, 3, self.heads, C // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        attn = (q @ k.transpose(-2, -1)) * (C // self.heads) ** -0.5
+        attn = attn.softmax(dim=-1)
+        y = (attn @ v).transpose(1, 2).reshape(B, N, C)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class SmallCNN(nn.Module):
+    """Conv, batch norm, ReLU, pooling, a linear classifier."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16 * 4 * 4, classes)
+
+    def forward(self, images, labels):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(images))), 2)
+        x = F.avg_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        logits = self.fc(torch.flatten(x, 1))
+        return F.cross_entropy(logits, labels)
+
+
+class HFCausalLM(nn.Module):
+    """Wraps a Hugging Face causal LM so forward returns the scalar loss."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def hf_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    return HFCausalLM(GPT2LMHeadModel(cfg))
+
+
+def hf_llama():
+    # attn_implementation="eager": HF's sdpa path drops the causal mask (is_causal=True) in eager
+    # runs but builds an explicit mask while tracing; both are right, but round differently, so
+    # the parity test compares the same math on both sides.
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, attention_dropout=0.0, use_cache=False,
+                      attn_implementation="eager")
+    return HFCausalLM(LlamaForCausalLM(cfg))
+
+
+def build(name: str):
+    """Returns (model, sample batch) for a model name used in the tests."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        return MLP(dim=32, nlayers=4), (torch.randn(8, 32),)
+    if name == "gpt":
+        cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32)
+        ids = torch.randint(0, 128, (4, 16))
+        return GPT(cfg), (ids, torch.roll(ids, -1, dims=1))
+    if name in ("hf_gpt2", "hf_llama"):
+        model = hf_gpt2() if name == "hf_gpt2" else hf_llama()
+        ids = torch.randint(0, 128, (4, 16))
+        return model, (ids, ids.clone())
+    if name == "vit":
+        return PatchViT(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    if name == "cnn":
+        return SmallCNN(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    raise KeyError(name)
+
+
+MODELS = ["mlp", "gpt", "hf_gpt2", "hf_llama", "vit", "cnn"]

@@ -1,0 +1,70 @@
+"""Runs a model eagerly and through cube on the same batches and compares."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import cube
+
+
+def eager_run(model, batches, steps, lr=1e-3):
+    """Plain single-device AdamW steps; returns (losses, parameters, buffers) by name."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for i in range(steps):
+        loss = model(*batches[i])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, dict(model.named_parameters()), dict(model.named_buffers())
+
+
+def cube_run(model, batches, steps, policy, cache_dir, lr=1e-3):
+    """The same through ``cube.compile``; returns (losses, parameters, buffers, step)."""
+    it = iter(batches)
+
+    @cube.compile(model, it, PAS=policy, cache_dir=cache_dir)
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(*data)
+        loss.backward()
+        return loss
+
+    gen = cube.load_model()
+    opt = torch.optim.AdamW(gen.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = train_iter(gen, it)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    names = gen.full_names()
+    params = {names[k][0]: v for k, v in gen.named_parameters()}
+    buffers = {names[k][0]: v for k, v in gen.named_buffers() if k in names}
+    return losses, params, buffers, train_iter
+
+
+def assert_close(a, b, rtol, what):
+    a, b = a.detach().float(), b.detach().float()
+    err = ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+    assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
+
+
+def check_parity(model, batches, steps, policy, cache_dir, rtol=1e-6):
+    """Asserts cube and eager give the same losses and parameters each run."""
+    ref = copy.deepcopy(model)
+    ref_losses, ref_params, ref_buffers = eager_run(ref, batches, steps)
+    losses, params, buffers, step = cube_run(model, batches, steps, policy, cache_dir)
+    assert len(losses) == steps
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_close(a, b, rtol, f"loss at step {i}")
+    assert set(params) <= set(ref_params), set(params) - set(ref_params)
+    assert len(params) == len(ref_params), (sorted(params), sorted(ref_params))
+    for name, p in params.items():
+        assert_close(p, ref_params[name], rtol, f"parameter {name}")
+    assert len(buffers) == len(ref_buffers), (sorted(buffers), sorted(ref_buffers))
+    for name, b in buffers.items():
+        assert_close(b, ref_buffers[name], rtol, f"buffer {name}")
+    return step
