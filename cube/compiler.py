@@ -150,17 +150,12 @@ class CompiledStep:
         return h.hexdigest()[:32]
 
     def _compile(self, sample) -> None:
-        with _phase("trace", self.timings):
-            ep = export(self.user_model, sample)
-        with _phase("ir", self.timings):
-            graph, consts = build_graph(ep, self.user_model, self.structure)
-        with _phase("policy", self.timings):
-            graph = apply_policy(self.policy, graph, Resource(self.env.world_size))
+        graph, consts = trace_and_plan(self.user_model, sample, self.structure, self.policy,
+                                       self.env.world_size, self.timings)
         with _phase("codegen", self.timings):
             source = generate(graph, self.env.rank, self.env.world_size, policy_name(self.policy))
         self.graph = graph
-        used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
-        self.consts = {k: v for k, v in consts.items() if k in used}
+        self.consts = consts
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.consts:
             _atomic_write(self.consts_path, lambda f: torch.save(self.consts, f))
@@ -183,6 +178,36 @@ class CompiledStep:
     @property
     def source(self) -> str:
         return self.path.read_text()
+
+
+def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy: Callable,
+                   world_size: int, timings: Optional[dict] = None):
+    """Traces ``model(*sample)``, builds the IR and applies the policy.
+
+    Returns:
+        ``(graph, consts)``: the planned graph and the lifted constant tensors it uses.
+    """
+    timings = {} if timings is None else timings
+    with _phase("trace", timings):
+        ep = export(model, sample)
+    with _phase("ir", timings):
+        graph, consts = build_graph(ep, model, structure)
+    with _phase("policy", timings):
+        graph = apply_policy(policy, graph, Resource(world_size))
+    used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
+    return graph, {k: v for k, v in consts.items() if k in used}
+
+
+def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1) -> dict:
+    """Every rank's generated source for a plan, in this process (no launch, no cache).
+
+    Returns:
+        ``{rank: source}`` for ranks ``0..world_size-1``.
+    """
+    structure, sample = _structure(batch)
+    policy = load_policy(PAS)
+    graph, _ = trace_and_plan(model, sample, structure, policy, world_size)
+    return {r: generate(graph, r, world_size, policy_name(policy)) for r in range(world_size)}
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -393,6 +393,29 @@ def pad(op: IRFwOperation) -> str:
     return _frozen_dims(lambda o: range(x.ndim - npad, x.ndim))(op) if npad else elementwise(op)
 
 
+def diff(op: IRFwOperation) -> str:
+    x = op.inputs[0]
+    d = _dim(_arg(op, 2, "dim", -1), x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in x.shape]
+    ins = []
+    for t in op.inputs:
+        tg = list(g)
+        tg[d] = "1" if t.shape[d] == 1 else names(True)
+        ins.append(tg)
+    og = list(g)
+    og[d] = names(True)
+    return _anno(ins, [og])
+
+
+def opaque(op: IRFwOperation) -> str:
+    """Nothing of this op may be split (gathers, scatters, data-dependent indexing)."""
+    names = _Names()
+    def group(t):
+        return ["1" if s == 1 else names(True) for s in t.shape]
+    return _anno([group(t) for t in op.inputs], [group(t) for t in op.outputs])
+
+
 def creation(op: IRFwOperation) -> str:
     names = _Names()
     return _anno([], [["1" if s == 1 else names(True) for s in o.shape] for o in op.outputs])
@@ -435,7 +458,11 @@ _BUILTIN.update({
     "cat": cat, "concat": cat, "stack": stack, "pad": pad, "constant_pad_nd": pad,
     "arange": creation, "zeros": creation, "ones": creation, "full": creation, "empty": creation,
     "rand": creation, "randn": creation, "randint": creation, "scalar_tensor": creation,
-    "tensor": creation,
+    "tensor": creation, "diff": diff,
+    "new_ones": opaque, "new_zeros": opaque, "new_full": opaque, "new_empty": opaque,
+    "index": opaque, "index_select": opaque, "gather": opaque, "scatter": opaque,
+    "masked_select": opaque, "nonzero": opaque, "one_hot": opaque, "repeat": opaque,
+    "repeat_interleave": opaque, "flip": opaque, "roll": opaque,
 })
 
 

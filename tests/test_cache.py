@@ -1,0 +1,63 @@
+"""Generated code is cached by plan, reused, and two compiles do not interfere."""
+import torch
+
+import cube
+from examples.mlp.linears import MLP
+from policies.single import PASSingle
+
+
+def _compile(model, loader, tmp_path, policy=PASSingle):
+    @cube.compile(model, loader, PAS=policy, cache_dir=tmp_path)
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(data)
+        loss.backward()
+        return loss
+    return train_iter
+
+
+def test_second_compile_reuses_code_without_tracing(tmp_path):
+    torch.manual_seed(0)
+    model = MLP(8, 2)
+    loader = cube.runtime.utils.create_dummy_dataloader(torch.randn(8), 4)
+    first = _compile(model, loader, tmp_path)
+    second = _compile(model, loader, tmp_path)
+    assert not first.cache_hit and "trace" in first.timings
+    assert second.cache_hit and "trace" not in second.timings
+    assert first.path == second.path and first.source == second.source
+    a, b = first.load_model(), second.load_model()
+    assert torch.equal(first(a, loader), second(b, loader))
+
+
+def test_key_changes_with_batch_shape_and_policy(tmp_path):
+    model = MLP(8, 2)
+    k1 = _compile(model, iter([torch.randn(4, 8)]), tmp_path).key
+    k2 = _compile(model, iter([torch.randn(6, 8)]), tmp_path).key
+
+    def PASOther(graph, resource):
+        return PASSingle(graph, resource)
+    k3 = _compile(model, iter([torch.randn(4, 8)]), tmp_path, PASOther).key
+    assert len({k1, k2, k3}) == 3
+
+
+def test_two_compiles_in_one_process_are_independent(tmp_path):
+    torch.manual_seed(0)
+    small, big = MLP(8, 1), MLP(16, 3)
+    l1, l2 = iter([torch.randn(2, 8)] * 3), iter([torch.randn(2, 16)] * 3)
+    s1 = _compile(small, l1, tmp_path)
+    s2 = _compile(big, l2, tmp_path)
+    m1, m2 = s1.load_model(), s2.load_model()
+    assert cube.load_model().__class__ is m2.__class__   # the latest compile
+    assert len(list(m1.parameters())) == 2 and len(list(m2.parameters())) == 6
+    assert torch.allclose(s1(m1, l1), small(s1.batches.first))
+    assert s2(m2, l2).shape == ()
+
+
+def test_first_batch_is_not_lost(tmp_path):
+    batches = [torch.full((2, 8), float(i)) for i in range(3)]
+    model = MLP(8, 1)
+    loader = iter(batches)
+    step = _compile(model, loader, tmp_path)
+    gen = step.load_model()
+    losses = [step(gen, loader).item() for _ in range(3)]
+    assert losses == [model(b).item() for b in batches]

@@ -1,0 +1,85 @@
+"""IR, annotations and rules: no processes needed."""
+import pytest
+import torch
+
+from cube.ir import IRDataOperation, IRFwOperation, parse_annotation
+from cube.trace import build_graph, export
+from tests.models import MODELS, build
+
+
+def test_parse_roundtrip_and_marks():
+    anno = parse_annotation("b s k+, n k+, n -> b s n")
+    assert str(anno) == "b s k+, n k+, n -> b s n"
+    assert anno.ident("k").reduce and not anno.ident("b").reduce
+    merged = parse_annotation("b (h d^) -> b h d^")
+    assert [i.name for i in merged.inputs[0][1].idents] == ["h", "d"]
+    assert str(parse_annotation("a 1, a -> ")) == "a 1, a -> "
+
+
+@pytest.mark.parametrize("text", ["a b", "a (b -> a", "a+ b, a^ -> b", "a -> b -> c"])
+def test_parse_rejects_malformed(text):
+    with pytest.raises(ValueError):
+        parse_annotation(text)
+
+
+def _graph(name):
+    model, sample = build(name)
+    graph, _ = build_graph(export(model, sample), model, "tuple")
+    return graph
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_every_op_of_the_model_zoo_has_an_annotation(name):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    graph = _graph(name)
+    missing = [f"{op.name}: {op.anno_error}" for op in graph.select(ntype=IRFwOperation) if op.anno is None]
+    assert not missing, missing
+    assert len(graph.select(ntype=IRDataOperation)) == 1
+
+
+def test_gpt_ops_know_their_module_and_source():
+    graph = _graph("gpt")
+    q = [op for op in graph.select(name="linear") if op.module_path == "layers.0.attn.q_proj"]
+    assert len(q) == 1
+    assert q[0].source[0] == "model.py" and "self.q_proj(x)" in q[0].source[2]
+    assert str(q[0].anno) == "a d k+, n k+, n -> a d n"
+    # tied embeddings are one tensor with both names
+    wte = [t for t in graph.attrs if "wte.weight" in t.names]
+    assert len(wte) == 1 and wte[0].names == ("wte.weight", "lm_head.weight")
+
+
+def test_view_keeps_a_split_head_dim_through_merges():
+    graph = _graph("gpt")
+    views = graph.select(name="view")
+    split_heads = [v for v in views if v.outputs[0].ndim == 4][0]   # (B, T, C) -> (B, T, nh, hd)
+    assert str(split_heads.anno) == "a d (g i) -> a d g i"
+    assert (0, 2) in split_heads.algorithms("dim").legal()           # split heads through (g i)
+    merge = [v for v in views if v.inputs[0].ndim == 4][0]            # (B, T, nh, hd) -> (B, T, C)
+    legal = merge.algorithms("dim").legal()
+    assert (0, 2) in legal and (0, 3) not in legal                     # inner factor never splits
+
+
+def test_no_grad_region_is_inlined_from_hf_llama():
+    pytest.importorskip("transformers")
+    graph = _graph("hf_llama")
+    frozen = [op for op in graph.select(ntype=IRFwOperation) if not op.grad_enabled]
+    assert frozen and {op.name for op in frozen} >= {"cos", "sin", "mul"}
+    assert all(not o.requires_grad for op in frozen for o in op.outputs)
+
+
+def test_metadata_asserts_are_dropped():
+    pytest.importorskip("transformers")
+    graph = _graph("hf_llama")
+    assert not graph.select(name="_assert_tensor_metadata")
+
+
+def test_partition_makes_pieces_replacing_the_op():
+    graph = _graph("mlp")
+    node = graph.select(name="linear")[0]
+    pieces = graph.partition(node, node.algorithms("dim"), idx=1, dim=0, num=2)
+    assert [p.split for p in pieces] == [("n", 0, 2), ("n", 1, 2)]
+    assert all(p.origin is node for p in pieces)
+    assert node not in graph.nodes() and pieces[0] in graph.nodes()
+    reps = graph.replicate(pieces[0], times=3)
+    assert [r.replica for r in reps] == [(0, 3), (1, 3), (2, 3)] and reps[0].origin is node

@@ -1,0 +1,31 @@
+"""The linears example runs in one process and under torchrun with the same losses."""
+import pytest
+
+from tests.launch import ROOT, parity_across_ranks, single, torchrun
+
+SCRIPT = ROOT / "examples" / "mlp" / "linears.py"
+ARGS = ["--dim", "32", "--layers", "3", "--batch", "8", "--steps", "4"]
+
+
+def _losses(stdout: str):
+    return [line for line in stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.multirank
+def test_linears_single_dev_mode_and_torchrun_agree(tmp_path):
+    env = {"CUBE_CACHE_DIR": str(tmp_path)}
+    one = _losses(single(SCRIPT, ARGS, env).stdout)
+    two = _losses(torchrun(SCRIPT, 2, ARGS, env).stdout)
+    assert len(one) == 4
+    assert one == two
+    # a second launch reuses the cached per-rank code and gives the same losses
+    again = torchrun(SCRIPT, 2, ARGS + ["--verbose"], env)
+    assert _losses(again.stdout) == one
+    assert "reused plan" in again.stderr
+
+
+@pytest.mark.multirank
+def test_replicated_plan_on_two_ranks_equals_plain_model(tmp_path):
+    for r in parity_across_ranks("gpt", "policies.single:PASSingle", 2, tmp_path):
+        assert r["loss_err"] <= 1e-6, r
+        assert r["param_err"] <= 1e-6, r

@@ -1,0 +1,72 @@
+"""Runs on every rank: trains a model through cube and eagerly, writes the errors.
+
+    torchrun --nproc_per_node=N tests/workers/parity_worker.py MODEL POLICY STEPS OUTDIR
+
+Each rank compares the loss it returns with the plain model's loss on the same
+full batch, and its pieces of every parameter with the matching slices of the
+plain model's parameters after each step; it writes the largest relative errors
+to OUTDIR/rank{r}.json.
+"""
+import copy
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import cube  # noqa: E402
+from cube.runtime import piece  # noqa: E402
+from tests.models import build  # noqa: E402
+
+
+def rel(a, b):
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def main():
+    name, policy, steps, outdir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    model, sample = build(name)
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
+                     else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
+               for _ in range(steps)]
+    loader = iter(batches)
+
+    @cube.compile(model, loader, PAS=policy, cache_dir=os.path.join(outdir, "cache"))
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(*data)
+        loss.backward()
+        return loss
+
+    cmodel = cube.load_model()
+    env = cube.init()
+    opt = torch.optim.AdamW(cmodel.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_params = dict(ref.named_parameters())
+    loss_err, param_err = 0.0, 0.0
+    for i in range(steps):
+        loss = train_iter(cmodel, loader)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = ref(*batches[i])
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss_err = max(loss_err, rel(loss, ref_loss))
+        for local, p in cmodel.named_parameters():
+            names, splits = cmodel.PARAMS[local]
+            param_err = max(param_err, rel(p, piece(ref_params[names[0]], splits)))
+    result = {"rank": env.rank, "world": env.world_size, "loss_err": loss_err, "param_err": param_err,
+              "nparams": len(list(cmodel.parameters())), "steps": steps}
+    with open(os.path.join(outdir, f"rank{env.rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
