@@ -16,6 +16,7 @@ import torch
 
 from cube import config
 from cube.codegen import generate
+from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import device as rt_device
 from cube.trace import build_graph, export
@@ -192,8 +193,10 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
         ep = export(model, sample)
     with _phase("ir", timings):
         graph, consts = build_graph(ep, model, structure)
+        check_graph(graph)
     with _phase("policy", timings):
         graph = apply_policy(policy, graph, Resource(world_size))
+        check_graph(graph, placed=True)
     used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
     return graph, {k: v for k, v in consts.items() if k in used}
 

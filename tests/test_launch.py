@@ -29,3 +29,11 @@ def test_replicated_plan_on_two_ranks_equals_plain_model(tmp_path):
     for r in parity_across_ranks("gpt", "policies.single:PASSingle", 2, tmp_path):
         assert r["loss_err"] <= 1e-6, r
         assert r["param_err"] <= 1e-6, r
+
+
+def test_gpt_example_runs_in_single_dev_mode(tmp_path):
+    out = single(ROOT / "examples" / "gpt" / "train.py",
+                 ["--layers", "1", "--dim", "32", "--seq", "16", "--batch", "4", "--steps", "2"],
+                 {"CUBE_CACHE_DIR": str(tmp_path)})
+    losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert len(losses) == 2 and losses[1] < losses[0]

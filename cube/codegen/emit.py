@@ -198,6 +198,9 @@ def generate(graph: IRGraph, rank: int, world: int, policy: str) -> str:
     data = [op for op in mine if isinstance(op, IRDataOperation)]
     fw = [op for op in mine if isinstance(op, IRFwOperation)]
     _check_local(graph, mine, rank)
+    if graph.recompute_groups:
+        raise ValueError("graph.recompute was used, but this build of cube does not generate recompute "
+                         "code yet; remove the graph.recompute call from the policy")
     if len(data) != 1:
         raise ValueError(f"rank {rank} must hold exactly one piece of the data operation; the policy "
                          f"gave it {len(data)}. Replicate or partition the data operation so each rank has one.")

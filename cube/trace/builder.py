@@ -18,6 +18,8 @@ from cube.trace.rules import REGISTRY, Registry
 _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
             "sym_constrain_range_for_size", "_assert_async", "_functional_assert_async"}
 
+_IDENTITY = {"alias"}
+
 _FILE_LINE = re.compile(r'File "(.+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
@@ -149,6 +151,9 @@ class _Builder:
         name = op_name(target)
         if name in _DROPPED:
             self.env[node] = None
+            return
+        if name in _IDENTITY:  # a view of its input that changes nothing: not an IR op
+            self.env[node] = self._map(node.args[0])
             return
         if name == "wrap_with_set_grad_enabled":
             enabled, sub, *operands = node.args
