@@ -21,17 +21,21 @@ def eager_run(model, batches, steps, lr=1e-3):
     return losses, dict(model.named_parameters()), dict(model.named_buffers())
 
 
+def compile_step(model, loader, policy, cache_dir, tensor_batch: bool = False):
+    """``cube.compile`` of the standard step (``model(data)`` when ``tensor_batch``)."""
+    @cube.compile(model, loader, PAS=policy, cache_dir=cache_dir)
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(data) if tensor_batch else model(*data)
+        loss.backward()
+        return loss
+    return train_iter
+
+
 def cube_run(model, batches, steps, policy, cache_dir, lr=1e-3):
     """The same through ``cube.compile``; returns (losses, parameters, buffers, step)."""
     it = iter(batches)
-
-    @cube.compile(model, it, PAS=policy, cache_dir=cache_dir)
-    def train_iter(model, dataloader):
-        data = next(dataloader)
-        loss = model(*data)
-        loss.backward()
-        return loss
-
+    train_iter = compile_step(model, it, policy, cache_dir)
     gen = cube.load_model()
     opt = torch.optim.AdamW(gen.parameters(), lr=lr)
     losses = []

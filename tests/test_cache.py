@@ -4,16 +4,11 @@ import torch
 import cube
 from examples.mlp.linears import MLP
 from policies.single import PASSingle
+from tests.parity import compile_step
 
 
 def _compile(model, loader, tmp_path, policy=PASSingle):
-    @cube.compile(model, loader, PAS=policy, cache_dir=tmp_path)
-    def train_iter(model, dataloader):
-        data = next(dataloader)
-        loss = model(data)
-        loss.backward()
-        return loss
-    return train_iter
+    return compile_step(model, loader, policy, tmp_path, tensor_batch=True)
 
 
 def test_second_compile_reuses_code_without_tracing(tmp_path):

@@ -8,6 +8,7 @@ from cube.compiler import generate_code
 from cube.ir import IRDataOperation
 from examples.mlp.linears import MLP
 from policies.single import PASSingle
+from tests.parity import compile_step
 
 
 def _compile(model, batch, policy, tmp_path, world=1):
@@ -138,13 +139,7 @@ def test_policy_string_forms_load(tmp_path):
 
 
 def _step(model, loader, tmp_path):
-    @cube.compile(model, loader, PAS=PASSingle, cache_dir=tmp_path)
-    def train_iter(model, dataloader):
-        data = next(dataloader)
-        loss = model(data)
-        loss.backward()
-        return loss
-    return train_iter
+    return compile_step(model, loader, PASSingle, tmp_path, tensor_batch=True)
 
 
 def test_batch_shape_change_between_steps(tmp_path):

@@ -364,11 +364,10 @@ def unbind(op: IRFwOperation) -> str:
     return _anno([g], [g[:d] + g[d + 1:]] * len(op.outputs))
 
 
-def cat(op: IRFwOperation) -> str:
-    out = op.outputs[0]
-    d = _dim(_arg(op, 1, "dim", 0), out.ndim)
+def _along(op: IRFwOperation, d: int) -> str:
+    """Tensors share every dim but ``d``, which no split may touch (cat, diff)."""
     names = _Names()
-    base = ["1" if s == 1 else names() for s in out.shape]
+    base = ["1" if s == 1 else names() for s in op.outputs[0].shape]
     ins = []
     for t in op.inputs:
         g = list(base)
@@ -377,6 +376,10 @@ def cat(op: IRFwOperation) -> str:
     og = list(base)
     og[d] = names(True)
     return _anno(ins, [og])
+
+
+def cat(op: IRFwOperation) -> str:
+    return _along(op, _dim(_arg(op, 1, "dim", 0), op.outputs[0].ndim))
 
 
 def stack(op: IRFwOperation) -> str:
@@ -394,18 +397,7 @@ def pad(op: IRFwOperation) -> str:
 
 
 def diff(op: IRFwOperation) -> str:
-    x = op.inputs[0]
-    d = _dim(_arg(op, 2, "dim", -1), x.ndim)
-    names = _Names()
-    g = ["1" if s == 1 else names() for s in x.shape]
-    ins = []
-    for t in op.inputs:
-        tg = list(g)
-        tg[d] = "1" if t.shape[d] == 1 else names(True)
-        ins.append(tg)
-    og = list(g)
-    og[d] = names(True)
-    return _anno(ins, [og])
+    return _along(op, _dim(_arg(op, 2, "dim", -1), op.outputs[0].ndim))
 
 
 def opaque(op: IRFwOperation) -> str:

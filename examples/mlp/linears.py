@@ -24,6 +24,10 @@ class MLP(nn.Module):
         return loss
 
 
+# policy name -> file in policies/ that defines it
+POLICY_FILES = {"PASSingle": "single"}
+
+
 def main(argv=None):
     import argparse
     import logging
@@ -41,7 +45,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
-    policy = args.policy if ":" in args.policy else f"policies.{_POLICY_FILES.get(args.policy, 'single')}:{args.policy}"
+    policy = args.policy if ":" in args.policy else f"policies.{POLICY_FILES.get(args.policy, 'single')}:{args.policy}"
     torch.manual_seed(0)
     model = MLP(args.dim, args.layers)
     dataloader = cube.runtime.utils.create_dummy_dataloader(torch.randn(args.dim), args.batch)
@@ -62,10 +66,6 @@ def main(argv=None):
         optimizer.zero_grad()
         if env.rank == 0:
             print(f"step {step}: loss {loss.item():.6f}")
-
-
-# policy name -> file in policies/ that defines it
-_POLICY_FILES = {"PASSingle": "single"}
 
 
 if __name__ == "__main__":

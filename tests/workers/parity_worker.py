@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 import cube  # noqa: E402
 from cube.runtime import piece  # noqa: E402
 from tests.models import build  # noqa: E402
+from tests.parity import compile_step  # noqa: E402
 
 
 def rel(a, b):
@@ -37,13 +38,7 @@ def main():
                for _ in range(steps)]
     loader = iter(batches)
 
-    @cube.compile(model, loader, PAS=policy, cache_dir=os.path.join(outdir, "cache"))
-    def train_iter(model, dataloader):
-        data = next(dataloader)
-        loss = model(*data)
-        loss.backward()
-        return loss
-
+    train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"))
     cmodel = cube.load_model()
     env = cube.init()
     opt = torch.optim.AdamW(cmodel.parameters(), lr=1e-3)
