@@ -1,0 +1,424 @@
+"""Communication primitives between tensor pieces, as autograd functions.
+
+Every primitive takes ``ranks``, the tuple of global ranks holding the pieces
+(this rank among them); piece ``i`` belongs to ``ranks[i]``, so "rank order"
+means the order of ``ranks``, which need not be sorted. Each backward is the
+adjoint of its forward under the layout of the gradient noted below (R:
+replicated, V: partial values to be summed, D(dim): split along ``dim``):
+
+==============================  ==================  =====================
+primitive                       forward             backward (gradient)
+==============================  ==================  =====================
+all_reduce                      V -> R              R -> R (identity)
+identity_fw_all_reduce_bw       R -> R (identity)   V -> R (all-reduce)
+all_gather                      D(dim) -> R         V -> D(dim)
+reduce_scatter                  V -> D(dim)         D(dim) -> R
+all_to_all                      D(c) -> D(s)        D(s) -> D(c)
+chunk                           R -> D(dim)         D(dim) -> R
+==============================  ==================  =====================
+
+All pieces of one call have the same shape. With ``len(ranks) == 1`` each
+primitive returns its input without touching ``torch.distributed``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+Ranks = Tuple[int, ...]
+
+
+class Groups:
+    """Process groups keyed by the sorted tuple of their global ranks."""
+
+    def __init__(self):
+        self._groups: Dict[Ranks, Optional[dist.ProcessGroup]] = {}
+        self._created_by_all: set = set()
+
+    def create(self, rank_tuples: Iterable[Sequence[int]]) -> None:
+        """Creates groups up front; all ranks, members or not, call it with the same list.
+
+        Args:
+            rank_tuples: the groups to create; the world and single ranks are skipped.
+        """
+        world = tuple(range(dist.get_world_size()))
+        for ranks in rank_tuples:
+            key = tuple(sorted(ranks))
+            if key == world or len(key) < 2 or key in self._created_by_all:
+                continue
+            # made again even where get() made it already, so new_group calls match across ranks
+            self._groups[key] = dist.new_group(list(key))
+            self._created_by_all.add(key)
+
+    def get(self, ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
+        """The group of ``ranks``: None (the default group) for the whole world.
+
+        A group not made by :meth:`create` is made here once by its members
+        only (``use_local_synchronization=True``), all asking in the same order.
+
+        Args:
+            ranks: global ranks, in any order.
+
+        Returns:
+            The process group, or None for the world.
+        """
+        key = tuple(sorted(ranks))
+        if key == tuple(range(dist.get_world_size())):
+            return None
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), use_local_synchronization=True)
+        return self._groups[key]
+
+    def clear(self) -> None:
+        """Forgets the cached groups (they are not destroyed)."""
+        self._groups.clear()
+        self._created_by_all.clear()
+
+
+GROUPS = Groups()
+
+
+def group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
+    """The cached process group of ``ranks`` (None for the world); see :meth:`Groups.get`."""
+    return GROUPS.get(ranks)
+
+
+def create_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
+    """Creates groups on every rank at start-up; see :meth:`Groups.create`."""
+    GROUPS.create(rank_tuples)
+
+
+# ---------------------------------------------------------------- raw communication
+
+def _index(ranks: Ranks) -> int:
+    rank = dist.get_rank()
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in ranks {ranks}")
+    return ranks.index(rank)
+
+
+def _nccl(x: torch.Tensor, grp) -> bool:
+    return x.is_cuda and "nccl" in str(dist.get_backend(grp))
+
+
+def _split(x: torch.Tensor, n: int, dim: int) -> Tuple[torch.Tensor, ...]:
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split into {n} equal pieces")
+    return x.chunk(n, dim)
+
+
+def _own(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy, safe to communicate into and to return."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    y = _own(x)
+    dist.all_reduce(y, group=group(ranks))
+    return y
+
+
+def _all_gather(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
+    grp, n, x = group(ranks), len(ranks), x.contiguous()
+    _index(ranks)
+    if _nccl(x, grp) and x.dim() > 0:
+        buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(buf, x, group=grp)
+        parts = buf.chunk(n)
+    else:
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x, group=grp)
+    order = sorted(ranks)   # the group's own rank order
+    return torch.cat([parts[order.index(r)] for r in ranks], dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
+    grp, n, me = group(ranks), len(ranks), _index(ranks)
+    if _nccl(x, grp):
+        chunks = _split(x, n, dim)
+        out = torch.empty_like(chunks[me], memory_format=torch.contiguous_format)
+        dist.reduce_scatter(out, [chunks[ranks.index(r)].contiguous() for r in sorted(ranks)], group=grp)
+        return out
+    return _own(_split(_all_reduce(x, ranks), n, dim)[me])
+
+
+def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) -> torch.Tensor:
+    grp, n, me = group(ranks), len(ranks), _index(ranks)
+    chunks = [c.contiguous() for c in _split(x, n, split_dim)]
+    if _nccl(x, grp):
+        order = sorted(ranks)   # the group's own rank order
+        out = [torch.empty_like(chunks[me]) for _ in range(n)]
+        dist.all_to_all(out, [chunks[ranks.index(r)] for r in order], group=grp)
+        return torch.cat([out[order.index(r)] for r in ranks], dim=concat_dim)
+    # gloo has no all_to_all: non-blocking sends and receives with every peer
+    received = [chunks[i] if i == me else torch.empty_like(chunks[me]) for i in range(n)]
+    ops = []
+    for i, peer in enumerate(ranks):
+        if i != me:
+            ops.append(dist.P2POp(dist.isend, chunks[i], peer, grp))
+            ops.append(dist.P2POp(dist.irecv, received[i], peer, grp))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return torch.cat(received, dim=concat_dim)
+
+
+# ---------------------------------------------------------------- autograd functions
+
+class AllReduce(Function):
+    """V -> R by summing; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, ranks):
+        return _all_reduce(x, ranks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class IdentityAllReduce(Function):
+    """Identity forward, all-reduce backward (Megatron's ``f``)."""
+
+    @staticmethod
+    def forward(ctx, x, ranks):
+        ctx.ranks = ranks
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.ranks), None
+
+
+class AllGather(Function):
+    """D(dim) -> R by concatenation; backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, dim):
+        ctx.args = (ranks, dim)
+        return _all_gather(x, ranks, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, *ctx.args), None, None
+
+
+class ReduceScatter(Function):
+    """V -> D(dim): sum, keep this rank's chunk; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, dim):
+        ctx.args = (ranks, dim)
+        return _reduce_scatter(x, ranks, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, *ctx.args), None, None
+
+
+class AllToAll(Function):
+    """D(concat_dim) -> D(split_dim); backward is the reverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, split_dim, concat_dim):
+        ctx.args = (ranks, concat_dim, split_dim)
+        return _all_to_all(x, ranks, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, *ctx.args), None, None, None
+
+
+class Chunk(Function):
+    """R -> D(dim): keep this rank's chunk; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, dim):
+        ctx.args = (ranks, dim)
+        return _own(_split(x, len(ranks), dim)[_index(ranks)])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, *ctx.args), None, None
+
+
+def _ranks(ranks: Sequence[int]) -> Ranks:
+    ranks = tuple(int(r) for r in ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"duplicate ranks in {ranks}")
+    return ranks
+
+
+def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Sums partial values over ``ranks`` (V -> R); the backward is the identity.
+
+    Args:
+        x: this rank's partial value.
+        ranks: the global ranks holding the partial values.
+
+    Returns:
+        The sum, on every rank of ``ranks``.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else AllReduce.apply(x, ranks)
+
+
+def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Returns ``x``; the backward sums the (partial) gradients over ``ranks``.
+
+    Args:
+        x: a replicated value.
+        ranks: the global ranks holding the replicas.
+
+    Returns:
+        ``x``, as a new autograd node.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else IdentityAllReduce.apply(x, ranks)
+
+
+def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """Concatenates the pieces along ``dim`` in rank order (D -> R).
+
+    Args:
+        x: this rank's piece.
+        ranks: the global ranks holding the pieces, in piece order.
+        dim: the dim the pieces are split along.
+
+    Returns:
+        The whole tensor; the backward reduce-scatters the (partial) gradient.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else AllGather.apply(x, ranks, dim)
+
+
+def reduce_scatter(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """Sums partial values and keeps this rank's chunk along ``dim`` (V -> D).
+
+    Args:
+        x: this rank's partial value; ``x.shape[dim]`` divisible by ``len(ranks)``.
+        ranks: the global ranks holding the partial values, in chunk order.
+        dim: the dim to split the sum along.
+
+    Returns:
+        This rank's chunk of the sum; the backward all-gathers the gradient.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else ReduceScatter.apply(x, ranks, dim)
+
+
+def all_to_all(x: torch.Tensor, ranks: Sequence[int], split_dim: int, concat_dim: int) -> torch.Tensor:
+    """Sends chunk ``i`` of ``x`` along ``split_dim`` to ``ranks[i]`` and
+    concatenates the chunks received along ``concat_dim`` in rank order.
+
+    Args:
+        x: this rank's piece along ``concat_dim``; ``x.shape[split_dim]``
+            divisible by ``len(ranks)``.
+        ranks: the global ranks holding the pieces, in piece order.
+        split_dim: the dim the result is split along.
+        concat_dim: the dim ``x`` is split along.
+
+    Returns:
+        This rank's piece along ``split_dim``; the backward is the reverse all-to-all.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else AllToAll.apply(x, ranks, split_dim, concat_dim)
+
+
+def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """Keeps this rank's chunk of a replicated tensor along ``dim`` (R -> D).
+
+    Args:
+        x: the replicated tensor; ``x.shape[dim]`` divisible by ``len(ranks)``.
+        ranks: the global ranks holding the replicas, in chunk order.
+        dim: the dim to split along.
+
+    Returns:
+        Chunk ``ranks.index(rank)``; the backward all-gathers the gradient.
+    """
+    ranks = _ranks(ranks)
+    return x if len(ranks) == 1 else Chunk.apply(x, ranks, dim)
+
+
+# ---------------------------------------------------------------- point to point
+
+class SendForward(Function):
+    """On ``src``: sends ``x`` to ``dst`` and returns an empty marker; backward receives the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dst):
+        ctx.dst, ctx.shape, ctx.dtype, ctx.device = dst, x.shape, x.dtype, x.device
+        dist.send(x.contiguous(), dst)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        dist.recv(grad, ctx.dst)
+        return grad, None
+
+
+class RecvForward(Function):
+    """On ``dst``: receives from ``src``; backward sends the gradient back."""
+
+    @staticmethod
+    def forward(ctx, anchor, src, shape, dtype):
+        ctx.src = src
+        y = torch.empty(shape, dtype=dtype, device=anchor.device)
+        dist.recv(y, src)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        dist.send(grad.contiguous(), ctx.src)
+        return None, None, None, None
+
+
+def p2p_shift(x: Optional[torch.Tensor], src: int, dst: int, shape: Sequence[int], dtype: torch.dtype,
+              device: Optional[torch.device] = None) -> torch.Tensor:
+    """Moves ``x`` from rank ``src`` to rank ``dst``; both ranks call it.
+
+    On ``src`` it sends ``x`` and returns an empty *marker* tensor; on ``dst``
+    it returns the received tensor (``x`` is ignored there and may be None).
+    The gradient travels back from ``dst`` to ``src``, and both sides block in
+    backward until the other side arrives, so callers must make sure that:
+
+    * on ``src``, ``x`` requires grad exactly when ``dst``'s result will get a
+      gradient, and the marker reaches the backward pass: add ``marker.sum()``
+      (which is 0) to the loss, or pass the marker to ``torch.autograd.backward``
+      (its gradient may be ``torch.empty(0)``); a marker left unused means the
+      gradient of ``x`` is never received and ``dst`` blocks;
+    * on ``dst``, the backward runs through the result: ``loss.backward()`` or
+      ``torch.autograd.backward`` does; ``torch.autograd.grad`` with ``inputs``
+      that are not upstream of the result skips it and ``src`` blocks.
+
+    Args:
+        x: the tensor to send (on ``src``).
+        src: the sending global rank.
+        dst: the receiving global rank.
+        shape: the shape of ``x``.
+        dtype: the dtype of ``x``.
+        device: where ``dst`` puts the result; by default ``x``'s device, else
+            the current CUDA device under NCCL, else the CPU.
+
+    Returns:
+        The marker on ``src``, the received tensor on ``dst``; ``x`` when ``src == dst``.
+    """
+    if src == dst:
+        return x
+    rank = dist.get_rank()
+    if rank == src:
+        return SendForward.apply(x, dst)
+    if rank != dst:
+        raise ValueError(f"rank {rank} is neither src {src} nor dst {dst}")
+    if device is None:
+        if x is not None:
+            device = x.device
+        elif "nccl" in str(dist.get_backend()):
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+    anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
+    return RecvForward.apply(anchor, src, tuple(shape), dtype)
