@@ -18,12 +18,9 @@ class PatchViT(nn.Module):
         npatch = (image // patch) ** 2
         self.cls = nn.Parameter(torch.randn(1, 1, dim) * 0.02)
         self.pos = nn.Parameter(torch.randn(1, npatch + 1, dim) * 0.02)
-        layer = dict(d_model=dim, nhead=heads, dim_feedforward=4 * dim, dropout=0.0,
-                     activation="gelu", batch_first=True, norm_first=True)
         self.blocks = nn.ModuleList([ViTBlock(dim, heads) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, classes)
-        del layer
 
     def forward(self, images, labels):
         x = self.patch(images).flatten(2).transpose(1, 2)

@@ -1,6 +1,5 @@
 """IR, annotations and rules: no processes needed."""
 import pytest
-import torch
 
 from cube.ir import IRDataOperation, IRFwOperation, parse_annotation
 from cube.trace import build_graph, export

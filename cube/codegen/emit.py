@@ -8,7 +8,7 @@ their last use and comments each line with the model source it came from) and
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 

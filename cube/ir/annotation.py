@@ -130,7 +130,6 @@ def parse(text: str, ninputs: int | None = None) -> OpAnno:
     else:
         inputs = ()
     outputs = tuple(_parse_group(g, text) for g in rhs.split(","))
-    anno = OpAnno(inputs, outputs)
     seen = {}
     for g in inputs + outputs:
         for d in g:

@@ -46,8 +46,6 @@ class IRDataOperation(IROperator):
 
     name: str = "dataloader"
     structure: str = "tuple"
-    # splits of each batch tensor on this piece: None (whole) or (dim, index, num)
-    splits: Optional[Tuple[Any, ...]] = None
 
     def __repr__(self) -> str:
         return f"DataOp(outputs={self.outputs}, device={self.device})"

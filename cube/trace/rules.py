@@ -35,10 +35,6 @@ class _Names:
         return [self(frozen) for _ in range(n)]
 
 
-def _fmt(*groups: Sequence[str]) -> str:
-    return " ".join(groups)
-
-
 def _anno(ins: List[List[str]], outs: List[List[str]]) -> str:
     return ", ".join(" ".join(g) for g in ins) + " -> " + ", ".join(" ".join(g) for g in outs)
 
