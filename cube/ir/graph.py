@@ -48,18 +48,6 @@ class IRGraph:
             out.append(op)
         return out
 
-    @property
-    def data_op(self) -> IRDataOperation:
-        return next(op for op in self.ops if isinstance(op, IRDataOperation))
-
-    def producers(self) -> dict:
-        """Maps each tensor to the op that produces it (first piece if partitioned)."""
-        prod = {}
-        for op in self.ops:
-            for t in op.outputs:
-                prod.setdefault(t, op)
-        return prod
-
     # --------------------------------------------------------------- primitives
     def _check_member(self, op: IROperator, what: str) -> int:
         if not isinstance(op, IROperator):
