@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 
 from cube import config
-from cube.codegen import generate
+from cube.codegen import generate, generate_all
 from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import device as rt_device
@@ -210,7 +210,7 @@ def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], worl
     structure, sample = _structure(batch)
     policy = load_policy(PAS)
     graph, _ = trace_and_plan(model, sample, structure, policy, world_size)
-    return {r: generate(graph, r, world_size, policy_name(policy)) for r in range(world_size)}
+    return generate_all(graph, world_size, policy_name(policy))
 
 
 def _atomic_write(path: Path, write) -> None:

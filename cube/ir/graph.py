@@ -77,7 +77,7 @@ class IRGraph:
         if algo is None or getattr(algo, "op", None) is not node:
             raise ValueError(f"graph.partition: algo must come from node.algorithms('dim') of the same op {node!r}")
         ident = algo.check(idx, dim, num)
-        pieces = [_copy(node, split=(ident.name, i, num)) for i in range(num)]
+        pieces = [_copy(node, splits=node.splits + ((ident.name, i, num),)) for i in range(num)]
         self._replace(node, pieces)
         return pieces
 
@@ -92,10 +92,13 @@ class IRGraph:
             if o.ndim <= dim or o.shape[dim] != size:
                 raise ValueError(f"the data operation splits every batch tensor along dim {dim}, but {o!r} "
                                  f"does not have size {size} there")
+        for factor, _, n in node.splits:   # a piece of a piece splits what is left
+            if factor == str(dim):
+                size //= n
         if size % num:
-            raise ValueError(f"uneven split of the data operation: dim {dim} has size {size}, which {num} "
-                             f"does not divide. Use a global batch size divisible by {num}.")
-        pieces = [_copy(node, split=(str(dim), i, num)) for i in range(num)]
+            raise ValueError(f"uneven split of the data operation: dim {dim} has size {size} here, which {num} "
+                             f"does not divide. Use a global batch size divisible by the number of pieces.")
+        pieces = [_copy(node, splits=node.splits + ((str(dim), i, num),)) for i in range(num)]
         self._replace(node, pieces)
         return pieces
 
@@ -104,7 +107,7 @@ class IRGraph:
         self._check_member(node, "replicate")
         if not isinstance(times, int) or times < 1:
             raise ValueError(f"graph.replicate({node!r}): times must be a positive int, got {times!r}")
-        pieces = [_copy(node, replica=(i, times)) for i in range(times)]
+        pieces = [_copy(node, replicas=node.replicas + ((i, times),)) for i in range(times)]
         self._replace(node, pieces)
         return pieces
 

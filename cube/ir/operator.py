@@ -25,8 +25,18 @@ class IROperator:
     device: Optional[Tuple[int, ...]] = None
     # set on pieces made by graph.partition / graph.replicate:
     origin: Optional["IROperator"] = None        # the op this piece was cut from
-    split: Optional[Tuple[str, int, int]] = None  # (factor, index, num) of a partition
-    replica: Optional[Tuple[int, int]] = None     # (index, times) of a replicate
+    splits: Tuple[Tuple[str, int, int], ...] = ()   # (factor, index, num) of each partition, outer first
+    replicas: Tuple[Tuple[int, int], ...] = ()      # (index, times) of each replicate, outer first
+
+    @property
+    def split(self) -> Optional[Tuple[str, int, int]]:
+        """The innermost partition that made this piece, or None."""
+        return self.splits[-1] if self.splits else None
+
+    @property
+    def replica(self) -> Optional[Tuple[int, int]]:
+        """The innermost replicate that made this piece, or None."""
+        return self.replicas[-1] if self.replicas else None
 
     def input(self, i: int) -> IRTensor:
         return self.inputs[i]

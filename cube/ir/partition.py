@@ -71,6 +71,9 @@ class DimSplit:
             raise ValueError(f"op {op.name!r} ({op.where()}): num must be a positive int, got {num!r}")
         ident = self.ident(idx, dim)
         size = self.size(ident)
+        for factor, _, n in op.splits:   # a piece of a piece splits what is left of the factor
+            if factor == ident.name:
+                size //= n
         if size % num != 0:
             raise ValueError(
                 f"uneven split of op {op.name!r} ({op.where()}): '{ident.name}' has size {size}, "

@@ -12,6 +12,7 @@ primitive                       forward             backward (gradient)
 all_reduce                      V -> R              R -> R (identity)
 identity_fw_all_reduce_bw       R -> R (identity)   V -> R (all-reduce)
 all_gather                      D(dim) -> R         V -> D(dim)
+all_gather(grad="R")            D(dim) -> R         R -> D(dim) (chunk)
 reduce_scatter                  V -> D(dim)         D(dim) -> R
 all_to_all                      D(c) -> D(s)        D(s) -> D(c)
 chunk                           R -> D(dim)         D(dim) -> R
@@ -205,6 +206,21 @@ class AllGather(Function):
         return _reduce_scatter(grad, *ctx.args), None, None
 
 
+class AllGatherKeep(Function):
+    """D(dim) -> R by concatenation, for readers whose gradient is already complete (R):
+    the backward keeps this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, ranks, dim):
+        ctx.args = (ranks, dim)
+        return _all_gather(x, ranks, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ranks, dim = ctx.args
+        return _own(_split(grad, len(ranks), dim)[_index(ranks)]), None, None
+
+
 class ReduceScatter(Function):
     """V -> D(dim): sum, keep this rank's chunk; backward all-gathers."""
 
@@ -279,19 +295,26 @@ def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Te
     return x if len(ranks) == 1 else IdentityAllReduce.apply(x, ranks)
 
 
-def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
+def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int, grad: str = "V") -> torch.Tensor:
     """Concatenates the pieces along ``dim`` in rank order (D -> R).
 
     Args:
         x: this rank's piece.
         ranks: the global ranks holding the pieces, in piece order.
         dim: the dim the pieces are split along.
+        grad: the layout of the gradient backward receives: ``"V"`` (partial
+            sums: backward reduce-scatters) or ``"R"`` (complete on every rank:
+            backward keeps this rank's chunk).
 
     Returns:
-        The whole tensor; the backward reduce-scatters the (partial) gradient.
+        The whole tensor.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else AllGather.apply(x, ranks, dim)
+    if grad not in ("V", "R"):
+        raise ValueError(f"all_gather: grad must be 'V' or 'R', got {grad!r}")
+    if len(ranks) == 1:
+        return x
+    return (AllGather if grad == "V" else AllGatherKeep).apply(x, ranks, dim)
 
 
 def reduce_scatter(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:

@@ -4,22 +4,46 @@ from __future__ import annotations
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
+
+from cube.runtime import collectives
+from cube.runtime.reducer import Reducer
 
 
 class CubeModule(torch.nn.Module):
     """Base of a generated per-rank module.
 
     Subclasses declare ``PARAMS``/``BUFFERS``/``CONSTS``: local attribute name ->
-    (names in the user's model, dimension splits of this rank's piece).
+    (names in the user's model, this rank's piece as ``[(dim, start, stop)]``);
+    ``REDUCE``: ``(local parameter name, ranks)`` whose gradients are summed over
+    ``ranks`` after backward; ``GROUPS``: every process group of the plan.
     """
 
     PARAMS: Dict[str, Tuple[List[str], list]] = {}
     BUFFERS: Dict[str, Tuple[List[str], list]] = {}
     CONSTS: Dict[str, Tuple[List[str], list]] = {}
+    REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
+    GROUPS: List[Tuple[int, ...]] = []
 
     def __init__(self, device):
         super().__init__()
         self.device = torch.device(device)
+        self._reducer = None
+
+    def setup_communication(self) -> None:
+        """Creates the plan's process groups (on every rank, same order) and the gradient reducer."""
+        if not self.GROUPS and not self.REDUCE:
+            return
+        if not dist.is_initialized():
+            raise ValueError(f"{type(self).__name__} is a plan for several ranks, but torch.distributed is not "
+                             f"initialized: launch with torchrun --nproc_per_node=N (N = the plan's world size)")
+        collectives.create_groups(self.GROUPS)
+        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE])
+
+    def reduce_gradients(self) -> None:
+        """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""
+        if self._reducer is not None:
+            self._reducer.finish()
 
     @torch.no_grad()
     def load_from(self, model: torch.nn.Module, consts: Dict[str, torch.Tensor]) -> None:
@@ -42,11 +66,21 @@ class CubeModule(torch.nn.Module):
 
 
 def piece(full: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.Tensor:
-    """The piece of ``full`` for dimension splits ``[(dim, index, num), ...]``."""
+    """The piece of ``full`` given as ``[(dim, start, stop), ...]``."""
     t = full
-    for dim, index, num in splits:
-        t = t.chunk(num, dim)[index]
+    for dim, start, stop in splits:
+        t = t.narrow(dim, start, stop - start)
     return t
+
+
+def take(batch_item: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.Tensor:
+    """This rank's part of a batch tensor (``[(dim, start, stop), ...]``)."""
+    return piece(batch_item, splits)
+
+
+def narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+    """A local part of ``x`` that no other rank's part complements (gradient zero elsewhere)."""
+    return x.narrow(dim, start, stop - start)
 
 
 def next_batch(dataloader: Iterator, device: torch.device, shapes: Sequence[tuple], structure: str):

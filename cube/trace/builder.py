@@ -174,9 +174,10 @@ class _Builder:
         else:
             outputs = [_tensor_of(val, node.name)]
             value = outputs[0]
-        if not grad_enabled:
-            for o in outputs:
-                o.requires_grad = False
+        # fake values do not track autograd: an output needs a gradient when a float input does
+        needs = grad_enabled and any(t.requires_grad for t in inputs)
+        for o in outputs:
+            o.requires_grad = bool(needs and (o.dtype.is_floating_point or o.dtype.is_complex))
         op = IRFwOperation(name=name, inputs=inputs, outputs=outputs, target=target,
                            args=args, kwargs=kwargs, module_path=_module_path(node),
                            source=_source(node), grad_enabled=grad_enabled)

@@ -56,9 +56,14 @@ def main():
         loss_err = max(loss_err, rel(loss, ref_loss))
         for local, p in cmodel.named_parameters():
             names, splits = cmodel.PARAMS[local]
-            param_err = max(param_err, rel(p, piece(ref_params[names[0]], splits)))
+            err = rel(p, piece(ref_params[names[0]], splits))
+            if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
+                print(f"rank {env.rank} step {i}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
+            param_err = max(param_err, err)
     result = {"rank": env.rank, "world": env.world_size, "loss_err": loss_err, "param_err": param_err,
-              "nparams": len(list(cmodel.parameters())), "steps": steps}
+              "nparams": len(list(cmodel.parameters())), "steps": steps,
+              "names": sorted(cmodel.PARAMS[k][0][0] for k, _ in cmodel.named_parameters()),
+              "all_names": sorted(ref_params)}
     with open(os.path.join(outdir, f"rank{env.rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -1,0 +1,103 @@
+"""How an op piece is called on its local tensors.
+
+Most pieces call the same ATen op on smaller tensors. The exceptions:
+
+- shape arguments (``view``/``reshape``/``expand`` sizes, ``unflatten`` sizes)
+  become the piece's own output shape;
+- a piece whose output is a partial sum adds a bias-like input only once (the
+  piece whose partial indices are all 0), so the sum of the pieces is exact;
+- a mean (or mean-reduced loss) over a split dimension becomes the piece's
+  sum divided by the *global* count, so the partial values add up to the
+  global mean exactly: no rescaling of the loss or the gradients anywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+from cube.ir.layout import PieceLayout, box_shape
+from cube.ir.operator import IRFwOperation
+
+_SHAPE_ARGS = ("size", "shape")
+_MEAN_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss"}
+
+
+def _schema_args(op: IRFwOperation) -> List[str]:
+    return [a.name for a in op.target._schema.arguments]
+
+
+def _get(op: IRFwOperation, names: List[str], name: str, default=None):
+    i = names.index(name)
+    if i < len(op.args):
+        return op.args[i]
+    return op.kwargs.get(name, default)
+
+
+def _set(args: list, kwargs: dict, names: List[str], name: str, value) -> None:
+    i = names.index(name)
+    if i < len(args):
+        args[i] = value
+    else:
+        kwargs[name] = value
+
+
+def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ...]
+               ) -> Tuple[Optional[str], list, dict]:
+    """``(function, args, kwargs)`` for the piece; function None means ``op.target``.
+
+    Arguments keep ``IRTensor`` objects (the printer maps them to local names).
+    """
+    args, kwargs = list(op.args), dict(op.kwargs)
+    if getattr(op.target, "_schema", None) is None or not op.splits:
+        return None, args, kwargs
+    names = _schema_args(op)
+    out_shapes = [box_shape(b) for b in layout.outputs]
+    full = [tuple(t.shape) for t in op.outputs]
+    if out_shapes and out_shapes[0] != full[0]:
+        for n in _SHAPE_ARGS:
+            if n in names and _get(op, names, n) is not None and not isinstance(_get(op, names, n), int):
+                _set(args, kwargs, names, n, list(out_shapes[0]))
+        if op.name == "unflatten":
+            dim = _get(op, names, "dim") % op.inputs[0].ndim
+            sizes = _get(op, names, "sizes")
+            _set(args, kwargs, names, "sizes", list(out_shapes[0][dim:dim + len(sizes)]))
+    partial = bool(layout.out_terms and layout.out_terms[0])
+    if not partial:
+        return None, args, kwargs
+    if layout.unread:
+        if op.name == "addmm":
+            return "aten.mm.default", [op.inputs[1], op.inputs[2]], {}
+        bias = op.inputs[layout.unread[0]]
+        args = [None if a is bias else a for a in args]
+        kwargs = {k: (None if v is bias else v) for k, v in kwargs.items()}
+    if op.name == "mean":
+        x = op.inputs[0]
+        dims = _get(op, names, "dim") if "dim" in names else None
+        count = _count(x.shape, dims)
+        keepdim = bool(_get(op, names, "keepdim", False)) if "keepdim" in names else False
+        dtype = _get(op, names, "dtype") if "dtype" in names else None
+        return "runtime.ops.mean_part", [x, dims, keepdim, count], ({"dtype": dtype} if dtype else {})
+    reduction = _get(op, names, "reduction", 1) if "reduction" in names else None
+    if op.name in ("cross_entropy_loss", "nll_loss") and reduction == 1:
+        fn = "runtime.ops.cross_entropy_part" if op.name == "cross_entropy_loss" else "runtime.ops.nll_part"
+        kw = {"weight": _get(op, names, "weight"), "ignore_index": _get(op, names, "ignore_index", -100),
+              "ranks": tuple(term_ranks)}
+        if op.name == "cross_entropy_loss":
+            kw["label_smoothing"] = _get(op, names, "label_smoothing", 0.0)
+        return fn, [op.inputs[0], op.inputs[1]], kw
+    if op.name in _MEAN_LOSSES and reduction == 1:
+        extra: Dict[str, Any] = {}
+        if op.name == "smooth_l1_loss":
+            extra["beta"] = _get(op, names, "beta", 1.0)
+        return "runtime.ops.pointwise_loss_part", [op.name, op.inputs[0], op.inputs[1], op.inputs[0].numel()], extra
+    return None, args, kwargs
+
+
+def _count(shape, dims) -> int:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = range(len(shape))
+    elif isinstance(dims, int):
+        dims = [dims]
+    n = 1
+    for d in dims:
+        n *= shape[d % len(shape)]
+    return n

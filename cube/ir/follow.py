@@ -1,0 +1,155 @@
+"""Following one split through the graph: which (input, dim) of each op carries it.
+
+Policies use this to find plans from the graph's structure instead of module
+names: the batch dimension from the data operation onward (data parallel), or
+the output features of a linear onward to the op that sums them away
+(Megatron's column/row pairs, attention heads).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from cube.ir.graph import IRGraph
+from cube.ir.operator import IRDataOperation, IRFwOperation
+
+
+@dataclass
+class Flow:
+    """Where a split goes: per op, the (input, dim) to partition on.
+
+    Attributes:
+        splits: op id -> (op, idx, dim).
+        tracked: tensor id -> the dim of the tensor the split runs along.
+        blocked: ops that read a split tensor but cannot be split along it.
+        reduced: ops where the split ends in a partial sum (e.g. a row linear).
+    """
+
+    splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
+    tracked: Dict[int, int] = field(default_factory=dict)
+    blocked: List[IRFwOperation] = field(default_factory=list)
+    reduced: List[IRFwOperation] = field(default_factory=list)
+
+    def split_of(self, op) -> Optional[Tuple[int, int]]:
+        e = self.splits.get(id(op.origin or op))
+        return None if e is None else e[1:]
+
+
+def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
+           start: Optional[Dict[int, Tuple[int, int]]] = None) -> Flow:
+    """Follows splits of ``num`` pieces from ``seeds`` (tensor id -> dim) in program order.
+
+    Args:
+        start: op id -> (idx, dim) splits to make regardless of tracked inputs
+            (e.g. a column linear split on its weight).
+        flow: an earlier result to extend (it is copied, not changed).
+    """
+    out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced)) if flow else Flow()
+    out.tracked.update(seeds)
+    start = start or {}
+    for op in graph.ops:
+        if not isinstance(op, IRFwOperation):
+            continue
+        if id(op) in start:
+            choice = start[id(op)]
+        elif id(op) in out.splits:
+            choice = out.splits[id(op)][1:]
+        else:
+            choice = _choose(op, out, num)
+            if choice is None:
+                if _reads(op, out):
+                    out.blocked.append(op)
+                continue
+        idx, dim = choice
+        out.splits[id(op)] = (op, idx, dim)
+        factor = op.anno.inputs[idx][dim].head
+        partial = False
+        for t, group in zip(op.outputs, op.anno.outputs):
+            dims = [d for d, g in enumerate(group) if g.head is not None and g.head.name == factor.name]
+            if dims:
+                out.tracked[id(t)] = dims[0]
+            elif factor.reduce:
+                partial = True
+        if partial and op not in out.reduced:
+            out.reduced.append(op)
+    return out
+
+
+def _reads(op: IRFwOperation, flow: Flow) -> bool:
+    return any(id(t) in flow.tracked for t in op.inputs)
+
+
+def _choose(op: IRFwOperation, flow: Flow, num: int) -> Optional[Tuple[int, int]]:
+    """The (idx, dim) that splits every tracked input of ``op`` along its tracked dim, if one factor does."""
+    if op.anno is None:
+        return None
+    algo = op.algorithms("dim")
+    factor, choice = None, None
+    for idx, t in enumerate(op.inputs):
+        if id(t) not in flow.tracked:
+            continue
+        dim = flow.tracked[id(t)]
+        if not algo.satisfy(idx, dim, num):
+            return None
+        name = op.anno.inputs[idx][dim].head.name
+        if factor is None:
+            factor, choice = name, (idx, dim)
+        elif name != factor:
+            return None
+    return choice
+
+
+def batch_flow(graph: IRGraph, num: int) -> Flow:
+    """Follows the batch (dim 0 of every batch tensor) split ``num`` ways."""
+    data = graph.select(ntype=IRDataOperation)[0]
+    return follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num)
+
+
+_MATMULS = ("linear", "addmm", "matmul", "mm")
+
+
+def megatron_flow(graph: IRGraph, num: int) -> Flow:
+    """Megatron's plan found from structure: column-split a linear whose input is whole
+    when its output features reach, through ops that can carry the split (activations,
+    head reshapes, attention), an op that sums them away (a row linear, a reduction).
+    Linears whose split would hit an op that cannot carry it stay whole."""
+    flow = Flow()
+    for op in graph.select(ntype=IRFwOperation):
+        if op.name not in _MATMULS or id(op) in flow.splits or op.anno is None:
+            continue
+        col = _column(op)
+        if col is None or not op.algorithms("dim").satisfy(*col, num):
+            continue
+        trial = follow(graph, {}, num, flow, start={id(op): col})
+        if trial.blocked[len(flow.blocked):]:
+            continue
+        fresh = set(trial.tracked) - set(flow.tracked)
+        joins = any(id(o) in flow.splits and any(id(t) in fresh for t in o.inputs)
+                    for o, _, _ in trial.splits.values())
+        if trial.reduced[len(flow.reduced):] or joins:   # ends in a sum, or joins a split that does
+            flow = trial
+    return flow
+
+
+def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:
+    """(idx, dim) of the output-feature split of a matmul-like op: the weight's dim of 'n'."""
+    for idx, group in enumerate(op.anno.inputs):
+        for dim, d in enumerate(group):
+            if d.head is not None and d.head.name == "n" and op.inputs[idx].ndim == 2:
+                return idx, dim
+    return None
+
+
+def place(graph: IRGraph, node, split: Optional[Tuple[int, int]], devices: List[int]) -> list:
+    """Partitions ``node`` at ``split`` (or replicates it when None) over ``devices``, one piece each."""
+    if len(devices) == 1:
+        graph.assign(node, devices[0])
+        return [node]
+    if split is None:
+        pieces = graph.replicate(node, times=len(devices))
+    else:
+        algo = node.algorithms("dim") if isinstance(node, IRFwOperation) else None
+        pieces = graph.partition(node, algo, idx=split[0], dim=split[1], num=len(devices))
+    for dev, piece in zip(devices, pieces):
+        graph.assign(piece, dev)
+    return pieces

@@ -1,0 +1,119 @@
+"""Layouts: which part of a logical tensor a piece holds, and whether it is a partial sum.
+
+A piece of a tensor is a *box* (a ``(start, stop)`` interval per dimension) and
+a *term*: empty for full values, else the partitions whose partial sums it is
+one of (V). Replicas (R) are pieces with equal boxes and terms on several
+devices; dimension splits (D) are pieces whose boxes tile a larger box.
+
+The layout of every tensor an op piece reads or writes follows from the op's
+annotation and the partitions that made the piece:
+
+- a split of factor ``f`` narrows every dim whose head is ``f``;
+- an output without ``f`` where ``f`` is a reduction (``f+``) becomes a partial
+  sum: the split enters its term;
+- an input without ``f`` is read whole by every piece, so each piece's
+  gradient for it is one term of a sum (the split enters its *contribution*
+  term, which decides the backward communication).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+from cube.ir.operator import IRDataOperation, IROperator
+
+Interval = Tuple[int, int]
+Box = Tuple[Interval, ...]
+Term = Tuple[Tuple[int, str, int, int], ...]   # (level, factor, index, num) per partial split
+
+
+def full_box(shape) -> Box:
+    return tuple((0, int(s)) for s in shape)
+
+
+def box_shape(box: Box) -> Tuple[int, ...]:
+    return tuple(e - s for s, e in box)
+
+
+def narrow(iv: Interval, index: int, num: int) -> Interval:
+    start, stop = iv
+    step = (stop - start) // num
+    assert step * num == stop - start, (iv, index, num)
+    return start + index * step, start + (index + 1) * step
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(a <= c and d <= b for (a, b), (c, d) in zip(outer, inner))
+
+
+def tile_dim(whole: Box, parts) -> int | None:
+    """The one dim along which ``parts`` (in order) tile ``whole`` in equal chunks, else None."""
+    if len(parts) < 2:
+        return None
+    diff = [d for d in range(len(whole)) if any(p[d] != whole[d] for p in parts)]
+    if len(diff) != 1:
+        return None
+    d = diff[0]
+    n = len(parts)
+    want = [narrow(whole[d], i, n) for i in range(n)] if (whole[d][1] - whole[d][0]) % n == 0 else None
+    if want is None or [p[d] for p in parts] != want:
+        return None
+    return d
+
+
+# op name -> tensor input added to the result (a bias): a partial-sum piece adds it
+# only when it is the first term, so the pieces sum to the exact result
+ADDED_ONCE = {"linear": 2, "conv1d": 2, "conv2d": 2, "conv3d": 2, "addmm": 0}
+
+
+@dataclass(frozen=True)
+class PieceLayout:
+    """The boxes and terms of one op piece's tensors (indexed like ``op.inputs`` / ``op.outputs``)."""
+
+    inputs: Tuple[Box, ...]
+    outputs: Tuple[Box, ...]
+    out_terms: Tuple[Term, ...]     # partial-sum terms of each output (empty: full values)
+    in_terms: Tuple[Term, ...]      # gradient contribution terms of each input (empty: complete)
+    unread: Tuple[int, ...] = ()    # inputs this piece leaves out (a bias of a non-first partial sum)
+
+
+def piece_layout(op: IROperator) -> PieceLayout:
+    """Computes the layout of every tensor of ``op`` (a whole op or a piece)."""
+    ins = [list(full_box(t.shape)) for t in op.inputs]
+    outs = [list(full_box(t.shape)) for t in op.outputs]
+    in_terms = [[] for _ in op.inputs]
+    out_terms = [[] for _ in op.outputs]
+    if isinstance(op, IRDataOperation):
+        for factor, i, n in op.splits:
+            d = int(factor)
+            for box in outs:
+                box[d] = narrow(box[d], i, n)
+        return PieceLayout((), tuple(tuple(b) for b in outs), tuple(() for _ in outs), ())
+    anno = getattr(op, "anno", None)
+    for level, (factor, i, n) in enumerate(op.splits):
+        assert anno is not None, f"split of an op without annotation: {op!r}"
+        for boxes, groups, terms, is_out in ((ins, anno.inputs, in_terms, False),
+                                             (outs, anno.outputs, out_terms, True)):
+            for k, (box, group) in enumerate(zip(boxes, groups)):
+                found = False
+                for d, dim in enumerate(group):
+                    if dim.head is not None and dim.head.name == factor:
+                        box[d] = narrow(box[d], i, n)
+                        found = True
+                if found:
+                    continue
+                if not is_out:
+                    terms[k].append((level, factor, i, n))
+                else:
+                    ident = anno.ident(factor)
+                    assert ident.reduce, f"output {k} of {op!r} lacks the split factor {factor!r}"
+                    terms[k].append((level, factor, i, n))
+    unread = ()
+    bias = ADDED_ONCE.get(op.name)
+    if bias is not None and bias < len(op.inputs) and out_terms and out_terms[0]:
+        if all(i == 0 for _, _, i, _ in out_terms[0]):
+            in_terms[bias] = []         # the one reader: its gradient is complete
+        else:
+            unread = (bias,)
+    return PieceLayout(tuple(tuple(b) for b in ins), tuple(tuple(b) for b in outs),
+                       tuple(tuple(t) for t in out_terms), tuple(tuple(t) for t in in_terms), unread)

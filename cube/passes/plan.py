@@ -1,0 +1,252 @@
+"""The execution plan of each rank: its op pieces, the communication between
+them, the pieces of parameters it holds and the gradients it must reduce.
+
+Built once for all ranks, walking the logical ops in program order, so every
+collective appears at the same point of every member's program and a value
+moved once is reused by later readers on all members alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from cube.ir.graph import IRGraph
+from cube.ir.layout import Box, PieceLayout, Term, box_shape, piece_layout
+from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
+from cube.ir.tensor import IRTensor, TensorKind
+from cube.passes.adapter import LayoutError, Step, transitions
+
+
+@dataclass(eq=False)
+class Call:
+    """One statement of a rank's forward: an op piece, or one step moving a value."""
+
+    inputs: List[IRTensor]
+    outputs: List[IRTensor]
+    op: Optional[IRFwOperation] = None      # an op piece, or None for a step
+    step: Optional[Step] = None
+    layout: Optional[PieceLayout] = None    # of the op piece
+    subst: Dict[int, IRTensor] = field(default_factory=dict)   # logical tensor id -> local value
+    term_ranks: Tuple[int, ...] = ()        # ranks holding the other partial sums of the output
+
+
+@dataclass
+class RankPlan:
+    """What one rank runs."""
+
+    rank: int
+    world: int
+    data: IRDataOperation
+    data_boxes: List[Box]
+    calls: List[Call]
+    attrs: List[Tuple[IRTensor, Box]]                 # this rank's pieces of params/buffers/consts
+    reduce: List[Tuple[IRTensor, Tuple[int, ...]]]    # params whose gradient sums over ranks
+    loss: IRTensor
+
+
+def _origin(op: IROperator) -> IROperator:
+    return op.origin or op
+
+
+def _describe(op: IROperator) -> str:
+    return f"op {op.name!r} ({op.where()})" if isinstance(op, IRFwOperation) else "the data operation"
+
+
+def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
+    """Plans every rank of a partitioned, placed graph.
+
+    Raises:
+        ValueError: the placement cannot run (two pieces of one op on a rank, a
+            value read where it is not made, layouts no primitive connects).
+    """
+    # pieces of each logical op, by rank
+    logical: List[IROperator] = []
+    pieces: Dict[int, Dict[int, IROperator]] = {}
+    for op in graph.ops:
+        lop = _origin(op)
+        if id(lop) not in pieces:
+            logical.append(lop)
+            pieces[id(lop)] = {}
+        for r in op.device or ():
+            if r in pieces[id(lop)]:
+                raise ValueError(f"{_describe(lop)} has two pieces on device {r}; put each piece of an op "
+                                 f"on a different device (or partition it into fewer pieces)")
+            pieces[id(lop)][r] = op
+    layouts = {id(p): piece_layout(p) for by in pieces.values() for p in by.values()}
+
+    data_lop = next(op for op in logical if isinstance(op, IRDataOperation))
+    data_pieces = pieces[id(data_lop)]
+    for r in range(world):
+        if r not in data_pieces:
+            raise ValueError(f"device {r} holds no piece of the data operation; replicate or partition it "
+                             f"over all {world} devices")
+
+    # where each value is made: tensor id -> rank -> (box, term)
+    made: Dict[int, Dict[int, Tuple[Box, Term]]] = {}
+    makers: Dict[int, IROperator] = {}
+    # attribute pieces: the bounding box of what the rank's consumers read
+    attr_ids = {id(t): t for t in graph.attrs}
+    alloc: Dict[int, Dict[int, Box]] = {}
+    for lop in logical:
+        for r, p in pieces[id(lop)].items():
+            lay = layouts[id(p)]
+            for k, (t, b) in enumerate(zip(p.inputs, lay.inputs)):
+                if id(t) in attr_ids and k not in lay.unread:
+                    old = alloc.setdefault(id(t), {}).get(r)
+                    alloc[id(t)][r] = b if old is None else tuple(
+                        (min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(old, b))
+    for tid, by in alloc.items():
+        made[tid] = {r: (b, ()) for r, b in by.items()}
+
+    # walk the logical ops in order; plan all ranks together
+    calls: Dict[int, List[Call]] = {r: [] for r in range(world)}
+    local: Dict[int, Dict[tuple, IRTensor]] = {r: {} for r in range(world)}   # (tensor id, steps) -> value
+    raw: List[Tuple[IROperator, int, IRTensor, Dict[int, List[Step]]]] = []
+    for lop in logical:
+        by = pieces[id(lop)]
+        if isinstance(lop, IRDataOperation):
+            for r, p in by.items():
+                for t, b in zip(p.outputs, layouts[id(p)].outputs):
+                    made.setdefault(id(t), {})[r] = (b, ())
+                    makers[id(t)] = lop
+            continue
+        for k, t in enumerate(lop.inputs):
+            readers = {r: p for r, p in by.items() if k not in layouts[id(p)].unread}
+            need = {r: layouts[id(p)].inputs[k] for r, p in readers.items()}
+            contrib = {r: layouts[id(p)].in_terms[k] if t.requires_grad else () for r, p in readers.items()}
+            _check_readers(t, made, readers, lop, makers)
+            try:
+                steps = transitions(made.get(id(t), {}), need, contrib, what=f"{t!r}")
+            except LayoutError as e:
+                raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
+                                 f"where it is made: {e}. Partition the producer and the consumer alike, "
+                                 f"or replicate one of them.") from None
+            raw.append((lop, k, t, steps))
+        for r, p in by.items():
+            for t, b, term in zip(p.outputs, layouts[id(p)].outputs, layouts[id(p)].out_terms):
+                made.setdefault(id(t), {})[r] = (b, term)
+                makers[id(t)] = lop
+
+    reduce = _defer_param_reductions(graph, raw, world)
+
+    # emit: per logical op, its inputs' steps then the piece
+    raw_by_op: Dict[int, List[Tuple[int, IRTensor, Dict[int, List[Step]]]]] = {}
+    for lop, k, t, steps in raw:
+        raw_by_op.setdefault(id(lop), []).append((k, t, steps))
+    for lop in logical:
+        if isinstance(lop, IRDataOperation):
+            continue
+        by = pieces[id(lop)]
+        subst: Dict[int, Dict[int, IRTensor]] = {r: {} for r in by}
+        for k, t, steps in raw_by_op.get(id(lop), []):
+            hits = {r: (id(t), tuple(s.signature() for s in steps[r])) in local[r] for r in steps}
+            for r in steps:
+                key = (id(t), tuple(s.signature() for s in steps[r]))
+                members = {m for s in steps[r] for m in s.ranks}
+                if hits[r] and all(hits.get(m, False) for m in members):
+                    subst[r][id(t)] = local[r][key]
+                    continue
+                value = t
+                for s in steps[r]:
+                    out = IRTensor(box_shape(s.box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
+                                   f"{t.name.replace('.', '_') if t.name else t.hint}_{_SHORT[s.kind]}")
+                    calls[r].append(Call([value], [out], step=s))
+                    value = out
+                local[r][key] = value
+                subst[r][id(t)] = value
+        for r, p in by.items():
+            lay = layouts[id(p)]
+            term_ranks = _term_ranks(p, r, by, layouts)
+            reads = [subst[r].get(id(t), t) for k, t in enumerate(p.inputs) if k not in lay.unread]
+            calls[r].append(Call(reads, list(p.outputs), op=p,
+                                 layout=lay, subst=subst[r], term_ranks=term_ranks))
+
+    # the loss: the full value on every rank
+    loss = graph.loss
+    try:
+        loss_steps = transitions(made.get(id(loss), {}), {r: () for r in range(world)},
+                                 {r: () for r in range(world)}, what="the loss")
+    except LayoutError as e:
+        raise ValueError(f"the loss cannot be brought to every device: {e}. Place the ops that make the loss "
+                         f"on every device (replicated or partitioned).") from None
+    plans = {}
+    for r in range(world):
+        value = loss
+        for s in loss_steps[r]:
+            out = IRTensor((), loss.dtype, loss.requires_grad, TensorKind.ACTIVATION, "loss")
+            calls[r].append(Call([value], [out], step=s))
+            value = out
+        data_piece = data_pieces[r]
+        attrs = [(t, alloc[id(t)][r]) for t in graph.attrs if r in alloc.get(id(t), {})]
+        plans[r] = RankPlan(r, world, data_piece, list(layouts[id(data_piece)].outputs), calls[r], attrs,
+                            reduce.get(r, []), value)
+    return plans
+
+
+_SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_to_all": "a2a",
+          "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f"}
+
+
+def _check_readers(t: IRTensor, made, by: Dict[int, IROperator], lop: IROperator, makers) -> None:
+    where = made.get(id(t), {})
+    missing = sorted(r for r in by if r not in where)
+    if missing:
+        maker = makers.get(id(t))
+        src = f", made by {_describe(maker)}" if maker is not None else ""
+        raise ValueError(
+            f"{_describe(lop)} runs on devices {missing} but reads {t!r}{src} only on devices {sorted(where)}. "
+            f"Moving values between device groups is pipeline parallelism (send/recv between stages); "
+            f"place the consumer on the producer's devices.")
+    if t.requires_grad and t.kind is not TensorKind.PARAM:
+        extra = sorted(r for r in where if r not in by)
+        if extra:
+            raise ValueError(
+                f"{t!r} is made on devices {sorted(where)} but {_describe(lop)} reads it only on {sorted(by)}: "
+                f"its gradient would be missing on {extra}. Place the consumer on every device of the producer.")
+
+
+def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts) -> Tuple[int, ...]:
+    """The ranks holding the partial sums that add up with rank ``r``'s output 0 (empty if full)."""
+    lay = layouts[id(p)]
+    if not lay.outputs or not lay.out_terms[0]:
+        return ()
+    mine = lay.outputs[0]
+    cands = sorted(q for q, o in by.items() if layouts[id(o)].outputs[0] == mine)
+    tiles: Dict[tuple, List[int]] = {}
+    for q in cands:
+        tiles.setdefault(layouts[id(by[q])].out_terms[0], []).append(q)
+    k = tiles[lay.out_terms[0]].index(r)
+    return tuple(v[k] for v in tiles.values())
+
+
+def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:
+    """Moves the gradient sums of parameters out of the forward into the bucketed reducer.
+
+    A parameter whose readers on every rank all sum their gradient over the
+    same ranks is reduced once, after (and overlapped with) backward, instead
+    of by one all-reduce per reader. Otherwise each reader keeps its own.
+    """
+    params = [t for t in graph.attrs if t.kind is TensorKind.PARAM and t.requires_grad]
+    entries: Dict[int, List[Dict[int, List[Step]]]] = {}
+    for lop, k, t, steps in raw:
+        if t.kind is TensorKind.PARAM:
+            entries.setdefault(id(t), []).append(steps)
+    out: Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]] = {}
+    for t in params:
+        groups: Dict[int, set] = {}
+        for steps in entries.get(id(t), []):
+            for r, s in steps.items():
+                g = s[-1].ranks if s and s[-1].kind == "identity_all_reduce" else ()
+                groups.setdefault(r, set()).add(g)
+        if any(len(g) != 1 for g in groups.values()):
+            continue
+        for steps in entries.get(id(t), []):
+            for r, s in steps.items():
+                if s and s[-1].kind == "identity_all_reduce":
+                    s.pop()
+        for r, g in groups.items():
+            (ranks,) = g
+            assert all(groups.get(q) == g for q in ranks), f"asymmetric gradient groups of {t!r}: {groups}"
+            if ranks:
+                out.setdefault(r, []).append((t, ranks))
+    return out

@@ -1,0 +1,62 @@
+"""Partial versions of mean reductions, for pieces of an op split along the reduced dims.
+
+Each returns this piece's share of the global mean: its local sum divided by
+the global count, so the shares of all pieces add up to the mean of the whole.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cube.runtime.collectives import group
+
+
+def mean_part(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -> torch.Tensor:
+    """``x.sum(dims) / count``, where ``count`` is the number of elements the whole mean averages."""
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        s = x.sum(dtype=dtype) if not keepdim else x.sum(dim=tuple(range(x.dim())), keepdim=True, dtype=dtype)
+    else:
+        s = x.sum(dim=dims, keepdim=keepdim, dtype=dtype)
+    return s / count
+
+
+def _global_sum(value: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    if len(ranks) > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group(ranks))
+    return value
+
+
+def _denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                 ranks: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    valid = target != ignore_index
+    if weight is None:
+        local = valid.sum().to(dtype)
+    else:
+        local = (weight.detach()[target.clamp(min=0)] * valid).sum().to(dtype)
+    return _global_sum(local, ranks)
+
+
+def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                       ignore_index: int = -100, label_smoothing: float = 0.0,
+                       ranks: Sequence[int] = ()) -> torch.Tensor:
+    """This piece's share of a mean cross entropy: its summed loss over the global weight of valid targets."""
+    total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="sum",
+                            label_smoothing=label_smoothing)
+    return total / _denominator(target, weight, ignore_index, ranks, total.dtype)
+
+
+def nll_part(logp: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
+             ignore_index: int = -100, ranks: Sequence[int] = ()) -> torch.Tensor:
+    """This piece's share of a mean negative log likelihood (see ``cross_entropy_part``)."""
+    total = F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction="sum")
+    return total / _denominator(target, weight, ignore_index, ranks, total.dtype)
+
+
+def pointwise_loss_part(name: str, x: torch.Tensor, y: torch.Tensor, count: int, **kw) -> torch.Tensor:
+    """This piece's share of a mean pointwise loss (``mse_loss``, ``l1_loss``, ``smooth_l1_loss``)."""
+    fn = {"mse_loss": F.mse_loss, "l1_loss": F.l1_loss, "smooth_l1_loss": F.smooth_l1_loss}[name]
+    return fn(x, y, reduction="sum", **kw) / count

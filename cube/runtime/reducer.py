@@ -1,0 +1,104 @@
+"""Gradient sums of parameters held whole (or in equal pieces) on several ranks.
+
+Parameters are packed into buckets (same ranks, same dtype, up to
+``bucket_bytes``) in the order their gradients become ready, which is roughly
+the reverse of their first use in forward. When the last gradient of a bucket
+is accumulated, the bucket is flattened and all-reduced asynchronously, so the
+communication overlaps the rest of backward, as DDP does. ``finish`` waits for
+the buckets and writes the sums back into ``.grad``.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from cube.runtime.collectives import group
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class _Bucket:
+    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]):
+        self.params = params
+        self.ranks = ranks
+        self.ready = 0
+        self.work = None
+        self.flat = None
+
+    def launch(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        self.flat = _flatten_dense_tensors(grads)
+        self.work = dist.all_reduce(self.flat, group=group(self.ranks), async_op=True)
+
+    def finish(self) -> None:
+        if self.work is None:
+            self.launch()
+        self.work.wait()
+        for p, g in zip(self.params, _unflatten_dense_tensors(self.flat, self.params)):
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.copy_(g)
+        self.ready, self.work, self.flat = 0, None, None
+
+
+class Reducer:
+    """Sums gradients over ranks in buckets, overlapped with backward.
+
+    Args:
+        entries: ``(parameter, ranks)`` in the order their gradients are expected
+            to be ready; every rank of ``ranks`` lists its matching parameters
+            in the same order with the same shapes.
+        bucket_bytes: the size at which a bucket is closed.
+    """
+
+    def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.buckets: List[_Bucket] = []
+        self._of: Dict[int, _Bucket] = {}
+        open_: Dict[tuple, Tuple[List[torch.nn.Parameter], int]] = {}
+        for p, ranks in entries:
+            if len(ranks) < 2:
+                continue
+            key = (tuple(ranks), p.dtype, p.device)
+            params, size = open_.get(key, ([], 0))
+            params.append(p)
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes:
+                self._close(params, key[0])
+                open_.pop(key, None)
+            else:
+                open_[key] = (params, size)
+        for key, (params, _) in open_.items():
+            self._close(params, key[0])
+        order = {id(p): i for i, (p, _) in enumerate(entries)}
+        self.buckets.sort(key=lambda b: min(order[id(p)] for p in b.params))
+        self._next = 0   # buckets launch in this order on every rank, so collectives match
+        for b in self.buckets:
+            for p in b.params:
+                p.register_post_accumulate_grad_hook(self._hook)
+
+    def _close(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]) -> None:
+        b = _Bucket(list(params), ranks)
+        self.buckets.append(b)
+        for p in params:
+            self._of[id(p)] = b
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        b = self._of[id(p)]
+        b.ready += 1
+        while self._next < len(self.buckets):
+            nxt = self.buckets[self._next]
+            if nxt.ready < len(nxt.params):
+                break
+            nxt.launch()
+            self._next += 1
+
+    def finish(self) -> None:
+        """Waits for every bucket (launching those not yet ready, in order) and stores the sums."""
+        for b in self.buckets:
+            b.finish()
+        self._next = 0
