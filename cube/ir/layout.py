@@ -112,7 +112,8 @@ def piece_layout(op: IROperator) -> PieceLayout:
     bias = ADDED_ONCE.get(op.name)
     if bias is not None and bias < len(op.inputs) and out_terms and out_terms[0]:
         if all(i == 0 for _, _, i, _ in out_terms[0]):
-            in_terms[bias] = []         # the one reader: its gradient is complete
+            # the one reader of the partial sums: complete over them (other splits still add up)
+            in_terms[bias] = [t for t in in_terms[bias] if t not in out_terms[0]]
         else:
             unread = (bias,)
     return PieceLayout(tuple(tuple(b) for b in ins), tuple(tuple(b) for b in outs),

@@ -131,9 +131,13 @@ def sdpa(op: IRFwOperation) -> str:
     batch = names.many(q.ndim - 3)
     h = "h^" if gqa else "h"
     ins = [batch + [h, "l^" if causal else "l", "e^"], batch + [h, "s^", "e^"], batch + [h, "s^", "f"]]
-    if len(op.inputs) > 3:  # attention mask: broadcastable to (..., l, s)
+    if len(op.inputs) > 3:  # attention mask: broadcastable to (..., h, l, s), split along with them
         mask = op.inputs[3]
-        ins.append(["1" if s == 1 else names(True) for s in mask.shape])
+        full = batch + [h, "l^" if causal else "l", "s^"]
+        sizes = list(q.shape[:-1]) + [k.shape[-2]]
+        off = len(full) - mask.ndim
+        ins.append(["1" if s == 1 else full[off + i] if s == sizes[off + i] else names(True)
+                    for i, s in enumerate(mask.shape)])
     return _anno(ins, [batch + [h, "l^" if causal else "l", "f"]])
 
 

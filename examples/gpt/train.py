@@ -18,7 +18,8 @@ import cube  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 
 # policy name -> file in policies/ that defines it
-POLICY_FILES = {"PASSingle": "single"}
+POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
+                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery"}
 
 
 def main(argv=None):

@@ -25,7 +25,8 @@ class MLP(nn.Module):
 
 
 # policy name -> file in policies/ that defines it
-POLICY_FILES = {"PASSingle": "single"}
+POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
+                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery"}
 
 
 def main(argv=None):
