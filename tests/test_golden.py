@@ -42,3 +42,15 @@ def test_linears_replicated_two_ranks_match_golden():
     golden = (GOLDEN / "linears_single_rank0.py").read_text()
     assert sources[0] == golden.replace("rank 0 of 1", "rank 0 of 2")
     assert sources[1] == golden.replace("rank 0 of 1", "rank 1 of 2").replace("rank 0:", "rank 1:")
+
+
+def test_linears_partitioned_plans_golden():
+    """Data, Megatron, column and row plans of the linears example on 2 ranks (rank 1's code)."""
+    from policies.data import PASData
+    from policies.gallery import PASCol, PASRow
+    from policies.megatron import PASMegatronTP
+    for label, policy in (("data", PASData), ("megatron", PASMegatronTP), ("col", PASCol), ("row", PASRow)):
+        torch.manual_seed(0)
+        model = MLP(dim=16, nlayers=4)
+        sources = generate_code(model, torch.randn(4, 16), policy, world_size=2)
+        _check(f"linears_{label}_rank1.py", sources[1])

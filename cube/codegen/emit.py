@@ -233,7 +233,7 @@ class _Emitter:
             f"    loss = model({', '.join(names)})",
             "    loss.backward()",
             "    model.reduce_gradients()",
-            "    return loss.detach()",
+            "    return loss",
         ]
         return lines
 

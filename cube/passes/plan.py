@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
-from cube.ir.layout import Box, PieceLayout, Term, box_shape, piece_layout
+from cube.ir.layout import Box, PieceLayout, Term, box_shape, full_box, piece_layout
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import LayoutError, Step, transitions
@@ -97,6 +97,9 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                         (min(x[0], y[0]), max(x[1], y[1])) for x, y in zip(old, b))
     for tid, by in alloc.items():
         made[tid] = {r: (b, ()) for r, b in by.items()}
+    for t in graph.attrs:   # read by no op: kept whole on every rank, so no state is lost
+        if id(t) not in alloc:
+            alloc[id(t)] = {r: full_box(t.shape) for r in range(world)}
 
     # walk the logical ops in order; plan all ranks together
     calls: Dict[int, List[Call]] = {r: [] for r in range(world)}

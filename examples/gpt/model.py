@@ -37,12 +37,13 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.size()
         hd = C // self.n_head
-        q = self.q_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_head, hd).transpose(1, 2)
+        # -1 heads: the same code runs on a tensor-parallel shard of the projections
+        q = self.q_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, hd).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)
         return self.c_proj(y)
 
 

@@ -8,9 +8,9 @@ aten = torch.ops.aten
 
 
 class GenModel(runtime.CubeModule):
-    """MLP, rank 0: its parameters and forward."""
+    """MLP, rank 0: its pieces of the parameters and its forward."""
 
-    # local name -> (names in the user's model, dims split: [(dim, index, num)])
+    # local name -> (names in the user's model, this rank's piece: [(dim, start, stop)])
     PARAMS = {
         'layers_0_weight': (['layers.0.weight'], []),
         'layers_0_bias': (['layers.0.bias'], []),
@@ -21,6 +21,10 @@ class GenModel(runtime.CubeModule):
     }
     BUFFERS = {}
     CONSTS = {}
+    # gradients summed over ranks after backward, in bucket order
+    REDUCE = []
+    # process groups, made in this order on every rank
+    GROUPS = []
 
     def __init__(self, device):
         super().__init__(device)
@@ -30,6 +34,7 @@ class GenModel(runtime.CubeModule):
         self.register_parameter('layers_1_bias', torch.nn.Parameter(torch.empty((16,), dtype=torch.float32, device=device), requires_grad=True))
         self.register_parameter('layers_2_weight', torch.nn.Parameter(torch.empty((16, 16), dtype=torch.float32, device=device), requires_grad=True))
         self.register_parameter('layers_2_bias', torch.nn.Parameter(torch.empty((16,), dtype=torch.float32, device=device), requires_grad=True))
+        self.setup_communication()
 
     def forward(self, data):
         # linears.py:22: x = layer(x)  [layers.0]
@@ -52,8 +57,10 @@ class GenModel(runtime.CubeModule):
 
 
 def train_step(model, dataloader):
-    """One step: take a batch, run forward, then backward; return the loss."""
+    """One step: take the global batch, keep this rank's part, run forward and backward;
+    return the loss of the whole batch."""
     data = runtime.next_batch(dataloader, model.device, [(4, 16)], 'tensor')
     loss = model(data)
     loss.backward()
+    model.reduce_gradients()
     return loss

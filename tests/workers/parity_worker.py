@@ -70,7 +70,9 @@ def main():
     result = {"rank": env.rank, "world": env.world_size, "loss_err": loss_err, "param_err": param_err,
               "nparams": len(list(cmodel.parameters())), "steps": steps,
               "names": sorted(cmodel.PARAMS[k][0][0] for k, _ in cmodel.named_parameters()),
-              "all_names": sorted(ref_params)}
+              "all_names": sorted(ref_params),
+              "held_numel": sum(p.numel() for p in cmodel.parameters()),
+              "full_numel": sum(p.numel() for p in ref.parameters())}
     with open(os.path.join(outdir, f"rank{env.rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -1,0 +1,198 @@
+"""cube's data and tensor parallel plans side by side with torch's own, in one run.
+
+    python benchmarks/parallel.py [--nproc 2] [--steps 10] [--rounds 3]
+
+Launches one torchrun job (gloo on CPU unless CUDA is there) in which every
+rank trains the same GPT (4 layers, d256, T64, global batch 16, AdamW) four
+ways, interleaved round by round so machine noise hits all alike:
+
+- DDP                         vs cube ``PASData``
+- DTensor ``parallelize_module`` (Colwise q/k/v/fc, Rowwise proj)
+                              vs cube ``PASMegatronTP``
+
+and prints the median step time of each and the ratio cube / torch (lower is
+better for cube). A step is forward, backward, gradient sync and the optimizer.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _gpt(args):
+    import torch
+    from examples.gpt.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.dim, bias=False)
+    return GPT(cfg)
+
+
+def _batches(args, n):
+    import torch
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=gen)
+        out.append((ids, torch.roll(ids, -1, dims=1)))
+    return out
+
+
+class _Runner:
+    """One way of training; ``step()`` runs one full step on the next batch."""
+
+    def __init__(self, name, step):
+        self.name, self.step, self.times = name, step, []
+
+    def timed(self, n):
+        import torch.distributed as dist
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.step()
+            self.times.append(time.perf_counter() - t0)
+
+
+def _torch_ddp(args, model, batches, rank, world):
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    it = iter(batches)
+    per = args.batch // world
+
+    def step():
+        ids, tgt = next(it)
+        loss = ddp(ids[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _torch_tp(args, model, batches, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (world,))
+    plan = {"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    for block in model.layers:
+        parallelize_module(block, mesh, plan)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    it = iter(batches)
+
+    def step():
+        ids, tgt = next(it)
+        loss = model(ids, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def _cube(args, model, batches, policy, cache):
+    import torch
+    import cube
+    it = iter(batches)
+
+    @cube.compile(model, it, PAS=policy, cache_dir=cache)
+    def train_iter(model, dataloader):
+        ids, tgt = next(dataloader)
+        loss = model(ids, tgt)
+        loss.backward()
+        return loss
+    gen = cube.load_model()
+    opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
+
+    def step():
+        train_iter(gen, it)
+        opt.step()
+        opt.zero_grad()
+    return step
+
+
+def worker(args):
+    import torch
+    import torch.distributed as dist
+    import cube
+    env = cube.init()
+    rank, world = env.rank, env.world_size
+    torch.set_num_threads(max(1, args.threads))
+    total = args.rounds * (args.steps + args.warmup) + 1
+    cache = os.path.join(args.cache, "cube")
+    base = _gpt(args)
+    runners = [
+        ("DDP", _Runner("DDP", _torch_ddp(args, copy.deepcopy(base), _batches(args, total), rank, world))),
+        ("cube PASData", _Runner("cube PASData", _cube(args, copy.deepcopy(base), _batches(args, total + 1),
+                                                       "policies.data:PASData", cache))),
+        ("DTensor TP", _Runner("DTensor TP", _torch_tp(args, copy.deepcopy(base), _batches(args, total), world))),
+        ("cube PASMegatronTP", _Runner("cube PASMegatronTP", _cube(args, copy.deepcopy(base), _batches(args, total + 1),
+                                                                   "policies.megatron:PASMegatronTP", cache))),
+    ]
+    for _ in range(args.rounds):
+        for _, r in runners:
+            for _ in range(args.warmup):
+                r.step()
+            r.timed(args.steps)
+    med = {name: statistics.median(r.times) for name, r in runners}
+    if rank == 0:
+        print(f"GPT {args.layers} layers, d{args.dim}, T{args.seq}, global batch {args.batch}, "
+              f"{world} ranks ({dist.get_backend()}), median of {args.rounds * args.steps} steps")
+        print(f"{'plan':<22}{'ms/step':>10}")
+        for name in med:
+            print(f"{name:<22}{med[name] * 1e3:>10.1f}")
+        print(f"ratio cube PASData / DDP:               {med['cube PASData'] / med['DDP']:.3f}  (target <= 1.00)")
+        print(f"ratio cube PASMegatronTP / DTensor TP:  {med['cube PASMegatronTP'] / med['DTensor TP']:.3f}  "
+              f"(target <= 0.85)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch size")
+    p.add_argument("--vocab", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory() as cache:
+        forward = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("nproc", "worker", "cache")]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={_port()}",
+               __file__, "--worker", "--cache", cache] + forward
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        sys.exit(subprocess.call(cmd, env=env, cwd=ROOT))
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
