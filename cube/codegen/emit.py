@@ -60,7 +60,7 @@ def _splits(box: Box, shape) -> List[Tuple[int, int, int]]:
 
 
 class _Emitter:
-    def __init__(self, graph: IRGraph, plan: RankPlan, groups: Sequence[Tuple[int, ...]]):
+    def __init__(self, graph: IRGraph, plan: RankPlan, groups):
         self.graph = graph
         self.plan = plan
         self.groups = groups
@@ -142,8 +142,9 @@ class _Emitter:
             lines.append("    ]")
         else:
             lines.append("    REDUCE = []")
-        lines.append("    # process groups, made in this order on every rank")
-        lines.append(f"    GROUPS = {list(self.groups)!r}")
+        lines.append("    # process groups, made in this order on every rank (the reducer has its own)")
+        lines.append(f"    GROUPS = {list(self.groups[0])!r}")
+        lines.append(f"    REDUCE_GROUPS = {list(self.groups[1])!r}")
         lines.append("")
         lines.append("    def __init__(self, device):")
         lines.append("        super().__init__(device)")
@@ -229,6 +230,14 @@ class _Emitter:
             part = _splits(box, t.shape)
             if part:
                 lines.append(f"    {name} = runtime.take({name}, {part!r})")
+        if plan.loss_sum:
+            return lines + [
+                f"    loss = model({', '.join(names)})   # this rank's part of the loss",
+                f"    total = runtime.collectives.sum_async(loss, ranks={plan.loss_sum!r})   # overlaps backward",
+                "    loss.backward()",
+                "    model.reduce_gradients()",
+                "    return total.wait()",
+            ]
         lines += [
             f"    loss = model({', '.join(names)})",
             "    loss.backward()",
@@ -259,9 +268,10 @@ def _last_uses(calls: List[Call], keep: IRTensor) -> Dict[int, List[IRTensor]]:
     return out
 
 
-def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
-    """Every process group any rank uses, sorted: all ranks create them in the same order."""
-    groups = set()
+def all_groups(plans: Dict[int, RankPlan]) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]]]:
+    """Every process group any rank uses, sorted so all ranks create them in the same order:
+    ``(groups of the forward/backward steps, groups of the gradient reducer)``."""
+    groups, reduce = set(), set()
     for plan in plans.values():
         for call in plan.calls:
             if call.step is not None and len(call.step.ranks) > 1:
@@ -269,8 +279,9 @@ def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
             if len(call.term_ranks) > 1:
                 groups.add(tuple(sorted(call.term_ranks)))
         for _, ranks in plan.reduce:
-            groups.add(tuple(sorted(ranks)))
-    return sorted(groups, key=lambda g: (len(g), g))
+            reduce.add(tuple(sorted(ranks)))
+    order = lambda g: (len(g), g)  # noqa: E731
+    return sorted(groups, key=order), sorted(reduce, key=order)
 
 
 def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequence[int]] = None) -> Dict[int, str]:

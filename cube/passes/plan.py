@@ -42,6 +42,7 @@ class RankPlan:
     attrs: List[Tuple[IRTensor, Box]]                 # this rank's pieces of params/buffers/consts
     reduce: List[Tuple[IRTensor, Tuple[int, ...]]]    # params whose gradient sums over ranks
     loss: IRTensor
+    loss_sum: Tuple[int, ...] = ()   # forward returns a partial loss, summed over these ranks by train_step
 
 
 def _origin(op: IROperator) -> IROperator:
@@ -130,6 +131,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 made.setdefault(id(t), {})[r] = (b, term)
                 makers[id(t)] = lop
 
+    _sum_at_parameters(raw, makers, pieces, layouts)
     reduce = _defer_param_reductions(graph, raw, world)
 
     # emit: per logical op, its inputs' steps then the piece
@@ -175,6 +177,11 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     plans = {}
     for r in range(world):
         value = loss
+        loss_sum = ()
+        if len(loss_steps[r]) == 1 and loss_steps[r][0].kind == "all_reduce":
+            # the sum's backward is the identity: backward starts from this rank's part
+            # while the parts are summed for the returned value
+            loss_sum = loss_steps[r].pop().ranks
         for s in loss_steps[r]:
             out = IRTensor((), loss.dtype, loss.requires_grad, TensorKind.ACTIVATION, "loss")
             calls[r].append(Call([value], [out], step=s))
@@ -182,7 +189,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         data_piece = data_pieces[r]
         attrs = [(t, alloc[id(t)][r]) for t in graph.attrs if r in alloc.get(id(t), {})]
         plans[r] = RankPlan(r, world, data_piece, list(layouts[id(data_piece)].outputs), calls[r], attrs,
-                            reduce.get(r, []), value)
+                            reduce.get(r, []), value, loss_sum)
     return plans
 
 
@@ -220,6 +227,62 @@ def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts) -> Tu
         tiles.setdefault(layouts[id(by[q])].out_terms[0], []).append(q)
     k = tiles[lay.out_terms[0]].index(r)
     return tuple(v[k] for v in tiles.values())
+
+
+def _sum_at_parameters(raw, makers, pieces, layouts) -> None:
+    """Moves a gradient sum from an activation back to the parameters it is made from.
+
+    When a value whose readers' gradients must be summed (identity forward,
+    all-reduce backward) is made only from parameters by whole, replicated ops
+    that nothing else reads (a position embedding read by a batch-split add),
+    the partial gradients can flow back through those ops, which are linear in
+    their output gradient, and be summed at the parameters, in the reducer's
+    buckets, instead of by one more all-reduce inside backward.
+    """
+    readers: Dict[int, List] = {}
+    for entry in raw:
+        readers.setdefault(id(entry[2]), []).append(entry)
+
+    def params_of(t, seen) -> Optional[List]:
+        if t.kind is TensorKind.PARAM:
+            entries = readers.get(id(t), [])
+            return entries if len(entries) == 1 else None
+        maker = makers.get(id(t))
+        if maker is None or not isinstance(maker, IRFwOperation) or len(maker.outputs) != 1 or id(maker) in seen:
+            return None
+        if len(readers.get(id(t), [])) != 1:
+            return None
+        for p in pieces[id(maker)].values():
+            lay = layouts[id(p)]
+            if p.splits or any(lay.out_terms) or any(lay.in_terms):
+                return None
+        found = []
+        for u in maker.inputs:
+            if not u.requires_grad:
+                continue
+            sub = params_of(u, seen | {id(maker)})
+            if sub is None:
+                return None
+            found += sub
+        return found
+
+    for lop, k, t, steps in raw:
+        if t.kind is TensorKind.PARAM or not t.requires_grad or not steps:
+            continue
+        if not all(s and s[-1].kind == "identity_all_reduce" and len(s) == 1 for s in steps.values()):
+            continue
+        entries = params_of(t, frozenset())
+        if not entries:
+            continue
+        for _, _, _, psteps in entries:
+            if set(psteps) != set(steps) or any(psteps[r] for r in psteps):
+                break
+        else:
+            for _, _, _, psteps in entries:
+                for r in psteps:
+                    psteps[r].append(steps[r][-1])
+            for r in steps:
+                steps[r].pop()
 
 
 def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:

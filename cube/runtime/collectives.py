@@ -281,6 +281,29 @@ def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     return x if len(ranks) == 1 else AllReduce.apply(x, ranks)
 
 
+class PendingSum:
+    """A sum started by :func:`sum_async`; ``wait()`` returns it."""
+
+    def __init__(self, value: torch.Tensor, work):
+        self.value, self.work = value, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.value
+
+
+def sum_async(x: torch.Tensor, ranks: Sequence[int]) -> PendingSum:
+    """Starts summing ``x`` (detached) over ``ranks``; no autograd. For values only reported,
+    such as the loss whose backward starts from each rank's part."""
+    ranks = _ranks(ranks)
+    value = _own(x.detach())
+    if len(ranks) == 1:
+        return PendingSum(value, None)
+    _index(ranks)
+    return PendingSum(value, dist.all_reduce(value, group=group(ranks), async_op=True))
+
+
 def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Returns ``x``; the backward sums the (partial) gradients over ``ranks``.
 

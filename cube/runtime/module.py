@@ -24,6 +24,7 @@ class CubeModule(torch.nn.Module):
     CONSTS: Dict[str, Tuple[List[str], list]] = {}
     REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
     GROUPS: List[Tuple[int, ...]] = []
+    REDUCE_GROUPS: List[Tuple[int, ...]] = []
 
     def __init__(self, device):
         super().__init__()
@@ -38,7 +39,10 @@ class CubeModule(torch.nn.Module):
             raise ValueError(f"{type(self).__name__} is a plan for several ranks, but torch.distributed is not "
                              f"initialized: launch with torchrun --nproc_per_node=N (N = the plan's world size)")
         collectives.create_groups(self.GROUPS)
-        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE])
+        # the reducer's own groups (made by every rank, in order): buckets never wait behind
+        # the forward/backward collectives on the same ranks, nor hold them up
+        own = {tuple(g): dist.new_group(list(g)) for g in self.REDUCE_GROUPS}
+        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE], groups=own)
 
     def reduce_gradients(self) -> None:
         """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""

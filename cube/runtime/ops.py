@@ -23,37 +23,43 @@ def mean_part(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -> t
     return s / count
 
 
-def _global_sum(value: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
-    if len(ranks) > 1:
-        value = value.clone()
-        dist.all_reduce(value, group=group(ranks))
-    return value
-
-
-def _denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
-                 ranks: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def _start_denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                       ranks: Sequence[int], dtype: torch.dtype):
+    """Starts summing the weight of the valid targets over ``ranks``; returns (value, work)."""
     valid = target != ignore_index
     if weight is None:
         local = valid.sum().to(dtype)
     else:
         local = (weight.detach()[target.clamp(min=0)] * valid).sum().to(dtype)
-    return _global_sum(local, ranks)
+    if len(ranks) < 2:
+        return local, None
+    return local, dist.all_reduce(local, group=group(ranks), async_op=True)
+
+
+def _divide(total: torch.Tensor, pending) -> torch.Tensor:
+    value, work = pending
+    if work is not None:
+        work.wait()
+    return total / value
 
 
 def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                        ignore_index: int = -100, label_smoothing: float = 0.0,
                        ranks: Sequence[int] = ()) -> torch.Tensor:
-    """This piece's share of a mean cross entropy: its summed loss over the global weight of valid targets."""
+    """This piece's share of a mean cross entropy: its summed loss over the global weight of valid
+    targets (summed over ``ranks`` while the loss is computed)."""
+    pending = _start_denominator(target, weight, ignore_index, ranks, logits.dtype)
     total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="sum",
                             label_smoothing=label_smoothing)
-    return total / _denominator(target, weight, ignore_index, ranks, total.dtype)
+    return _divide(total, pending)
 
 
 def nll_part(logp: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
              ignore_index: int = -100, ranks: Sequence[int] = ()) -> torch.Tensor:
     """This piece's share of a mean negative log likelihood (see ``cross_entropy_part``)."""
+    pending = _start_denominator(target, weight, ignore_index, ranks, logp.dtype)
     total = F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction="sum")
-    return total / _denominator(target, weight, ignore_index, ranks, total.dtype)
+    return _divide(total, pending)
 
 
 def pointwise_loss_part(name: str, x: torch.Tensor, y: torch.Tensor, count: int, **kw) -> torch.Tensor:

@@ -9,7 +9,8 @@ the buckets and writes the sums back into ``.grad``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,12 +19,14 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from cube.runtime.collectives import group
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+FIRST_BUCKET_BYTES = 1024 * 1024   # a small first bucket starts communication early (as DDP does)
 
 
 class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]):
+    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...], pg=None):
         self.params = params
         self.ranks = ranks
+        self.pg = pg
         self.ready = 0
         self.work = None
         self.flat = None
@@ -31,17 +34,15 @@ class _Bucket:
     def launch(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.flat = _flatten_dense_tensors(grads)
-        self.work = dist.all_reduce(self.flat, group=group(self.ranks), async_op=True)
+        self.work = dist.all_reduce(self.flat, group=self.pg if self.pg is not None else group(self.ranks),
+                                    async_op=True)
 
     def finish(self) -> None:
         if self.work is None:
             self.launch()
         self.work.wait()
         for p, g in zip(self.params, _unflatten_dense_tensors(self.flat, self.params)):
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.copy_(g)
+            p.grad = g   # a view of the summed bucket: no copy back
         self.ready, self.work, self.flat = 0, None, None
 
 
@@ -52,11 +53,18 @@ class Reducer:
         entries: ``(parameter, ranks)`` in the order their gradients are expected
             to be ready; every rank of ``ranks`` lists its matching parameters
             in the same order with the same shapes.
-        bucket_bytes: the size at which a bucket is closed.
+        bucket_bytes: the size at which a bucket is closed (default ``CUBE_BUCKET_MB`` or 25 MiB).
+        groups: process groups of its own per rank set (sorted tuple), so bucket
+            traffic does not queue behind or ahead of the forward/backward
+            collectives on the same ranks; default: the shared groups.
     """
 
     def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = 0, first_bucket_bytes: int = 0, groups: Optional[dict] = None):
+        self.groups = groups or {}
+        bucket_bytes = bucket_bytes or int(float(os.environ.get("CUBE_BUCKET_MB", "0")) * 2**20) \
+            or DEFAULT_BUCKET_BYTES
+        first_bucket_bytes = first_bucket_bytes or min(bucket_bytes, FIRST_BUCKET_BYTES)
         self.buckets: List[_Bucket] = []
         self._of: Dict[int, _Bucket] = {}
         open_: Dict[tuple, Tuple[List[torch.nn.Parameter], int]] = {}
@@ -67,7 +75,8 @@ class Reducer:
             params, size = open_.get(key, ([], 0))
             params.append(p)
             size += p.numel() * p.element_size()
-            if size >= bucket_bytes:
+            cap = first_bucket_bytes if not any(b.ranks == key[0] for b in self.buckets) else bucket_bytes
+            if size >= cap:
                 self._close(params, key[0])
                 open_.pop(key, None)
             else:
@@ -82,7 +91,7 @@ class Reducer:
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _close(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]) -> None:
-        b = _Bucket(list(params), ranks)
+        b = _Bucket(list(params), ranks, self.groups.get(tuple(sorted(ranks))))
         self.buckets.append(b)
         for p in params:
             self._of[id(p)] = b

@@ -34,8 +34,9 @@ class GenModel(runtime.CubeModule):
         ('layers_0_weight', (0, 1)),
         ('layers_0_bias', (0, 1)),
     ]
-    # process groups, made in this order on every rank
+    # process groups, made in this order on every rank (the reducer has its own)
     GROUPS = [(0, 1)]
+    REDUCE_GROUPS = [(0, 1)]
 
     def __init__(self, device):
         super().__init__(device)

@@ -23,8 +23,9 @@ class GenModel(runtime.CubeModule):
     CONSTS = {}
     # gradients summed over ranks after backward, in bucket order
     REDUCE = []
-    # process groups, made in this order on every rank
+    # process groups, made in this order on every rank (the reducer has its own)
     GROUPS = []
+    REDUCE_GROUPS = []
 
     def __init__(self, device):
         super().__init__(device)
