@@ -37,3 +37,12 @@ def test_gpt_example_runs_in_single_dev_mode(tmp_path):
                  {"CUBE_CACHE_DIR": str(tmp_path)})
     losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("policy", ["PASData", "PASMegatronTP", "PASRow"])
+def test_linears_example_partitioned_prints_the_single_device_losses(policy, tmp_path):
+    env = {"CUBE_CACHE_DIR": str(tmp_path)}
+    one = _losses(single(SCRIPT, ARGS + ["--policy", "PASSingle"], env).stdout)
+    two = _losses(torchrun(SCRIPT, 2, ARGS + ["--policy", policy], env).stdout)
+    assert len(two) == 4 and two == one

@@ -67,6 +67,7 @@ class _Emitter:
         self.namer = Namer()
         self.attr_names: Dict[int, str] = {}
         self.subst: Dict[int, IRTensor] = {}
+        self.counts: Dict[int, IRTensor] = {}   # call id -> value counting a mean loss's targets
 
     # ------------------------------------------------------------------ values
     def value(self, v) -> str:
@@ -98,7 +99,7 @@ class _Emitter:
 
     def op_call(self, call: Call) -> str:
         op = call.op
-        fn, args, kwargs = local_call(op, call.layout, call.term_ranks)
+        fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
         self.subst = call.subst
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]
@@ -142,9 +143,8 @@ class _Emitter:
             lines.append("    ]")
         else:
             lines.append("    REDUCE = []")
-        lines.append("    # process groups, made in this order on every rank (the reducer has its own)")
-        lines.append(f"    GROUPS = {list(self.groups[0])!r}")
-        lines.append(f"    REDUCE_GROUPS = {list(self.groups[1])!r}")
+        lines.append("    # process groups, made in this order on every rank")
+        lines.append(f"    GROUPS = {list(self.groups)!r}")
         lines.append("")
         lines.append("    def __init__(self, device):")
         lines.append("        super().__init__(device)")
@@ -178,6 +178,7 @@ class _Emitter:
         plan = self.plan
         inputs = [self.value(t) for t in plan.data.outputs]
         lines = [f"    def forward(self, {', '.join(inputs)}):"]
+        lines += self.batch_intake()
         last_use = _last_uses(plan.calls, plan.loss)
         in_no_grad = False
         last_comment = None
@@ -214,6 +215,34 @@ class _Emitter:
         lines.append(f"        return {self.value(plan.loss)}")
         return lines
 
+    def batch_intake(self) -> List[str]:
+        """Counts what mean losses average over on the whole batch, then keeps this rank's part."""
+        plan = self.plan
+        lines = []
+        parts = [(t, _splits(box, t.shape)) for t, box in zip(plan.data.outputs, plan.data_boxes)]
+        if not any(p for _, p in parts):
+            return lines
+        lines.append("        # the whole batch comes in; this rank keeps its part")
+        for call in plan.calls:
+            if call.count_of is None:
+                continue
+            op = call.op
+            names = [a.name for a in op.target._schema.arguments]
+            weight = op.args[2] if len(op.args) > 2 else op.kwargs.get("weight")
+            if weight is not None and id(weight) not in self.attr_names:
+                continue   # a weight computed in forward: the pieces sum the count instead
+            ignore = op.args[names.index("ignore_index")] if len(op.args) > names.index("ignore_index") \
+                else op.kwargs.get("ignore_index", -100)
+            count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "valid_targets")
+            where = f" at {op.source[0]}:{op.source[1]}" if op.source else ""
+            self.counts[id(call)] = count
+            lines.append(f"        {self.value(count)} = runtime.ops.valid_count({self.value(call.count_of)}, {ignore!r}, "
+                         f"weight={self.value(weight)}, dtype={op.inputs[0].dtype})   # {op.name}{where}")
+        for t, part in parts:
+            if part:
+                lines.append(f"        {self.value(t)} = runtime.take({self.value(t)}, {part!r})")
+        return lines
+
     def train_step(self) -> List[str]:
         plan = self.plan
         data = plan.data
@@ -222,14 +251,10 @@ class _Emitter:
         lhs = ", ".join(names) + ("," if len(names) == 1 and data.structure == "tuple" else "")
         lines = [
             "def train_step(model, dataloader):",
-            '    """One step: take the global batch, keep this rank\'s part, run forward and backward;',
+            '    """One step: take the global batch, run forward (which keeps this rank\'s part) and backward;',
             '    return the loss of the whole batch."""',
             f"    {lhs} = runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})",
         ]
-        for name, t, box in zip(names, data.outputs, plan.data_boxes):
-            part = _splits(box, t.shape)
-            if part:
-                lines.append(f"    {name} = runtime.take({name}, {part!r})")
         if plan.loss_sum:
             return lines + [
                 f"    loss = model({', '.join(names)})   # this rank's part of the loss",
@@ -268,10 +293,9 @@ def _last_uses(calls: List[Call], keep: IRTensor) -> Dict[int, List[IRTensor]]:
     return out
 
 
-def all_groups(plans: Dict[int, RankPlan]) -> Tuple[List[Tuple[int, ...]], List[Tuple[int, ...]]]:
-    """Every process group any rank uses, sorted so all ranks create them in the same order:
-    ``(groups of the forward/backward steps, groups of the gradient reducer)``."""
-    groups, reduce = set(), set()
+def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
+    """Every process group any rank uses, sorted so all ranks create them in the same order."""
+    groups = set()
     for plan in plans.values():
         for call in plan.calls:
             if call.step is not None and len(call.step.ranks) > 1:
@@ -279,9 +303,10 @@ def all_groups(plans: Dict[int, RankPlan]) -> Tuple[List[Tuple[int, ...]], List[
             if len(call.term_ranks) > 1:
                 groups.add(tuple(sorted(call.term_ranks)))
         for _, ranks in plan.reduce:
-            reduce.add(tuple(sorted(ranks)))
-    order = lambda g: (len(g), g)  # noqa: E731
-    return sorted(groups, key=order), sorted(reduce, key=order)
+            groups.add(tuple(sorted(ranks)))
+        if len(plan.loss_sum) > 1:
+            groups.add(tuple(sorted(plan.loss_sum)))
+    return sorted(groups, key=lambda g: (len(g), g))
 
 
 def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequence[int]] = None) -> Dict[int, str]:

@@ -40,11 +40,13 @@ def _set(args: list, kwargs: dict, names: List[str], name: str, value) -> None:
         kwargs[name] = value
 
 
-def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ...]
+def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ...], count=None
                ) -> Tuple[Optional[str], list, dict]:
     """``(function, args, kwargs)`` for the piece; function None means ``op.target``.
 
     Arguments keep ``IRTensor`` objects (the printer maps them to local names).
+    ``count``: a value holding the global weight of a mean loss's valid targets,
+    counted on the whole batch (else the pieces sum it over ``term_ranks``).
     """
     args, kwargs = list(op.args), dict(op.kwargs)
     if getattr(op.target, "_schema", None) is None or not op.splits:
@@ -79,8 +81,8 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
     reduction = _get(op, names, "reduction", 1) if "reduction" in names else None
     if op.name in ("cross_entropy_loss", "nll_loss") and reduction == 1:
         fn = "runtime.ops.cross_entropy_part" if op.name == "cross_entropy_loss" else "runtime.ops.nll_part"
-        kw = {"weight": _get(op, names, "weight"), "ignore_index": _get(op, names, "ignore_index", -100),
-              "ranks": tuple(term_ranks)}
+        kw = {"weight": _get(op, names, "weight"), "ignore_index": _get(op, names, "ignore_index", -100)}
+        kw.update({"count": count} if count is not None else {"ranks": tuple(term_ranks)})
         if op.name == "cross_entropy_loss":
             kw["label_smoothing"] = _get(op, names, "label_smoothing", 0.0)
         return fn, [op.inputs[0], op.inputs[1]], kw

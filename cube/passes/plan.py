@@ -28,6 +28,7 @@ class Call:
     layout: Optional[PieceLayout] = None    # of the op piece
     subst: Dict[int, IRTensor] = field(default_factory=dict)   # logical tensor id -> local value
     term_ranks: Tuple[int, ...] = ()        # ranks holding the other partial sums of the output
+    count_of: Optional[IRTensor] = None     # the batch tensor a mean loss's targets are a view of
 
 
 @dataclass
@@ -162,9 +163,10 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         for r, p in by.items():
             lay = layouts[id(p)]
             term_ranks = _term_ranks(p, r, by, layouts)
+            count_of = _batch_origin(p.inputs[1], makers) if term_ranks and p.name in _COUNTED else None
             reads = [subst[r].get(id(t), t) for k, t in enumerate(p.inputs) if k not in lay.unread]
             calls[r].append(Call(reads, list(p.outputs), op=p,
-                                 layout=lay, subst=subst[r], term_ranks=term_ranks))
+                                 layout=lay, subst=subst[r], term_ranks=term_ranks, count_of=count_of))
 
     # the loss: the full value on every rank
     loss = graph.loss
@@ -213,6 +215,21 @@ def _check_readers(t: IRTensor, made, by: Dict[int, IROperator], lop: IROperator
             raise ValueError(
                 f"{t!r} is made on devices {sorted(where)} but {_describe(lop)} reads it only on {sorted(by)}: "
                 f"its gradient would be missing on {extra}. Place the consumer on every device of the producer.")
+
+
+_COUNTED = ("cross_entropy_loss", "nll_loss")
+_VIEWS = ("view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "detach", "squeeze", "unsqueeze")
+
+
+def _batch_origin(t: IRTensor, makers) -> Optional[IRTensor]:
+    """The batch tensor ``t`` holds the elements of (through views only), if any."""
+    while True:
+        maker = makers.get(id(t))
+        if isinstance(maker, IRDataOperation):
+            return t
+        if not isinstance(maker, IRFwOperation) or maker.name not in _VIEWS or len(maker.inputs) != 1:
+            return None
+        t = maker.inputs[0]
 
 
 def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts) -> Tuple[int, ...]:

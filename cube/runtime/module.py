@@ -24,7 +24,6 @@ class CubeModule(torch.nn.Module):
     CONSTS: Dict[str, Tuple[List[str], list]] = {}
     REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
     GROUPS: List[Tuple[int, ...]] = []
-    REDUCE_GROUPS: List[Tuple[int, ...]] = []
 
     def __init__(self, device):
         super().__init__()
@@ -39,10 +38,9 @@ class CubeModule(torch.nn.Module):
             raise ValueError(f"{type(self).__name__} is a plan for several ranks, but torch.distributed is not "
                              f"initialized: launch with torchrun --nproc_per_node=N (N = the plan's world size)")
         collectives.create_groups(self.GROUPS)
-        # the reducer's own groups (made by every rank, in order): buckets never wait behind
-        # the forward/backward collectives on the same ranks, nor hold them up
-        own = {tuple(g): dist.new_group(list(g)) for g in self.REDUCE_GROUPS}
-        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE], groups=own)
+        # the buckets share the groups of the step's collectives: separate groups measured
+        # slower on CPU (more gloo threads than cores), and collectives stay in one order
+        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE])
 
     def reduce_gradients(self) -> None:
         """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""

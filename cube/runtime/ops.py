@@ -23,14 +23,20 @@ def mean_part(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -> t
     return s / count
 
 
+def valid_count(target: torch.Tensor, ignore_index: int = -100, weight: Optional[torch.Tensor] = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight of the targets a mean loss averages over (their number without ``weight``),
+    counted on the whole batch, so pieces of the loss need no communication for it."""
+    valid = target != ignore_index
+    if weight is None:
+        return valid.sum().to(dtype)
+    return (weight.detach()[target.clamp(min=0)] * valid).sum().to(dtype)
+
+
 def _start_denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
                        ranks: Sequence[int], dtype: torch.dtype):
     """Starts summing the weight of the valid targets over ``ranks``; returns (value, work)."""
-    valid = target != ignore_index
-    if weight is None:
-        local = valid.sum().to(dtype)
-    else:
-        local = (weight.detach()[target.clamp(min=0)] * valid).sum().to(dtype)
+    local = valid_count(target, ignore_index, weight, dtype)
     if len(ranks) < 2:
         return local, None
     return local, dist.all_reduce(local, group=group(ranks), async_op=True)
@@ -45,19 +51,23 @@ def _divide(total: torch.Tensor, pending) -> torch.Tensor:
 
 def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                        ignore_index: int = -100, label_smoothing: float = 0.0,
-                       ranks: Sequence[int] = ()) -> torch.Tensor:
+                       ranks: Sequence[int] = (), count: Optional[torch.Tensor] = None) -> torch.Tensor:
     """This piece's share of a mean cross entropy: its summed loss over the global weight of valid
-    targets (summed over ``ranks`` while the loss is computed)."""
-    pending = _start_denominator(target, weight, ignore_index, ranks, logits.dtype)
+    targets (``count`` when known from the whole batch, else summed over ``ranks`` while the loss
+    is computed)."""
+    pending = (count, None) if count is not None else \
+        _start_denominator(target, weight, ignore_index, ranks, logits.dtype)
     total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="sum",
                             label_smoothing=label_smoothing)
     return _divide(total, pending)
 
 
 def nll_part(logp: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
-             ignore_index: int = -100, ranks: Sequence[int] = ()) -> torch.Tensor:
+             ignore_index: int = -100, ranks: Sequence[int] = (), count: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
     """This piece's share of a mean negative log likelihood (see ``cross_entropy_part``)."""
-    pending = _start_denominator(target, weight, ignore_index, ranks, logp.dtype)
+    pending = (count, None) if count is not None else \
+        _start_denominator(target, weight, ignore_index, ranks, logp.dtype)
     total = F.nll_loss(logp, target, weight, ignore_index=ignore_index, reduction="sum")
     return _divide(total, pending)
 

@@ -54,9 +54,8 @@ class Reducer:
             to be ready; every rank of ``ranks`` lists its matching parameters
             in the same order with the same shapes.
         bucket_bytes: the size at which a bucket is closed (default ``CUBE_BUCKET_MB`` or 25 MiB).
-        groups: process groups of its own per rank set (sorted tuple), so bucket
-            traffic does not queue behind or ahead of the forward/backward
-            collectives on the same ranks; default: the shared groups.
+        groups: process groups to use per rank set (sorted tuple); default: the
+            cached groups of ``cube.runtime.collectives``.
     """
 
     def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],

@@ -34,9 +34,8 @@ class GenModel(runtime.CubeModule):
         ('layers_0_weight', (0, 1)),
         ('layers_0_bias', (0, 1)),
     ]
-    # process groups, made in this order on every rank (the reducer has its own)
+    # process groups, made in this order on every rank
     GROUPS = [(0, 1)]
-    REDUCE_GROUPS = [(0, 1)]
 
     def __init__(self, device):
         super().__init__(device)
@@ -51,6 +50,8 @@ class GenModel(runtime.CubeModule):
         self.setup_communication()
 
     def forward(self, data):
+        # the whole batch comes in; this rank keeps its part
+        data = runtime.take(data, [(0, 2, 4)])
         # linears.py:22: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
@@ -76,10 +77,9 @@ class GenModel(runtime.CubeModule):
 
 
 def train_step(model, dataloader):
-    """One step: take the global batch, keep this rank's part, run forward and backward;
+    """One step: take the global batch, run forward (which keeps this rank's part) and backward;
     return the loss of the whole batch."""
     data = runtime.next_batch(dataloader, model.device, [(4, 16)], 'tensor')
-    data = runtime.take(data, [(0, 2, 4)])
     loss = model(data)
     loss.backward()
     model.reduce_gradients()

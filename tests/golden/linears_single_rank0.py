@@ -23,9 +23,8 @@ class GenModel(runtime.CubeModule):
     CONSTS = {}
     # gradients summed over ranks after backward, in bucket order
     REDUCE = []
-    # process groups, made in this order on every rank (the reducer has its own)
+    # process groups, made in this order on every rank
     GROUPS = []
-    REDUCE_GROUPS = []
 
     def __init__(self, device):
         super().__init__(device)
@@ -58,7 +57,7 @@ class GenModel(runtime.CubeModule):
 
 
 def train_step(model, dataloader):
-    """One step: take the global batch, keep this rank's part, run forward and backward;
+    """One step: take the global batch, run forward (which keeps this rank's part) and backward;
     return the loss of the whole batch."""
     data = runtime.next_batch(dataloader, model.device, [(4, 16)], 'tensor')
     loss = model(data)
