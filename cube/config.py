@@ -22,3 +22,27 @@ def cache_dir() -> Path:
 def launch_env() -> dict:
     """``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` as torchrun sets them (absent: one process)."""
     return {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+
+
+def bucket_bytes(default: int) -> int:
+    """Gradient bucket size of the reducer: ``CUBE_BUCKET_MB`` (MiB), else ``default`` bytes."""
+    env = os.environ.get("CUBE_BUCKET_MB")
+    if not env:
+        return default
+    try:
+        mb = float(env)
+    except ValueError:
+        raise ValueError(f"CUBE_BUCKET_MB must be a number of MiB, got {env!r}") from None
+    if mb <= 0:
+        raise ValueError(f"CUBE_BUCKET_MB must be positive, got {env!r}")
+    return int(mb * 2**20)
+
+
+def tensor_parallel_degree(default: int = 2) -> int:
+    """``CUBE_TP``: the tensor-parallel degree of hybrid policies (``policies/hybrid.py``)."""
+    env = os.environ.get("CUBE_TP")
+    if not env:
+        return default
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"CUBE_TP must be a positive integer, got {env!r}")
+    return int(env)

@@ -4,14 +4,13 @@ Devices form a ``dp x tp`` grid: device ``i * tp + j`` holds batch part ``i``
 and tensor-parallel piece ``j``. ``tp`` defaults to 2 (set ``CUBE_TP`` to
 change it); ``dp = ngpus // tp``.
 """
-import os
-
+from cube import config
 from cube.ir import IRDataOperation, IRGraph
 from cube.ir.follow import batch_flow, megatron_flow, place
 
 
 def PASHybrid(graph: IRGraph, resource, tp: int = 0) -> IRGraph:
-    tp = tp or int(os.environ.get("CUBE_TP", "2"))
+    tp = tp or config.tensor_parallel_degree()
     if resource.ngpus % tp:
         raise ValueError(f"PASHybrid: {resource.ngpus} devices do not form a grid with tp={tp}; "
                          f"use a device count divisible by tp")

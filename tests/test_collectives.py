@@ -9,7 +9,7 @@ from cube.runtime import collectives as C
 from tests.launch import ROOT, torchrun
 
 WORKER = ROOT / "tests" / "workers" / "collectives_worker.py"
-PRIMITIVES = ("all_reduce", "identity_fw_all_reduce_bw", "all_gather", "reduce_scatter",
+PRIMITIVES = ("all_reduce", "identity_fw_all_reduce_bw", "all_gather", "all_gather_keep", "reduce_scatter",
               "all_to_all", "chunk", "p2p")
 SUITES = {2: ("world", "rev"), 4: ("world", "rev", "pair", "lazy")}
 

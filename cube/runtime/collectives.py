@@ -206,14 +206,9 @@ class AllGather(Function):
         return _reduce_scatter(grad, *ctx.args), None, None
 
 
-class AllGatherKeep(Function):
+class AllGatherKeep(AllGather):
     """D(dim) -> R by concatenation, for readers whose gradient is already complete (R):
     the backward keeps this rank's chunk."""
-
-    @staticmethod
-    def forward(ctx, x, ranks, dim):
-        ctx.args = (ranks, dim)
-        return _all_gather(x, ranks, dim)
 
     @staticmethod
     def backward(ctx, grad):

@@ -9,13 +9,13 @@ the buckets and writes the sums back into ``.grad``.
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from cube import config
 from cube.runtime.collectives import group
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -61,8 +61,7 @@ class Reducer:
     def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],
                  bucket_bytes: int = 0, first_bucket_bytes: int = 0, groups: Optional[dict] = None):
         self.groups = groups or {}
-        bucket_bytes = bucket_bytes or int(float(os.environ.get("CUBE_BUCKET_MB", "0")) * 2**20) \
-            or DEFAULT_BUCKET_BYTES
+        bucket_bytes = bucket_bytes or config.bucket_bytes(DEFAULT_BUCKET_BYTES)
         first_bucket_bytes = first_bucket_bytes or min(bucket_bytes, FIRST_BUCKET_BYTES)
         self.buckets: List[_Bucket] = []
         self._of: Dict[int, _Bucket] = {}

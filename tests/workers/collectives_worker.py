@@ -24,7 +24,7 @@ from cube.runtime import collectives as C  # noqa: E402
 
 TOL = 1e-6
 DTYPE = torch.float64
-PRIMITIVES = ("all_reduce", "identity_fw_all_reduce_bw", "all_gather", "reduce_scatter",
+PRIMITIVES = ("all_reduce", "identity_fw_all_reduce_bw", "all_gather", "all_gather_keep", "reduce_scatter",
               "all_to_all", "chunk", "p2p")
 # suite name -> (dim for gather/scatter/chunk, (split_dim, concat_dim) for all_to_all)
 SUITES = {"world": (0, (0, 1)), "rev": (1, (1, 0)), "pair": (-1, (2, 0)), "lazy": (1, (1, 2))}
@@ -88,6 +88,12 @@ def run_suite(ranks, dim, a2a) -> dict:
     gs = [randn(60 + i, full) for i in range(n)]
     results["all_gather"] = check(ranks, lambda t: C.all_gather(t, ranks, dim), X.chunk(n, dim)[me], X,
                                   gs[me], sum(gs).chunk(n, dim)[me])
+
+    # all_gather(grad="R"): D(dim) -> R read by whole ops; the output gradient is complete
+    # (replicated, counted once), the input gradient is my chunk of it
+    G = randn(65, full)
+    results["all_gather_keep"] = check(ranks, lambda t: C.all_gather(t, ranks, dim, grad="R"),
+                                       X.chunk(n, dim)[me], X, G, G.chunk(n, dim)[me], out_weight=1.0 / n)
 
     # reduce_scatter: V -> D(dim); input gradient replicated = the whole gradient
     xs = [randn(70 + i, full) for i in range(n)]
