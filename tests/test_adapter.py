@@ -156,3 +156,35 @@ def test_value_read_on_other_devices_is_a_clear_error():
     graph, _ = trace_and_plan(model, sample, "tuple", two_stage, 2)
     with pytest.raises(ValueError, match="device 1 holds no piece of the data operation"):
         build_plans(graph, 2)
+
+
+def test_two_pieces_of_one_op_on_one_device_is_a_clear_error():
+    def crowded(graph, resource):
+        for op in graph.nodes():
+            if op.name == "linear":
+                pieces = graph.partition(op, op.algorithms("dim"), idx=1, dim=0, num=2)
+                graph.assign(pieces, 0)
+            else:
+                graph.assign(op, 0)
+        return graph
+    model, sample = build("mlp")
+    graph, _ = trace_and_plan(model, sample, "tuple", crowded, 1)
+    with pytest.raises(ValueError, match=r"op 'linear' \(module 'layers.0'.*two pieces on device 0"):
+        build_plans(graph, 1)
+
+
+def test_consumer_on_other_devices_than_its_producer_is_a_clear_error():
+    from cube.ir import IRDataOperation
+
+    def split_stage(graph, resource):
+        for op in graph.nodes():
+            if isinstance(op, IRDataOperation) or op.name != "mul":
+                for dev, piece in enumerate(graph.replicate(op, times=2)):
+                    graph.assign(piece, dev)
+            else:
+                graph.assign(op, 1)     # the loss's square runs on device 1 only
+        return graph
+    model, sample = build("mlp")
+    graph, _ = trace_and_plan(model, sample, "tuple", split_stage, 2)
+    with pytest.raises(ValueError, match=r"made on devices \[0, 1\] but op 'mul'.*reads it only on \[1\]"):
+        build_plans(graph, 2)
