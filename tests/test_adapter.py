@@ -188,3 +188,16 @@ def test_consumer_on_other_devices_than_its_producer_is_a_clear_error():
     graph, _ = trace_and_plan(model, sample, "tuple", split_stage, 2)
     with pytest.raises(ValueError, match=r"made on devices \[0, 1\] but op 'mul'.*reads it only on \[1\]"):
         build_plans(graph, 2)
+
+
+def test_values_crossing_device_groups_are_sent_once_and_tied_weights_summed_over_both():
+    graph, plans = _plan("gpt_nobias", "tests/stages_policy.py:PASTwoStages", 2)
+    sends = [c.step for c in plans[0].calls if c.step is not None and c.step.kind == "send"]
+    recvs = [c.step for c in plans[1].calls if c.step is not None and c.step.kind == "recv"]
+    assert [s.tag for s in sends] == [r.tag for r in recvs] and len(sends) == 1   # the residual stream
+    assert sends[0].ranks == (0, 1) and sends[0].grad == ""                       # its gradient comes back
+    # the loss goes the other way, without a gradient
+    back = [c.step for c in plans[1].calls if c.step is not None and c.step.kind == "send"]
+    assert len(back) == 1 and back[0].grad == "none" and back[0].box == ()
+    for plan in plans.values():   # wte (stage 0's embedding, stage 1's LM head) sums over both
+        assert [(t.name, g) for t, g in plan.reduce] == [("wte.weight", (0, 1))]

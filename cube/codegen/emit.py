@@ -108,7 +108,15 @@ class _Emitter:
 
     def step_call(self, call: Call) -> str:
         s = call.step
+        if s.kind == "recv":
+            out = call.outputs[0]
+            grad = out.requires_grad and s.grad != "none"
+            return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, dtype={out.dtype}, "
+                    f"device=self.device, requires_grad={grad})")
         x = self.value(call.inputs[0])
+        if s.kind == "send":
+            grad = "" if s.grad != "none" else ", grad=False"
+            return f"runtime.p2p.send({x}, {s.ranks[1]}, tag={s.tag}{grad})"
         if s.kind == "narrow":
             start, stop = s.box[s.dim]
             return _STEP_CALL["narrow"].format(x=x, dim=s.dim, start=start, stop=stop)
@@ -198,7 +206,9 @@ class _Emitter:
                 where = f"  [{op.module_path}]" if op.module_path else ""
                 lines.append(f"{ind}# {f}:{line}: {code}{where}")
                 last_comment = (op.source, op.module_path)
-            if op is None:
+            if op is None and not call.outputs:
+                lines.append(f"{ind}{self.step_call(call)}")
+            elif op is None:
                 lines.append(f"{ind}{self.value(call.outputs[0])} = {self.step_call(call)}")
             else:
                 text = self.op_call(call)
@@ -255,6 +265,15 @@ class _Emitter:
             '    return the loss of the whole batch."""',
             f"    {lhs} = runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})",
         ]
+        if any(c.step is not None and c.step.kind in ("send", "recv") for c in plan.calls):
+            # values cross device groups: backward also runs from the sends' markers
+            return lines + [
+                f"    loss = model({', '.join(names)})",
+                "    runtime.p2p.backward(loss)",
+                "    runtime.p2p.finish()",
+                "    model.reduce_gradients()",
+                "    return loss.detach()",
+            ]
         if plan.loss_sum:
             return lines + [
                 f"    loss = model({', '.join(names)})   # this rank's part of the loss",

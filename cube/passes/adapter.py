@@ -38,7 +38,8 @@ class Step:
     """One communication (or local) step on a value.
 
     kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
-    ``chunk``, ``narrow`` (local, no group) or ``identity_all_reduce``.
+    ``chunk``, ``narrow`` (local, no group), ``identity_all_reduce``, or
+    ``send`` / ``recv`` between device groups (``ranks`` = (source, destination)).
     """
 
     kind: str
@@ -47,9 +48,10 @@ class Step:
     dim2: int = -1             # all_to_all: the dim the input is split along
     grad: str = ""             # all_gather: "V" (backward reduce-scatters) or "R" (keeps own chunk)
     box: Optional[Box] = None  # the box the value covers after this step
+    tag: int = 0               # send/recv: matches the two sides
 
     def signature(self) -> tuple:
-        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box)
+        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag)
 
 
 class LayoutError(ValueError):

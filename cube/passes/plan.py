@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
-from cube.ir.layout import Box, PieceLayout, Term, box_shape, full_box, piece_layout
+from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box, piece_layout
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import LayoutError, Step, transitions
@@ -106,7 +106,9 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     # walk the logical ops in order; plan all ranks together
     calls: Dict[int, List[Call]] = {r: [] for r in range(world)}
     local: Dict[int, Dict[tuple, IRTensor]] = {r: {} for r in range(world)}   # (tensor id, steps) -> value
+    received: Dict[int, Dict[tuple, IRTensor]] = {r: {} for r in range(world)}  # (tensor id, source) -> value
     raw: List[Tuple[IROperator, int, IRTensor, Dict[int, List[Step]]]] = []
+    tags: Dict[tuple, int] = {}   # (tensor id, source, destination) -> tag of the transfer
     for lop in logical:
         by = pieces[id(lop)]
         if isinstance(lop, IRDataOperation):
@@ -119,9 +121,11 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             readers = {r: p for r, p in by.items() if k not in layouts[id(p)].unread}
             need = {r: layouts[id(p)].inputs[k] for r, p in readers.items()}
             contrib = {r: layouts[id(p)].in_terms[k] if t.requires_grad else () for r, p in readers.items()}
-            _check_readers(t, made, readers, lop, makers)
+            src, moves = _sources(t, made, need, lop, makers, tags)
             try:
-                steps = transitions(made.get(id(t), {}), need, contrib, what=f"{t!r}")
+                steps = transitions(src, need, contrib, what=f"{t!r}")
+                for r, recv in moves.items():
+                    steps[r].insert(0, recv)
             except LayoutError as e:
                 raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
                                  f"where it is made: {e}. Partition the producer and the consumer alike, "
@@ -145,14 +149,26 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         by = pieces[id(lop)]
         subst: Dict[int, Dict[int, IRTensor]] = {r: {} for r in by}
         for k, t, steps in raw_by_op.get(id(lop), []):
-            hits = {r: (id(t), tuple(s.signature() for s in steps[r])) in local[r] for r in steps}
+            base: Dict[int, IRTensor] = {}
+            for r in steps:    # values from other device groups: sent once, received once
+                if steps[r] and steps[r][0].kind == "recv":
+                    recv = steps[r].pop(0)
+                    q = recv.ranks[0]
+                    if (id(t), q) not in received[r]:
+                        out = IRTensor(box_shape(recv.box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
+                                       f"{t.name.replace('.', '_') if t.name else t.hint}_from{q}")
+                        calls[q].append(Call([t], [], step=Step("send", recv.ranks, box=recv.box, tag=recv.tag)))
+                        calls[r].append(Call([], [out], step=recv))
+                        received[r][(id(t), q)] = out
+                    base[r] = received[r][(id(t), q)]
+            hits = {r: (id(base.get(r, t)), tuple(s.signature() for s in steps[r])) in local[r] for r in steps}
             for r in steps:
-                key = (id(t), tuple(s.signature() for s in steps[r]))
+                key = (id(base.get(r, t)), tuple(s.signature() for s in steps[r]))
                 members = {m for s in steps[r] for m in s.ranks}
                 if hits[r] and all(hits.get(m, False) for m in members):
                     subst[r][id(t)] = local[r][key]
                     continue
-                value = t
+                value = base.get(r, t)
                 for s in steps[r]:
                     out = IRTensor(box_shape(s.box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
                                    f"{t.name.replace('.', '_') if t.name else t.hint}_{_SHORT[s.kind]}")
@@ -170,28 +186,40 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
 
     # the loss: the full value on every rank
     loss = graph.loss
+    holders = made.get(id(loss), {})
     try:
-        loss_steps = transitions(made.get(id(loss), {}), {r: () for r in range(world)},
-                                 {r: () for r in range(world)}, what="the loss")
+        loss_steps = transitions(holders, {r: () for r in holders}, {r: () for r in holders}, what="the loss")
     except LayoutError as e:
-        raise ValueError(f"the loss cannot be brought to every device: {e}. Place the ops that make the loss "
-                         f"on every device (replicated or partitioned).") from None
-    plans = {}
-    for r in range(world):
+        raise ValueError(f"the loss cannot be made whole on the devices that make it: {e}") from None
+    crossing = len(holders) < world     # made on some devices (a last stage): sent to the others
+    finals: Dict[int, IRTensor] = {}
+    loss_sums: Dict[int, Tuple[int, ...]] = {}
+    for r in sorted(holders):
         value = loss
-        loss_sum = ()
-        if len(loss_steps[r]) == 1 and loss_steps[r][0].kind == "all_reduce":
+        if not crossing and len(loss_steps[r]) == 1 and loss_steps[r][0].kind == "all_reduce":
             # the sum's backward is the identity: backward starts from this rank's part
             # while the parts are summed for the returned value
-            loss_sum = loss_steps[r].pop().ranks
+            loss_sums[r] = loss_steps[r].pop().ranks
         for s in loss_steps[r]:
             out = IRTensor((), loss.dtype, loss.requires_grad, TensorKind.ACTIVATION, "loss")
             calls[r].append(Call([value], [out], step=s))
             value = out
+        finals[r] = value
+    senders = sorted(holders)
+    for r in range(world):
+        if r in holders:
+            continue
+        q = senders[r % len(senders)]
+        tag = tags.setdefault((id(loss), q, r), len(tags) + 1)
+        calls[q].append(Call([finals[q]], [], step=Step("send", (q, r), box=(), grad="none", tag=tag)))
+        finals[r] = IRTensor((), loss.dtype, False, TensorKind.ACTIVATION, "loss")
+        calls[r].append(Call([], [finals[r]], step=Step("recv", (q, r), box=(), grad="none", tag=tag)))
+    plans = {}
+    for r in range(world):
         data_piece = data_pieces[r]
         attrs = [(t, alloc[id(t)][r]) for t in graph.attrs if r in alloc.get(id(t), {})]
         plans[r] = RankPlan(r, world, data_piece, list(layouts[id(data_piece)].outputs), calls[r], attrs,
-                            reduce.get(r, []), value, loss_sum)
+                            reduce.get(r, []), finals[r], loss_sums.get(r, ()))
     return plans
 
 
@@ -199,22 +227,46 @@ _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_
           "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f"}
 
 
-def _check_readers(t: IRTensor, made, by: Dict[int, IROperator], lop: IROperator, makers) -> None:
+def _sources(t: IRTensor, made, need: Dict[int, Box], lop: IROperator, makers, tags: Dict[tuple, int]):
+    """Where each reader of ``t`` gets it: its own piece, or one received from another device group.
+
+    Returns ``(src, moves)``: ``src[r] = (box, term)`` of the piece rank ``r``
+    starts from, and ``moves[r]``, the ``recv`` step of a rank that starts from
+    a piece sent by another rank (a whole piece, not a partial sum).
+
+    Raises:
+        ValueError: no rank holds a piece a reader can start from, or a value that
+            needs a gradient is made on a device that neither reads nor sends it.
+    """
     where = made.get(id(t), {})
-    missing = sorted(r for r in by if r not in where)
-    if missing:
-        maker = makers.get(id(t))
-        src = f", made by {_describe(maker)}" if maker is not None else ""
-        raise ValueError(
-            f"{_describe(lop)} runs on devices {missing} but reads {t!r}{src} only on devices {sorted(where)}. "
-            f"Moving values between device groups is pipeline parallelism (send/recv between stages); "
-            f"place the consumer on the producer's devices.")
-    if t.requires_grad and t.kind is not TensorKind.PARAM:
-        extra = sorted(r for r in where if r not in by)
-        if extra:
+    src = {r: where[r] for r in need if r in where}
+    moves: Dict[int, Step] = {}
+    maker = makers.get(id(t))
+    made_by = f", made by {_describe(maker)}" if maker is not None else ""
+    senders = set()
+    for r in sorted(need):
+        if r in src:
+            continue
+        cands = sorted(q for q, (box, term) in where.items() if not term and contains(box, need[r]))
+        if not cands:
             raise ValueError(
-                f"{t!r} is made on devices {sorted(where)} but {_describe(lop)} reads it only on {sorted(by)}: "
-                f"its gradient would be missing on {extra}. Place the consumer on every device of the producer.")
+                f"{_describe(lop)} on device {r} reads {t!r}{made_by}, but no device holds a whole piece of it "
+                f"that covers what device {r} reads ({sorted(where)} hold pieces or partial sums). Place the "
+                f"reader on the producer's devices, or make the producer's pieces whole (replicate it).")
+        # prefer makers that read nothing themselves and send nothing yet: each gets its gradient back
+        q = min(cands, key=lambda c: (c in need, c in senders, c))
+        senders.add(q)
+        tag = tags.setdefault((id(t), q, r), len(tags) + 1)
+        moves[r] = Step("recv", (q, r), box=where[q][0], tag=tag)
+        src[r] = (where[q][0], ())
+    if t.requires_grad and t.kind is not TensorKind.PARAM:
+        idle = sorted(q for q in where if q not in need and q not in senders)
+        if idle:
+            raise ValueError(
+                f"{t!r}{made_by} is made on devices {sorted(where)} but {_describe(lop)} reads it only on "
+                f"{sorted(need)}: its gradient would be missing on {idle}. Place the consumer on every device "
+                f"of the producer, or the producer on fewer devices.")
+    return src, moves
 
 
 _COUNTED = ("cross_entropy_loss", "nll_loss")
@@ -308,22 +360,34 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[T
     A parameter whose readers on every rank all sum their gradient over the
     same ranks is reduced once, after (and overlapped with) backward, instead
     of by one all-reduce per reader. Otherwise each reader keeps its own.
+
+    A parameter read by ops on disjoint device groups (an embedding tied to the
+    LM head of a later stage) is summed over all of them: each group holds its
+    readers' share of the gradient.
+
+    Raises:
+        ValueError: a parameter read on overlapping but different device groups.
     """
     params = [t for t in graph.attrs if t.kind is TensorKind.PARAM and t.requires_grad]
-    entries: Dict[int, List[Dict[int, List[Step]]]] = {}
+    entries: Dict[int, List[Tuple[IROperator, Dict[int, List[Step]]]]] = {}
     for lop, k, t, steps in raw:
         if t.kind is TensorKind.PARAM:
-            entries.setdefault(id(t), []).append(steps)
+            entries.setdefault(id(t), []).append((lop, steps))
     out: Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]] = {}
     for t in params:
+        mine = entries.get(id(t), [])
+        sets = {id(lop): frozenset(steps) for lop, steps in mine}
         groups: Dict[int, set] = {}
-        for steps in entries.get(id(t), []):
+        for _, steps in mine:
             for r, s in steps.items():
                 g = s[-1].ranks if s and s[-1].kind == "identity_all_reduce" else ()
                 groups.setdefault(r, set()).add(g)
+        if len(set(sets.values())) > 1:
+            _tied_across_groups(t, mine, sets, groups, out)
+            continue
         if any(len(g) != 1 for g in groups.values()):
             continue
-        for steps in entries.get(id(t), []):
+        for _, steps in mine:
             for r, s in steps.items():
                 if s and s[-1].kind == "identity_all_reduce":
                     s.pop()
@@ -333,3 +397,25 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[T
             if ranks:
                 out.setdefault(r, []).append((t, ranks))
     return out
+
+
+def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
+    """Sums a parameter's gradient over the disjoint device groups of its readers."""
+    distinct = list(dict.fromkeys(sets.values()))
+    union = frozenset().union(*distinct)
+    if sum(len(s) for s in distinct) != len(union):
+        raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
+                         f"({[sorted(s) for s in distinct]}); place all its readers on the same devices, or "
+                         f"on disjoint device groups (e.g. a tied embedding and LM head in two stages)")
+    for lop, steps in mine:
+        ranks = tuple(sorted(steps))
+        ok = all(g == {ranks} for r, g in groups.items() if r in steps) or (len(ranks) == 1 and groups[ranks[0]] == {()})
+        if not ok:
+            raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by "
+                             f"{_describe(lop)}, which runs whole on several of them; split that reader over its "
+                             f"devices (data parallel) or run it on one")
+        for s in steps.values():
+            if s and s[-1].kind == "identity_all_reduce":
+                s.pop()
+    for r in union:
+        out.setdefault(r, []).append((t, tuple(sorted(union))))

@@ -1,0 +1,97 @@
+"""Tagged sends and receives between device groups, as autograd functions.
+
+A value made on rank ``src`` and read on rank ``dst`` moves with ``send`` on
+``src`` and ``recv`` on ``dst`` (same ``tag``). The gradient moves back the
+same way. Sends never block: they are posted (``isend``) and waited for at the
+end of the step (:func:`finish`). Only receives block, so two ranks that
+exchange several values in any order cannot wait on each other.
+
+On ``src``, ``send`` returns an empty *marker* that carries the gradient's
+receive into backward; the step runs backward from the markers as well as from
+the loss (:func:`backward`).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+_PENDING: List = []     # posted sends of this step
+_MARKERS: List[torch.Tensor] = []
+
+
+def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
+    x = x.detach().contiguous()
+    _PENDING.append((dist.isend(x, dst, tag=tag), x))
+
+
+class _Send(Function):
+    @staticmethod
+    def forward(ctx, x, dst, tag):
+        ctx.args = (dst, tag, x.shape, x.dtype, x.device)
+        _isend(x, dst, tag)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        dst, tag, shape, dtype, device = ctx.args
+        grad = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(grad, dst, tag=tag)
+        return grad, None, None
+
+
+class _Recv(Function):
+    @staticmethod
+    def forward(ctx, anchor, src, tag, shape, dtype):
+        ctx.args = (src, tag)
+        y = torch.empty(shape, dtype=dtype, device=anchor.device)
+        dist.recv(y, src, tag=tag)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        src, tag = ctx.args
+        _isend(grad, src, tag)
+        return None, None, None, None, None
+
+
+def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True) -> None:
+    """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward."""
+    if grad and torch.is_grad_enabled() and x.requires_grad:
+        _MARKERS.append(_Send.apply(x, dst, tag))
+    else:
+        _isend(x, dst, tag)
+
+
+def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+         requires_grad: bool) -> torch.Tensor:
+    """Receives a value from ``src``; with ``requires_grad`` its gradient is sent back in backward."""
+    if requires_grad and torch.is_grad_enabled():
+        anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
+        return _Recv.apply(anchor, src, tag, tuple(shape), dtype)
+    y = torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.recv(y, src, tag=tag)
+    return y
+
+
+def backward(loss: Optional[torch.Tensor]) -> None:
+    """Backward from the loss (when this rank made it) and from this step's send markers."""
+    roots, grads = [], []
+    if loss is not None and loss.requires_grad:
+        roots.append(loss)
+        grads.append(torch.ones_like(loss))
+    for m in _MARKERS:
+        roots.append(m)
+        grads.append(torch.empty(0, dtype=m.dtype, device=m.device))
+    _MARKERS.clear()
+    if roots:
+        torch.autograd.backward(roots, grads)
+
+
+def finish() -> None:
+    """Waits for this step's sends (their buffers must live until they are out)."""
+    for work, _ in _PENDING:
+        work.wait()
+    _PENDING.clear()

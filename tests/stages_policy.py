@@ -1,0 +1,37 @@
+"""Test policies that place ops in two device groups, so values cross between them.
+
+The split is by op count, not balanced; staging and schedules are a later feature.
+"""
+from cube.ir import IRDataOperation
+
+
+def PASTwoStages(graph, resource):
+    """The first half of the ops on device 0, the rest on device 1 (the batch on both)."""
+    ops = graph.nodes()
+    fw = [op for op in ops if not isinstance(op, IRDataOperation)]
+    cut = len(fw) // 2
+    for op in ops:
+        if isinstance(op, IRDataOperation):
+            for dev, piece in enumerate(graph.replicate(op, times=resource.ngpus)):
+                graph.assign(piece, dev)
+        else:
+            graph.assign(op, 0 if fw.index(op) < cut else 1)
+    return graph
+
+
+def PASTwoStagesData(graph, resource):
+    """Two stages, each data parallel over half the devices."""
+    from cube.ir.follow import batch_flow, place
+    half = resource.ngpus // 2
+    ops = graph.nodes()
+    fw = [op for op in ops if not isinstance(op, IRDataOperation)]
+    cut = len(fw) // 2
+    flow = batch_flow(graph, half)
+    for op in ops:
+        if isinstance(op, IRDataOperation):
+            for dev, piece in enumerate(graph.replicate(op, times=2)):
+                place(graph, piece, (0, 0), [dev * half + i for i in range(half)])
+        else:
+            stage = 0 if fw.index(op) < cut else 1
+            place(graph, op, flow.split_of(op), [stage * half + i for i in range(half)])
+    return graph
