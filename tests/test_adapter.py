@@ -191,7 +191,7 @@ def test_consumer_on_other_devices_than_its_producer_is_a_clear_error():
 
 
 def test_values_crossing_device_groups_are_sent_once_and_tied_weights_summed_over_both():
-    graph, plans = _plan("gpt_nobias", "tests/stages_policy.py:PASTwoStages", 2)
+    graph, plans = _plan("gpt_nobias", "tests/extra_policies.py:PASTwoStages", 2)
     sends = [c.step for c in plans[0].calls if c.step is not None and c.step.kind == "send"]
     recvs = [c.step for c in plans[1].calls if c.step is not None and c.step.kind == "recv"]
     assert [s.tag for s in sends] == [r.tag for r in recvs] and len(sends) == 1   # the residual stream

@@ -32,10 +32,12 @@ CASES = [
     ("hf_llama", "policies.hybrid:PASHybrid", 4),
     # values crossing device groups (send/recv; no micro-batches yet), with the tied embedding
     # and LM head of the GPT in different groups
-    ("mlp", "tests/stages_policy.py:PASTwoStages", 2),
-    ("gpt_nobias", "tests/stages_policy.py:PASTwoStages", 2),
-    ("gpt_nobias", "tests/stages_policy.py:PASTwoStagesData", 4),
-    ("hf_llama", "tests/stages_policy.py:PASTwoStagesData", 4),
+    ("mlp", "tests/extra_policies.py:PASTwoStages", 2),
+    ("gpt_nobias", "tests/extra_policies.py:PASTwoStages", 2),
+    ("gpt_nobias", "tests/extra_policies.py:PASTwoStagesData", 4),
+    ("hf_llama", "tests/extra_policies.py:PASTwoStagesData", 4),
+    # a value changing its split dim between ops (all-to-all)
+    ("mlp", "tests/extra_policies.py:PASSwap", 4),
 ]
 
 

@@ -35,3 +35,18 @@ def PASTwoStagesData(graph, resource):
             stage = 0 if fw.index(op) < cut else 1
             place(graph, op, flow.split_of(op), [stage * half + i for i in range(half)])
     return graph
+
+
+def PASSwap(graph, resource):
+    """The MLP's linears split by batch, the loss's square split by features: the value between
+    them changes its split dim (all-to-all); the loss sum is a partial sum (all-reduce)."""
+    from cube.ir.follow import place
+    devices = list(range(resource.ngpus))
+    for op in graph.nodes():
+        if isinstance(op, IRDataOperation) or op.name == "linear":
+            place(graph, op, (0, 0), devices)
+        elif op.name in ("mul", "sum"):
+            place(graph, op, (0, 1), devices)
+        else:
+            place(graph, op, None, devices)
+    return graph
