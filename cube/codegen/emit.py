@@ -334,6 +334,10 @@ def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequen
     Raises:
         ValueError: the placement cannot run (see ``cube.passes.plan.build_plans``).
     """
+    if graph.schedule is not None:
+        raise ValueError(f"the policy set a {graph.schedule.name} schedule of {graph.schedule.nmicros} micro-batches; "
+                         f"cube plans and validates schedules but does not execute micro-batches yet. Drop the "
+                         f"cube.schedule call: the stages still run, one batch per step, with send/recv between them")
     if graph.recompute_groups:
         raise ValueError("graph.recompute was used, but this build of cube does not generate recompute "
                          "code yet; remove the graph.recompute call from the policy")

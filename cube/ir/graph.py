@@ -28,6 +28,8 @@ class IRGraph:
         self.loss = loss
         self.name = name
         self.recompute_groups: List[List[IROperator]] = []
+        self.stages: List[List[IROperator]] = []
+        self.schedule = None   # a cube.schedule.Schedule, set by cube.schedule.sched_*
 
     # ------------------------------------------------------------------ queries
     def nodes(self) -> List[IROperator]:
@@ -123,6 +125,43 @@ class IRGraph:
         for n in nodes:
             self._check_member(n, "assign")
             n.device = devs
+
+    def staging(self, starts: Sequence[IROperator]) -> List[List[IROperator]]:
+        """Groups the forward ops into pipeline stages.
+
+        Args:
+            starts: the first op of each stage, in program order. Ops before the
+                first start belong to the first stage.
+
+        Returns:
+            The stages in order, each a list of ops (``graph.assign(stage, dev)``
+            places a whole stage; its ops may be partitioned first).
+
+        Raises:
+            ValueError: an op is not a forward op of the graph, or the starts are
+                not in program order.
+        """
+        starts = list(starts)
+        if not starts:
+            raise ValueError("graph.staging needs the first op of each stage, got an empty list")
+        where = []
+        for n in starts:
+            i = self._check_member(n, "staging")
+            if not isinstance(n, IRFwOperation):
+                raise ValueError(f"graph.staging: stages start at forward ops, got {n!r}")
+            where.append(i)
+        for k in range(1, len(where)):
+            if where[k] <= where[k - 1]:
+                a, b = starts[k - 1], starts[k]
+                raise ValueError(
+                    f"graph.staging: stage {k} starts at op {b.name!r} ({b.where()}), which is not after the start "
+                    f"of stage {k - 1}, op {a.name!r} ({a.where()}); list the first op of each stage in program "
+                    f"order (positions {where})")
+        fw = [i for i, op in enumerate(self.ops) if isinstance(op, IRFwOperation)]
+        bounds = [fw[0]] + where[1:] + [len(self.ops)]
+        self.stages = [[op for op in self.ops[bounds[k]:bounds[k + 1]] if isinstance(op, IRFwOperation)]
+                       for k in range(len(starts))]
+        return [list(st) for st in self.stages]
 
     def recompute(self, nodes: Sequence[IROperator]) -> None:
         """Marks ``nodes`` as one recompute group (activations re-made in backward)."""

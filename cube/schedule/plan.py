@@ -1,0 +1,262 @@
+"""Pipeline schedules as data: per rank, the order of forward and backward micro-steps.
+
+A schedule lists, for every rank, actions ``F(stage, micro)`` and
+``B(stage, micro)``. Stage ``s`` of ``nstages`` runs on rank ``s % nranks``
+(more stages than ranks are virtual stages, as in interleaved 1F1B).
+Dependencies: ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``F(s, i)`` and
+``B(s+1, i)`` (the last stage's backward follows its own forward).
+
+``validate`` replays a schedule one time step at a time (every action takes
+one step; a rank runs its actions in its order); a schedule that cannot make
+progress, or that misses or repeats an action, is a ``ValueError`` that shows
+the rank x step grid so far and the offending cell. ``Schedule.grid()`` prints
+the same grid for a valid schedule.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Action:
+    """One micro-step: ``kind`` "F" or "B" of ``stage`` on micro-batch ``micro``."""
+
+    kind: str
+    stage: int
+    micro: int
+
+    def label(self, virtual: bool) -> str:
+        return f"{self.kind}{self.micro}" + (f".s{self.stage}" if virtual else "")
+
+
+@dataclass
+class Schedule:
+    """Per rank, the actions in the order that rank runs them.
+
+    Attributes:
+        nstages: pipeline stages (``> nranks`` means virtual stages).
+        nmicros: micro-batches per step.
+        ranks: ``ranks[r]`` is rank ``r``'s list of actions.
+        name: how the schedule was made (``gpipe``, ``1f1b``, ...).
+    """
+
+    nstages: int
+    nmicros: int
+    ranks: List[List[Action]]
+    name: str = "custom"
+
+    @property
+    def nranks(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.nranks
+
+    def __str__(self) -> str:
+        virtual = self.nstages > self.nranks
+        lines = [f"{self.name}: {self.nstages} stages, {self.nmicros} micro-batches, {self.nranks} ranks"]
+        for r, acts in enumerate(self.ranks):
+            lines.append(f"rank {r}: " + " ".join(a.label(virtual) for a in acts))
+        return "\n".join(lines)
+
+    def grid(self) -> str:
+        """The rank x time-step chart (``.`` where a rank waits)."""
+        times = validate(self)
+        return _grid(self, times, None)
+
+    def steps(self) -> int:
+        """Time steps the schedule takes when every action takes one step."""
+        times = validate(self)
+        return max(times.values()) + 1 if times else 0
+
+
+def _expected(s: Schedule, r: int) -> List[Action]:
+    return [Action(k, st, i) for st in range(s.nstages) if s.rank_of(st) == r
+            for i in range(s.nmicros) for k in "FB"]
+
+
+def _deps(s: Schedule, a: Action) -> List[Action]:
+    if a.kind == "F":
+        return [Action("F", a.stage - 1, a.micro)] if a.stage > 0 else []
+    deps = [Action("F", a.stage, a.micro)]
+    if a.stage < s.nstages - 1:
+        deps.append(Action("B", a.stage + 1, a.micro))
+    return deps
+
+
+def validate(s: Schedule) -> Dict[Action, int]:
+    """Checks ``s`` and returns the time step of each action.
+
+    Raises:
+        ValueError: a rank misses or repeats an action, holds another rank's
+            stage, or the schedule deadlocks; the message shows the grid.
+    """
+    if s.nstages < s.nranks or s.nstages % s.nranks:
+        raise ValueError(f"schedule {s.name}: {s.nstages} stages on {s.nranks} ranks; use a multiple of the "
+                         f"rank count (each rank holds nstages / nranks stages)")
+    for r, acts in enumerate(s.ranks):
+        want, got = _expected(s, r), list(acts)
+        for a in got:
+            if a.stage < 0 or a.stage >= s.nstages or s.rank_of(a.stage) != r:
+                raise ValueError(f"schedule {s.name}: rank {r} lists {a.label(True)}, but stage {a.stage} runs on "
+                                 f"rank {s.rank_of(a.stage) if 0 <= a.stage < s.nstages else '(none)'}")
+            if not 0 <= a.micro < s.nmicros:
+                raise ValueError(f"schedule {s.name}: rank {r} lists {a.label(True)}, but micro-batches are "
+                                 f"0..{s.nmicros - 1}")
+        dup = sorted({a.label(True) for a in got if got.count(a) > 1})
+        miss = [a.label(True) for a in want if a not in got]
+        if dup or miss:
+            raise ValueError(f"schedule {s.name}: rank {r} " + (f"repeats {dup} " if dup else "") +
+                             (f"misses {miss}" if miss else "") + f"\n{s}")
+    times: Dict[Action, int] = {}
+    pos = [0] * s.nranks
+    t = 0
+    total = sum(len(a) for a in s.ranks)
+    while len(times) < total:
+        progressed = False
+        ready = []
+        for r, acts in enumerate(s.ranks):
+            if pos[r] < len(acts):
+                a = acts[pos[r]]
+                if all(d in times and times[d] < t for d in _deps(s, a)):
+                    ready.append((r, a))
+        for r, a in ready:
+            times[a] = t
+            pos[r] += 1
+            progressed = True
+        if not progressed:
+            stuck = [(r, acts[pos[r]]) for r, acts in enumerate(s.ranks) if pos[r] < len(acts)]
+            r, a = stuck[0]
+            waits = [d.label(True) for d in _deps(s, a) if d not in times]
+            raise ValueError(
+                f"schedule {s.name} deadlocks at step {t}: rank {r}'s next action {a.label(True)} waits for "
+                f"{waits}, which never run (every rank waits: "
+                f"{', '.join(f'rank {q}: {b.label(True)}' for q, b in stuck)}).\n"
+                + _grid(s, times, (r, t)))
+        t += 1
+    return times
+
+
+def _grid(s: Schedule, times: Dict[Action, int], mark: Optional[Tuple[int, int]]) -> str:
+    virtual = s.nstages > s.nranks
+    width = max([len(a.label(virtual)) for acts in s.ranks for a in acts] + [2])
+    end = max(times.values()) + 1 if times else 0
+    if mark is not None:
+        end = max(end, mark[1] + 1)
+    header = "step    " + " ".join(f"{t:>{width}}" for t in range(end))
+    lines = [header]
+    for r, acts in enumerate(s.ranks):
+        at = {times[a]: a for a in acts if a in times}
+        cells = []
+        for t in range(end):
+            if mark == (r, t):
+                cells.append(f"{'??':>{width}}")
+            elif t in at:
+                cells.append(f"{at[t].label(virtual):>{width}}")
+            else:
+                cells.append(f"{'.':>{width}}")
+        lines.append(f"rank {r:<3}" + " ".join(cells))
+    return "\n".join(lines)
+
+
+def _check_args(nmicros: int, nstages: int, nranks: Optional[int]) -> int:
+    for name, v in (("nmicros", nmicros), ("nstages", nstages)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    nranks = nstages if nranks is None else nranks
+    if not isinstance(nranks, int) or nranks < 1 or nstages % nranks:
+        raise ValueError(f"nstages ({nstages}) must be a multiple of the number of ranks ({nranks})")
+    return nranks
+
+
+def sched_gpipe(graph, nmicros: int, nstages: int) -> Schedule:
+    """GPipe: every stage runs all forwards, then all backwards."""
+    _check_args(nmicros, nstages, None)
+    ranks = [[Action("F", s, i) for i in range(nmicros)] + [Action("B", s, i) for i in range(nmicros)]
+             for s in range(nstages)]
+    return _attach(graph, Schedule(nstages, nmicros, ranks, "gpipe"))
+
+
+def sched_1f1b(graph, nmicros: int, nstages: int) -> Schedule:
+    """1F1B (PipeDream-flush): ``nstages - s - 1`` warm-up forwards on stage ``s``, then one
+    forward and one backward in turn, then the remaining backwards."""
+    _check_args(nmicros, nstages, None)
+    ranks = []
+    for s in range(nstages):
+        warm = min(nstages - s - 1, nmicros)
+        acts = [Action("F", s, i) for i in range(warm)]
+        f, b = warm, 0
+        while f < nmicros:
+            acts.append(Action("F", s, f))
+            f += 1
+            acts.append(Action("B", s, b))
+            b += 1
+        acts += [Action("B", s, i) for i in range(b, nmicros)]
+        ranks.append(acts)
+    return _attach(graph, Schedule(nstages, nmicros, ranks, "1f1b"))
+
+
+def sched_1f1b_interleaved(graph, nmicros: int, nranks: int, nvirtual: int) -> Schedule:
+    """Interleaved 1F1B: each rank holds ``nvirtual`` stages (rank ``r`` holds stages
+    ``r, r + nranks, ...``); micro-batches go through a rank's stages in groups of ``nranks``.
+    ``nmicros`` must be a multiple of ``nranks``."""
+    nstages = nranks * nvirtual
+    _check_args(nmicros, nstages, nranks)
+    if nmicros % nranks:
+        raise ValueError(f"interleaved 1F1B needs nmicros ({nmicros}) to be a multiple of nranks ({nranks})")
+    total = nmicros * nvirtual
+
+    def chunk(k: int, forward: bool) -> int:   # the virtual stage of the k-th action of its kind
+        v = (k // nranks) % nvirtual
+        return v if forward else nvirtual - 1 - v
+
+    def micro(k: int) -> int:
+        return (k // (nranks * nvirtual)) * nranks + k % nranks
+
+    ranks = []
+    for r in range(nranks):
+        warm = min((nranks - r - 1) * 2 + (nvirtual - 1) * nranks, total)
+        acts: List[Action] = []
+        f = b = 0
+        for _ in range(warm):
+            acts.append(Action("F", chunk(f, True) * nranks + r, micro(f)))
+            f += 1
+        while f < total:
+            acts.append(Action("F", chunk(f, True) * nranks + r, micro(f)))
+            f += 1
+            acts.append(Action("B", chunk(b, False) * nranks + r, micro(b)))
+            b += 1
+        while b < total:
+            acts.append(Action("B", chunk(b, False) * nranks + r, micro(b)))
+            b += 1
+        ranks.append(acts)
+    return _attach(graph, Schedule(nstages, nmicros, ranks, "1f1b-interleaved"))
+
+
+def custom(graph, nmicros: int, nstages: int, ranks: Sequence[Sequence[str]]) -> Schedule:
+    """A hand-written schedule: ``ranks[r]`` like ``["F0", "F1", "B0", ...]`` (``F0.s2`` names
+    virtual stage 2; without it, the rank's only stage)."""
+    _check_args(nmicros, nstages, len(ranks))
+    out = []
+    for r, items in enumerate(ranks):
+        acts = []
+        for text in items:
+            kind, rest = text[:1], text[1:]
+            stage = r
+            if ".s" in rest:
+                rest, st = rest.split(".s", 1)
+                stage = int(st)
+            if kind not in ("F", "B") or not rest.isdigit():
+                raise ValueError(f"schedule entry {text!r} on rank {r}: write F<micro> or B<micro>, "
+                                 f"optionally .s<stage>")
+            acts.append(Action(kind, stage, int(rest)))
+        out.append(acts)
+    return _attach(graph, Schedule(nstages, nmicros, out))
+
+
+def _attach(graph, schedule: Schedule) -> Schedule:
+    validate(schedule)
+    if graph is not None:
+        graph.schedule = schedule
+    return schedule
