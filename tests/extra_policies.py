@@ -50,3 +50,43 @@ def PASSwap(graph, resource):
         else:
             place(graph, op, None, devices)
     return graph
+
+
+def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False):
+    """``nstages`` stages of about equal op count (graph.staging), each data parallel (or
+    Megatron tensor parallel) over ``ngpus // nstages`` devices, then ``schedule``."""
+    from cube import schedule as sched
+    from cube.ir import IRFwOperation
+    from cube.ir.follow import batch_flow, megatron_flow, place
+    dp = resource.ngpus // nstages
+    fw = graph.select(ntype=IRFwOperation)
+    stages = graph.staging([fw[k * len(fw) // nstages] for k in range(nstages)])
+    flow = megatron_flow(graph, dp) if tensor else batch_flow(graph, dp)
+    for node in graph.select(ntype=IRDataOperation):
+        for k, piece in enumerate(graph.replicate(node, times=nstages)):
+            place(graph, piece, None if tensor else (0, 0), [k * dp + i for i in range(dp)])
+    for k, stage in enumerate(stages):
+        for op in stage:
+            place(graph, op, flow.split_of(op), [k * dp + i for i in range(dp)])
+    getattr(sched, schedule)(graph, nmicros, nstages)
+    return graph
+
+
+def PAS1F1B(graph, resource):
+    """1F1B over every device, one stage each."""
+    return _pipeline(graph, resource, "sched_1f1b", resource.ngpus)
+
+
+def PASGPipe(graph, resource):
+    """GPipe over every device, one stage each."""
+    return _pipeline(graph, resource, "sched_gpipe", resource.ngpus)
+
+
+def PAS1F1BData(graph, resource):
+    """1F1B over two stages, each data parallel over half the devices."""
+    return _pipeline(graph, resource, "sched_1f1b", 2)
+
+
+def PAS1F1BTensor(graph, resource):
+    """1F1B over two stages, each Megatron tensor parallel over half the devices."""
+    return _pipeline(graph, resource, "sched_1f1b", 2, tensor=True)

@@ -45,10 +45,12 @@ def single(script, args=(), env=None, timeout: int = 240) -> subprocess.Complete
     return out
 
 
-def parity_across_ranks(model: str, policy: str, nproc: int, tmp_path, steps: int = 5) -> list:
+def parity_across_ranks(model: str, policy: str, nproc: int, tmp_path, steps: int = 5, nmicros: int = 1,
+                        optimizer: str = "adamw") -> list:
     """Runs tests/workers/parity_worker.py on ``nproc`` ranks; returns each rank's errors."""
     import json
-    torchrun(ROOT / "tests" / "workers" / "parity_worker.py", nproc, [model, policy, steps, tmp_path])
+    torchrun(ROOT / "tests" / "workers" / "parity_worker.py", nproc, [model, policy, steps, tmp_path, nmicros],
+             env={"CUBE_PARITY_OPT": optimizer})
     results = [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert [r["rank"] for r in results] == list(range(nproc))
     assert all(r["world"] == nproc and r["steps"] == steps and r["nparams"] > 0 for r in results)

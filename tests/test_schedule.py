@@ -91,21 +91,40 @@ def test_stages_out_of_order_are_a_clear_error():
         graph.staging([graph.select(ntype=IRDataOperation)[0]])
 
 
-def test_a_policy_with_a_schedule_gets_a_clear_error_until_micro_batches_run():
-    from cube.codegen import generate
-
-    def staged(graph, resource):
+def _staged(schedule):
+    def policy(graph, resource):
         fw = graph.select(ntype=IRFwOperation)
-        stages = graph.staging([fw[0], fw[len(fw) // 2]])
+        stages = graph.staging([fw[0], fw[len(fw) // 2]]) if schedule != "nostages" else [fw]
         for node in graph.select(ntype=IRDataOperation):
             for dev, piece in enumerate(graph.replicate(node, times=2)):
                 graph.assign(piece, dev)
         for dev, stage in enumerate(stages):
             graph.assign(stage, dev)
-        sched_1f1b(graph, 4, 2)
+        if schedule == "interleaved":
+            sched_1f1b_interleaved(graph, 4, 1, 2)
+        else:
+            sched_1f1b(graph, 4, 2)
+        if schedule == "nostages":
+            graph.stages = []
         return graph
+    return policy
+
+
+def test_scheduled_plan_generates_a_pipelined_step():
+    from cube.codegen import generate_all
     model, sample = build("gpt_nobias")
-    graph, _ = trace_and_plan(model, sample, "tuple", load_policy(staged), 2)
-    assert graph.schedule.name == "1f1b"
-    with pytest.raises(ValueError, match="does not execute micro-batches yet"):
+    graph, _ = trace_and_plan(model, sample, "tuple", load_policy(_staged("1f1b")), 2)
+    sources = generate_all(graph, 2, "staged")
+    assert "runtime.pipeline.run(model, batches, ['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3']" in sources[0]
+    assert "loss_from=1" in sources[0] and "loss_to=(0,)" in sources[1]
+    assert "runtime.p2p.send(" in sources[0] and "runtime.p2p.recv(0" in sources[1]
+
+
+@pytest.mark.parametrize("kind,match", [("nostages", "no stages: call graph.staging"),
+                                        ("interleaved", "has 2 stages but graph.staging made 2|virtual stages")])
+def test_schedules_that_do_not_fit_the_placement_are_clear_errors(kind, match):
+    from cube.codegen import generate
+    model, sample = build("gpt_nobias")
+    graph, _ = trace_and_plan(model, sample, "tuple", load_policy(_staged(kind)), 2)
+    with pytest.raises(ValueError, match=match):
         generate(graph, 0, 2, "staged")

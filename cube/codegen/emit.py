@@ -60,7 +60,8 @@ def _splits(box: Box, shape) -> List[Tuple[int, int, int]]:
 
 
 class _Emitter:
-    def __init__(self, graph: IRGraph, plan: RankPlan, groups):
+    def __init__(self, graph: IRGraph, plan: RankPlan, groups, actions: Optional[List[str]] = None):
+        self.actions = actions
         self.graph = graph
         self.plan = plan
         self.groups = groups
@@ -222,7 +223,10 @@ class _Emitter:
             dead = [t for t in last_use.get(i, []) if id(t) not in self.attr_names]
             if dead:
                 lines.append(f"{ind}del {', '.join(self.value(t) for t in dead)}")
-        lines.append(f"        return {self.value(plan.loss)}")
+        if plan.loss_from is not None:
+            lines.append("        return None   # the loss is made on the last stage")
+        else:
+            lines.append(f"        return {self.value(plan.loss)}")
         return lines
 
     def batch_intake(self) -> List[str]:
@@ -265,6 +269,16 @@ class _Emitter:
             '    return the loss of the whole batch."""',
             f"    {lhs} = runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})",
         ]
+        if self.actions is not None:
+            sched = self.graph.schedule
+            call = f"runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})"
+            wrap = f"({call},)" if data.structure == "tensor" else call
+            return [lines[0], '    """One step: micro-batches through the pipeline schedule; returns their mean loss."""',
+                    f"    # {sched.name}: {sched.nmicros} micro-batches, this rank: {' '.join(self.actions)}",
+                f"    batches = [{wrap} for _ in range({sched.nmicros})]",
+                f"    return runtime.pipeline.run(model, batches, {self.actions!r}, loss_from={plan.loss_from!r}, "
+                f"loss_to={plan.loss_to!r})",
+            ]
         if any(c.step is not None and c.step.kind in ("send", "recv") for c in plan.calls):
             # values cross device groups: backward also runs from the sends' markers
             return lines + [
@@ -334,17 +348,44 @@ def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequen
     Raises:
         ValueError: the placement cannot run (see ``cube.passes.plan.build_plans``).
     """
-    if graph.schedule is not None:
-        raise ValueError(f"the policy set a {graph.schedule.name} schedule of {graph.schedule.nmicros} micro-batches; "
-                         f"cube plans and validates schedules but does not execute micro-batches yet. Drop the "
-                         f"cube.schedule call: the stages still run, one batch per step, with send/recv between them")
     if graph.recompute_groups:
         raise ValueError("graph.recompute was used, but this build of cube does not generate recompute "
                          "code yet; remove the graph.recompute call from the policy")
     plans = build_plans(graph, world)
     groups = all_groups(plans)
+    actions = _schedule_actions(graph, plans) if graph.schedule is not None else {}
     ranks = range(world) if ranks is None else ranks
-    return {r: _Emitter(graph, plans[r], groups).emit(policy) for r in ranks}
+    return {r: _Emitter(graph, plans[r], groups, actions.get(r)).emit(policy) for r in ranks}
+
+
+def _schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, List[str]]:
+    """Each device's actions in the schedule: the actions of the one stage its ops belong to.
+
+    Raises:
+        ValueError: no stages, a device holding ops of several stages (virtual
+            stages are planned but not executed yet), or stage counts that differ.
+    """
+    sched = graph.schedule
+    if not graph.stages:
+        raise ValueError(f"the policy set a {sched.name} schedule but no stages: call graph.staging([...]) "
+                         f"and assign each stage to its devices before cube.schedule.{sched.name}")
+    if len(graph.stages) != sched.nstages:
+        raise ValueError(f"the {sched.name} schedule has {sched.nstages} stages but graph.staging made "
+                         f"{len(graph.stages)}; pass nstages={len(graph.stages)}")
+    if sched.nstages != sched.nranks:
+        raise ValueError(f"the {sched.name} schedule puts several stages on a pipeline rank (virtual stages); "
+                         f"cube validates such schedules but runs only one stage per device so far")
+    stage_of = {id(op.origin or op): k for k, st in enumerate(graph.stages) for op in st}
+    out = {}
+    for r, plan in plans.items():
+        stages = {stage_of.get(id(c.op.origin or c.op)) for c in plan.calls if c.op is not None}
+        stages.discard(None)
+        if len(stages) != 1:
+            raise ValueError(f"device {r} runs ops of stages {sorted(stages)}; with a schedule each device runs "
+                             f"the ops of exactly one stage: assign every op of a stage to that stage's devices")
+        (k,) = stages
+        out[r] = [f"{a.kind}{a.micro}" for a in sched.ranks[k]]
+    return out
 
 
 def generate(graph: IRGraph, rank: int, world: int, policy: str) -> str:

@@ -18,6 +18,7 @@ from cube.ir.layout import PieceLayout, box_shape
 from cube.ir.operator import IRFwOperation
 
 _SHAPE_ARGS = ("size", "shape")
+_VIEWS = ("view", "_unsafe_view")
 _MEAN_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss"}
 
 
@@ -49,8 +50,14 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
     counted on the whole batch (else the pieces sum it over ``term_ranks``).
     """
     args, kwargs = list(op.args), dict(op.kwargs)
+    if op.name in _VIEWS and len(args) == 2 and not kwargs:
+        # a view's input may arrive with other strides than in the trace (received from another
+        # rank, made by a collective, or by a kernel choosing another layout): reshape copies only then
+        fn = "aten.reshape.default"
+    else:
+        fn = None
     if getattr(op.target, "_schema", None) is None or not op.splits:
-        return None, args, kwargs
+        return fn, args, kwargs
     names = _schema_args(op)
     out_shapes = [box_shape(b) for b in layout.outputs]
     full = [tuple(t.shape) for t in op.outputs]
@@ -64,7 +71,7 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
             _set(args, kwargs, names, "sizes", list(out_shapes[0][dim:dim + len(sizes)]))
     partial = bool(layout.out_terms and layout.out_terms[0])
     if not partial:
-        return None, args, kwargs
+        return fn, args, kwargs
     if layout.unread:
         if op.name == "addmm":
             return "aten.mm.default", [op.inputs[1], op.inputs[2]], {}
@@ -91,7 +98,7 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
         if op.name == "smooth_l1_loss":
             extra["beta"] = _get(op, names, "beta", 1.0)
         return "runtime.ops.pointwise_loss_part", [op.name, op.inputs[0], op.inputs[1], op.inputs[0].numel()], extra
-    return None, args, kwargs
+    return fn, args, kwargs
 
 
 def _count(shape, dims) -> int:

@@ -44,6 +44,8 @@ class RankPlan:
     reduce: List[Tuple[IRTensor, Tuple[int, ...]]]    # params whose gradient sums over ranks
     loss: IRTensor
     loss_sum: Tuple[int, ...] = ()   # forward returns a partial loss, summed over these ranks by train_step
+    loss_from: Optional[int] = None  # scheduled plans: the rank that sends this rank the step's loss
+    loss_to: Tuple[int, ...] = ()    # scheduled plans: the ranks this rank sends the step's loss to
 
 
 def _origin(op: IROperator) -> IROperator:
@@ -206,10 +208,16 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             value = out
         finals[r] = value
     senders = sorted(holders)
+    scheduled = graph.schedule is not None
+    loss_from: Dict[int, int] = {}
     for r in range(world):
         if r in holders:
             continue
         q = senders[r % len(senders)]
+        loss_from[r] = q
+        if scheduled:   # the runtime sends the mean over micro-batches once, after the schedule
+            finals[r] = IRTensor((), loss.dtype, False, TensorKind.ACTIVATION, "loss")
+            continue
         tag = tags.setdefault((id(loss), q, r), len(tags) + 1)
         calls[q].append(Call([finals[q]], [], step=Step("send", (q, r), box=(), grad="none", tag=tag)))
         finals[r] = IRTensor((), loss.dtype, False, TensorKind.ACTIVATION, "loss")
@@ -219,7 +227,9 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         data_piece = data_pieces[r]
         attrs = [(t, alloc[id(t)][r]) for t in graph.attrs if r in alloc.get(id(t), {})]
         plans[r] = RankPlan(r, world, data_piece, list(layouts[id(data_piece)].outputs), calls[r], attrs,
-                            reduce.get(r, []), finals[r], loss_sums.get(r, ()))
+                            reduce.get(r, []), finals[r], loss_sums.get(r, ()),
+                            loss_from.get(r) if scheduled else None,
+                            tuple(q for q, src in loss_from.items() if src == r) if scheduled else ())
     return plans
 
 
@@ -400,22 +410,33 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[T
 
 
 def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
-    """Sums a parameter's gradient over the disjoint device groups of its readers."""
+    """Sums a parameter's gradient over the disjoint device groups of its readers.
+
+    Readers whose pieces sum their gradients over their whole group (data
+    parallel, or one device) hold shares of one sum over all the groups. Readers
+    that run whole on each of their devices (replicas, e.g. inside a tensor
+    parallel stage) hold complete copies: the k-th device of each group sums
+    with the k-th of the others.
+    """
     distinct = list(dict.fromkeys(sets.values()))
     union = frozenset().union(*distinct)
     if sum(len(s) for s in distinct) != len(union):
         raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
                          f"({[sorted(s) for s in distinct]}); place all its readers on the same devices, or "
                          f"on disjoint device groups (e.g. a tied embedding and LM head in two stages)")
-    for lop, steps in mine:
-        ranks = tuple(sorted(steps))
-        ok = all(g == {ranks} for r, g in groups.items() if r in steps) or (len(ranks) == 1 and groups[ranks[0]] == {()})
-        if not ok:
-            raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by "
-                             f"{_describe(lop)}, which runs whole on several of them; split that reader over its "
-                             f"devices (data parallel) or run it on one")
+    shares = all(all(groups[r] == {tuple(sorted(steps))} for r in steps) or len(steps) == 1 for _, steps in mine)
+    whole = all(all(groups[r] == {()} for r in steps) for _, steps in mine)
+    if shares:
+        ranks_of = {r: tuple(sorted(union)) for r in union}
+    elif whole and len({len(s) for s in distinct}) == 1:
+        ordered = [sorted(s) for s in distinct]
+        ranks_of = {r: tuple(sorted(o[k] for o in ordered)) for o in ordered for k, r in enumerate(o)}
+    else:
+        raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by ops "
+                         f"that mix whole and split readings of it; split its readers alike in every group")
+    for _, steps in mine:
         for s in steps.values():
             if s and s[-1].kind == "identity_all_reduce":
                 s.pop()
     for r in union:
-        out.setdefault(r, []).append((t, tuple(sorted(union))))
+        out.setdefault(r, []).append((t, ranks_of[r]))

@@ -20,9 +20,28 @@ from torch.autograd import Function
 
 _PENDING: List = []     # posted sends of this step
 _MARKERS: List[torch.Tensor] = []
+_MICRO = [0]            # the micro-batch being run: tags are offset by it
+TAG_STRIDE = 1 << 16
+
+
+def set_micro(i: int) -> None:
+    """Offsets the tags of the following sends and receives by micro-batch ``i``."""
+    _MICRO[0] = i
+
+
+def take_markers() -> List[torch.Tensor]:
+    """The send markers made since the last call (one micro-batch's), forgotten here."""
+    out = list(_MARKERS)
+    _MARKERS.clear()
+    return out
+
+
+def _tag(tag: int) -> int:
+    return tag + _MICRO[0] * TAG_STRIDE
 
 
 def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
+    """Posts a send; ``tag`` already carries the micro-batch offset."""
     x = x.detach().contiguous()
     _PENDING.append((dist.isend(x, dst, tag=tag), x))
 
@@ -30,6 +49,7 @@ def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
 class _Send(Function):
     @staticmethod
     def forward(ctx, x, dst, tag):
+        tag = _tag(tag)
         ctx.args = (dst, tag, x.shape, x.dtype, x.device)
         _isend(x, dst, tag)
         return x.new_empty(0)
@@ -45,6 +65,7 @@ class _Send(Function):
 class _Recv(Function):
     @staticmethod
     def forward(ctx, anchor, src, tag, shape, dtype):
+        tag = _tag(tag)
         ctx.args = (src, tag)
         y = torch.empty(shape, dtype=dtype, device=anchor.device)
         dist.recv(y, src, tag=tag)
@@ -62,7 +83,7 @@ def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True) -> None:
     if grad and torch.is_grad_enabled() and x.requires_grad:
         _MARKERS.append(_Send.apply(x, dst, tag))
     else:
-        _isend(x, dst, tag)
+        _isend(x, dst, _tag(tag))
 
 
 def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
@@ -72,7 +93,7 @@ def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: t
         anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
         return _Recv.apply(anchor, src, tag, tuple(shape), dtype)
     y = torch.empty(tuple(shape), dtype=dtype, device=device)
-    dist.recv(y, src, tag=tag)
+    dist.recv(y, src, tag=_tag(tag))
     return y
 
 

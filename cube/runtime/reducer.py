@@ -84,6 +84,7 @@ class Reducer:
         order = {id(p): i for i, (p, _) in enumerate(entries)}
         self.buckets.sort(key=lambda b: min(order[id(p)] for p in b.params))
         self._next = 0   # buckets launch in this order on every rank, so collectives match
+        self._held = False
         for b in self.buckets:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook)
@@ -94,7 +95,13 @@ class Reducer:
         for p in params:
             self._of[id(p)] = b
 
+    def hold(self) -> None:
+        """Launches nothing from hooks until ``finish`` (gradients accumulate over micro-batches)."""
+        self._held = True
+
     def _hook(self, p: torch.nn.Parameter) -> None:
+        if self._held:
+            return
         b = self._of[id(p)]
         b.ready += 1
         while self._next < len(self.buckets):
@@ -109,3 +116,4 @@ class Reducer:
         for b in self.buckets:
             b.finish()
         self._next = 0
+        self._held = False

@@ -37,26 +37,31 @@ def rel(a, b):
 
 def main():
     name, policy, steps, outdir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    nmicros = int(sys.argv[5]) if len(sys.argv) > 5 else 1   # batches per step (pipeline schedules)
     model, sample = build(name)
     ref = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
                      else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
-               for _ in range(steps)]
+               for _ in range(steps * nmicros)]
     loader = iter(batches)
 
     train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"))
     cmodel = cube.load_model()
     env = cube.init()
-    opt = torch.optim.AdamW(cmodel.parameters(), lr=1e-3)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # CUBE_PARITY_OPT=sgd: plain SGD, to tell AdamW's sensitivity near zero gradients from real errors
+    make = (lambda ps: torch.optim.SGD(ps, lr=1e-2)) if os.environ.get("CUBE_PARITY_OPT") == "sgd" \
+        else (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    opt = make(cmodel.parameters())
+    ref_opt = make(ref.parameters())
     ref_params = dict(ref.named_parameters())
     loss_err, param_err = 0.0, 0.0
     for i in range(steps):
         loss = train_iter(cmodel, loader)
         opt.step()
         opt.zero_grad()
-        ref_loss = ref(*batches[i])
+        # the plain model on the same batches: gradient accumulation of the mean micro-batch loss
+        ref_loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
