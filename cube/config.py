@@ -46,3 +46,13 @@ def tensor_parallel_degree(default: int = 2) -> int:
     if not env.isdigit() or int(env) < 1:
         raise ValueError(f"CUBE_TP must be a positive integer, got {env!r}")
     return int(env)
+
+
+def micro_batches(default: int = 4) -> int:
+    """``CUBE_MICROS``: micro-batches per step of the pipeline policies (``policies/pipeline.py``)."""
+    env = os.environ.get("CUBE_MICROS")
+    if not env:
+        return default
+    if not env.isdigit() or int(env) < 1:
+        raise ValueError(f"CUBE_MICROS must be a positive integer, got {env!r}")
+    return int(env)

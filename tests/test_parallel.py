@@ -80,19 +80,22 @@ PIPELINES = [
     # near AdamW's eps turn the round-off of another summation order into 3e-5 (norm-wise)
     ("gpt_nobias", "PAS1F1BTensor", 4, "sgd"),
     ("hf_llama", "PAS1F1B", 2, "adamw"),
+    # the shipped policies: stages balanced by op cost, 4 micro-batches (CUBE_MICROS)
+    ("gpt_nobias", "policies.pipeline:PAS1F1B", 4, "adamw"),
+    ("mlp", "policies.pipeline:PASGPipe", 2, "adamw"),
 ]
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("model,policy,nproc,optimizer", PIPELINES,
-                         ids=[f"{m}-{p}-{n}-{o}" for m, p, n, o in PIPELINES])
+                         ids=[f"{m}-{p.split(':')[-1]}-{n}-{o}" for m, p, n, o in PIPELINES])
 def test_pipeline_schedule_equals_gradient_accumulation(model, policy, nproc, optimizer, tmp_path):
     """4 micro-batches per step through the schedule equal the plain model's gradient accumulation
     of the mean micro-batch loss; the GPT's tied embedding and LM head sit in the first and last stage."""
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
-    results = parity_across_ranks(model, f"tests/extra_policies.py:{policy}", nproc, tmp_path, steps=3, nmicros=4,
-                                  optimizer=optimizer)
+    path = policy if ":" in policy else f"tests/extra_policies.py:{policy}"
+    results = parity_across_ranks(model, path, nproc, tmp_path, steps=3, nmicros=4, optimizer=optimizer)
     for r in results:
         assert r["loss_err"] <= RTOL, r
         assert r["param_err"] <= RTOL, r

@@ -19,7 +19,8 @@ from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 
 # policy name -> file in policies/ that defines it
 POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
-                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery"}
+                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery",
+                "PAS1F1B": "pipeline", "PASGPipe": "pipeline"}
 
 
 def main(argv=None):

@@ -26,7 +26,8 @@ class MLP(nn.Module):
 
 # policy name -> file in policies/ that defines it
 POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
-                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery"}
+                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery",
+                "PAS1F1B": "pipeline", "PASGPipe": "pipeline"}
 
 
 def main(argv=None):
