@@ -1,6 +1,7 @@
 """Process group and device set-up: torchrun, or one process in SINGLE_DEV_MODE."""
 from __future__ import annotations
 
+import atexit
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -43,5 +44,18 @@ def init(backend: Optional[str] = None) -> Env:
         backend = backend or ("nccl" if cuda else "gloo")
         kwargs = {"device_id": device} if cuda else {}
         dist.init_process_group(backend=backend, **kwargs)
+        atexit.register(_shutdown)
         log.debug("initialised process group: backend=%s world=%d", backend, dist.get_world_size())
     return Env(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def _shutdown() -> None:
+    """At exit: wait for posted sends and take the process group down in order, so no
+    communication thread is left running while the interpreter tears down."""
+    from cube.runtime import p2p
+    try:
+        p2p.finish()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as e:  # exiting anyway: say why the shutdown was not clean
+        log.warning("cube: process group shutdown at exit failed: %s", e)
