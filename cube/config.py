@@ -38,21 +38,20 @@ def bucket_bytes(default: int) -> int:
     return int(mb * 2**20)
 
 
-def tensor_parallel_degree(default: int = 2) -> int:
-    """``CUBE_TP``: the tensor-parallel degree of hybrid policies (``policies/hybrid.py``)."""
-    env = os.environ.get("CUBE_TP")
+def _positive_int(name: str, default: int) -> int:
+    env = os.environ.get(name)
     if not env:
         return default
     if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"CUBE_TP must be a positive integer, got {env!r}")
+        raise ValueError(f"{name} must be a positive integer, got {env!r}")
     return int(env)
+
+
+def tensor_parallel_degree(default: int = 2) -> int:
+    """``CUBE_TP``: the tensor-parallel degree of hybrid policies (``policies/hybrid.py``)."""
+    return _positive_int("CUBE_TP", default)
 
 
 def micro_batches(default: int = 4) -> int:
     """``CUBE_MICROS``: micro-batches per step of the pipeline policies (``policies/pipeline.py``)."""
-    env = os.environ.get("CUBE_MICROS")
-    if not env:
-        return default
-    if not env.isdigit() or int(env) < 1:
-        raise ValueError(f"CUBE_MICROS must be a positive integer, got {env!r}")
-    return int(env)
+    return _positive_int("CUBE_MICROS", default)
