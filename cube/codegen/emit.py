@@ -254,7 +254,7 @@ class _Emitter:
                          f"weight={self.value(weight)}, dtype={op.inputs[0].dtype})   # {op.name}{where}")
         for t, part in parts:
             if part:
-                lines.append(f"        {self.value(t)} = runtime.take({self.value(t)}, {part!r})")
+                lines.append(f"        {self.value(t)} = runtime.piece({self.value(t)}, {part!r})")
         return lines
 
     def train_step(self) -> List[str]:

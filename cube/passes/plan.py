@@ -157,23 +157,22 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                     recv = steps[r].pop(0)
                     q = recv.ranks[0]
                     if (id(t), q) not in received[r]:
-                        out = IRTensor(box_shape(recv.box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
-                                       f"{t.name.replace('.', '_') if t.name else t.hint}_from{q}")
+                        out = _moved(t, recv.box, f"from{q}")
                         calls[q].append(Call([t], [], step=Step("send", recv.ranks, box=recv.box, tag=recv.tag)))
                         calls[r].append(Call([], [out], step=recv))
                         received[r][(id(t), q)] = out
                     base[r] = received[r][(id(t), q)]
-            hits = {r: (id(base.get(r, t)), tuple(s.signature() for s in steps[r])) in local[r] for r in steps}
+            keys = {r: (id(base.get(r, t)), tuple(s.signature() for s in steps[r])) for r in steps}
+            hits = {r: keys[r] in local[r] for r in steps}
             for r in steps:
-                key = (id(base.get(r, t)), tuple(s.signature() for s in steps[r]))
+                key = keys[r]
                 members = {m for s in steps[r] for m in s.ranks}
                 if hits[r] and all(hits.get(m, False) for m in members):
                     subst[r][id(t)] = local[r][key]
                     continue
                 value = base.get(r, t)
                 for s in steps[r]:
-                    out = IRTensor(box_shape(s.box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
-                                   f"{t.name.replace('.', '_') if t.name else t.hint}_{_SHORT[s.kind]}")
+                    out = _moved(t, s.box, _SHORT[s.kind])
                     calls[r].append(Call([value], [out], step=s))
                     value = out
                 local[r][key] = value
@@ -231,6 +230,12 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                             loss_from.get(r) if scheduled else None,
                             tuple(q for q, src in loss_from.items() if src == r) if scheduled else ())
     return plans
+
+
+def _moved(t: IRTensor, box: Box, suffix: str) -> IRTensor:
+    """The local value a communication step makes from ``t``: ``box`` of it, named after it."""
+    return IRTensor(box_shape(box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
+                    f"{t.name.replace('.', '_') if t.name else t.hint}_{suffix}")
 
 
 _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_to_all": "a2a",

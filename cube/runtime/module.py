@@ -75,11 +75,6 @@ def piece(full: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.T
     return t
 
 
-def take(batch_item: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.Tensor:
-    """This rank's part of a batch tensor (``[(dim, start, stop), ...]``)."""
-    return piece(batch_item, splits)
-
-
 def narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """A local part of ``x`` that no other rank's part complements (gradient zero elsewhere)."""
     return x.narrow(dim, start, stop - start)

@@ -9,7 +9,7 @@ the buckets and writes the sums back into ``.grad``.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,10 +23,9 @@ FIRST_BUCKET_BYTES = 1024 * 1024   # a small first bucket starts communication e
 
 
 class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...], pg=None):
+    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]):
         self.params = params
         self.ranks = ranks
-        self.pg = pg
         self.ready = 0
         self.work = None
         self.flat = None
@@ -34,8 +33,7 @@ class _Bucket:
     def launch(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.flat = _flatten_dense_tensors(grads)
-        self.work = dist.all_reduce(self.flat, group=self.pg if self.pg is not None else group(self.ranks),
-                                    async_op=True)
+        self.work = dist.all_reduce(self.flat, group=group(self.ranks), async_op=True)
 
     def finish(self) -> None:
         if self.work is None:
@@ -54,13 +52,10 @@ class Reducer:
             to be ready; every rank of ``ranks`` lists its matching parameters
             in the same order with the same shapes.
         bucket_bytes: the size at which a bucket is closed (default ``CUBE_BUCKET_MB`` or 25 MiB).
-        groups: process groups to use per rank set (sorted tuple); default: the
-            cached groups of ``cube.runtime.collectives``.
     """
 
     def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],
-                 bucket_bytes: int = 0, first_bucket_bytes: int = 0, groups: Optional[dict] = None):
-        self.groups = groups or {}
+                 bucket_bytes: int = 0, first_bucket_bytes: int = 0):
         bucket_bytes = bucket_bytes or config.bucket_bytes(DEFAULT_BUCKET_BYTES)
         first_bucket_bytes = first_bucket_bytes or min(bucket_bytes, FIRST_BUCKET_BYTES)
         self.buckets: List[_Bucket] = []
@@ -90,7 +85,7 @@ class Reducer:
                 p.register_post_accumulate_grad_hook(self._hook)
 
     def _close(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]) -> None:
-        b = _Bucket(list(params), ranks, self.groups.get(tuple(sorted(ranks))))
+        b = _Bucket(list(params), ranks)
         self.buckets.append(b)
         for p in params:
             self._of[id(p)] = b

@@ -51,7 +51,7 @@ class GenModel(runtime.CubeModule):
 
     def forward(self, data):
         # the whole batch comes in; this rank keeps its part
-        data = runtime.take(data, [(0, 2, 4)])
+        data = runtime.piece(data, [(0, 2, 4)])
         # linears.py:22: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
