@@ -1,40 +1,12 @@
-"""Test policies that place ops in two device groups, so values cross between them.
-
-The split is by op count, not balanced; staging and schedules are a later feature.
-"""
+"""Test policies: values crossing device groups, pipelines with data or tensor parallel
+stages, and a value that changes its split dim. Stages are cut by op count, not balanced."""
 from cube.ir import IRDataOperation
 
 
 def PASTwoStages(graph, resource):
-    """The first half of the ops on device 0, the rest on device 1 (the batch on both)."""
-    ops = graph.nodes()
-    fw = [op for op in ops if not isinstance(op, IRDataOperation)]
-    cut = len(fw) // 2
-    for op in ops:
-        if isinstance(op, IRDataOperation):
-            for dev, piece in enumerate(graph.replicate(op, times=resource.ngpus)):
-                graph.assign(piece, dev)
-        else:
-            graph.assign(op, 0 if fw.index(op) < cut else 1)
-    return graph
-
-
-def PASTwoStagesData(graph, resource):
-    """Two stages, each data parallel over half the devices."""
-    from cube.ir.follow import batch_flow, place
-    half = resource.ngpus // 2
-    ops = graph.nodes()
-    fw = [op for op in ops if not isinstance(op, IRDataOperation)]
-    cut = len(fw) // 2
-    flow = batch_flow(graph, half)
-    for op in ops:
-        if isinstance(op, IRDataOperation):
-            for dev, piece in enumerate(graph.replicate(op, times=2)):
-                place(graph, piece, (0, 0), [dev * half + i for i in range(half)])
-        else:
-            stage = 0 if fw.index(op) < cut else 1
-            place(graph, op, flow.split_of(op), [stage * half + i for i in range(half)])
-    return graph
+    """The first half of the ops on the first half of the devices, the rest on the others;
+    each half data parallel (one device each on two)."""
+    return _pipeline(graph, resource, None, 2)
 
 
 def PASSwap(graph, resource):
@@ -54,7 +26,8 @@ def PASSwap(graph, resource):
 
 def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False):
     """``nstages`` stages of about equal op count (graph.staging), each data parallel (or
-    Megatron tensor parallel) over ``ngpus // nstages`` devices, then ``schedule``."""
+    Megatron tensor parallel) over ``ngpus // nstages`` devices, then ``schedule`` (None: one
+    batch per step, values still sent between the stages)."""
     from cube import schedule as sched
     from cube.ir import IRFwOperation
     from cube.ir.follow import batch_flow, megatron_flow, place
@@ -68,7 +41,8 @@ def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False):
     for k, stage in enumerate(stages):
         for op in stage:
             place(graph, op, flow.split_of(op), [k * dp + i for i in range(dp)])
-    getattr(sched, schedule)(graph, nmicros, nstages)
+    if schedule is not None:
+        getattr(sched, schedule)(graph, nmicros, nstages)
     return graph
 
 

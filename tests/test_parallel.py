@@ -34,8 +34,8 @@ CASES = [
     # and LM head of the GPT in different groups
     ("mlp", "tests/extra_policies.py:PASTwoStages", 2),
     ("gpt_nobias", "tests/extra_policies.py:PASTwoStages", 2),
-    ("gpt_nobias", "tests/extra_policies.py:PASTwoStagesData", 4),
-    ("hf_llama", "tests/extra_policies.py:PASTwoStagesData", 4),
+    ("gpt_nobias", "tests/extra_policies.py:PASTwoStages", 4),
+    ("hf_llama", "tests/extra_policies.py:PASTwoStages", 4),
     # a value changing its split dim between ops (all-to-all)
     ("mlp", "tests/extra_policies.py:PASSwap", 4),
 ]

@@ -16,12 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cube  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
-
-# policy name -> file in policies/ that defines it
-POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
-                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery",
-                "PAS1F1B": "pipeline", "PASGPipe": "pipeline"}
-
+from policies import resolve  # noqa: E402
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,7 +32,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
-    policy = args.policy if ":" in args.policy else f"policies.{POLICY_FILES.get(args.policy, 'single')}:{args.policy}"
+    policy = resolve(args.policy)
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
     model = GPT(config)

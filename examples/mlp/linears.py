@@ -24,17 +24,12 @@ class MLP(nn.Module):
         return loss
 
 
-# policy name -> file in policies/ that defines it
-POLICY_FILES = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron",
-                "PASHybrid": "hybrid", "PASCol": "gallery", "PASRow": "gallery",
-                "PAS1F1B": "pipeline", "PASGPipe": "pipeline"}
-
-
 def main(argv=None):
     import argparse
     import logging
 
     import cube
+    from policies import resolve
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="PASSingle",
@@ -47,7 +42,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
-    policy = args.policy if ":" in args.policy else f"policies.{POLICY_FILES.get(args.policy, 'single')}:{args.policy}"
+    policy = resolve(args.policy)
     torch.manual_seed(0)
     model = MLP(args.dim, args.layers)
     dataloader = cube.runtime.utils.create_dummy_dataloader(torch.randn(args.dim), args.batch)
