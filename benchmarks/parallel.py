@@ -51,8 +51,8 @@ def _batches(args, n):
 class _Runner:
     """One way of training; ``step()`` runs one full step on the next batch."""
 
-    def __init__(self, name, step):
-        self.name, self.step, self.times = name, step, []
+    def __init__(self, step):
+        self.step, self.times = step, []
 
     def timed(self, n):
         import torch.distributed as dist
@@ -133,12 +133,12 @@ def worker(args):
     cache = os.path.join(args.cache, "cube")
     base = _gpt(args)
     runners = [
-        ("DDP", _Runner("DDP", _torch_ddp(args, copy.deepcopy(base), _batches(args, total), rank, world))),
-        ("cube PASData", _Runner("cube PASData", _cube(args, copy.deepcopy(base), _batches(args, total + 1),
-                                                       "policies.data:PASData", cache))),
-        ("DTensor TP", _Runner("DTensor TP", _torch_tp(args, copy.deepcopy(base), _batches(args, total), world))),
-        ("cube PASMegatronTP", _Runner("cube PASMegatronTP", _cube(args, copy.deepcopy(base), _batches(args, total + 1),
-                                                                   "policies.megatron:PASMegatronTP", cache))),
+        ("DDP", _Runner(_torch_ddp(args, copy.deepcopy(base), _batches(args, total), rank, world))),
+        ("cube PASData", _Runner(_cube(args, copy.deepcopy(base), _batches(args, total + 1),
+                                       "policies.data:PASData", cache))),
+        ("DTensor TP", _Runner(_torch_tp(args, copy.deepcopy(base), _batches(args, total), world))),
+        ("cube PASMegatronTP", _Runner(_cube(args, copy.deepcopy(base), _batches(args, total + 1),
+                                             "policies.megatron:PASMegatronTP", cache))),
     ]
     for _ in range(args.rounds):
         for _, r in runners:

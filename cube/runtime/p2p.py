@@ -97,16 +97,17 @@ def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: t
     return y
 
 
-def backward(loss: Optional[torch.Tensor]) -> None:
-    """Backward from the loss (when this rank made it) and from this step's send markers."""
-    roots, grads = [], []
+def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]] = None,
+             scale: float = 1.0) -> None:
+    """Backward from the loss (when this rank made it; its gradient is ``scale``) and from send
+    markers (default: those made since the last ``take_markers``, which are then forgotten)."""
+    if markers is None:
+        markers = take_markers()
+    roots = list(markers)
+    grads = [torch.empty(0, dtype=m.dtype, device=m.device) for m in markers]
     if loss is not None and loss.requires_grad:
         roots.append(loss)
-        grads.append(torch.ones_like(loss))
-    for m in _MARKERS:
-        roots.append(m)
-        grads.append(torch.empty(0, dtype=m.dtype, device=m.device))
-    _MARKERS.clear()
+        grads.append(torch.full_like(loss, scale))
     if roots:
         torch.autograd.backward(roots, grads)
 

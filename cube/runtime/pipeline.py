@@ -42,14 +42,8 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
                 losses[i] = out
         else:
             p2p.set_micro(i)
-            roots = list(markers[i])
-            grads = [torch.empty(0, dtype=m.dtype, device=m.device) for m in roots]
-            if losses[i] is not None and losses[i].requires_grad:
-                roots.append(losses[i])
-                grads.append(torch.full_like(losses[i], 1.0 / nmicros))
+            p2p.backward(losses[i], markers[i], scale=1.0 / nmicros)
             markers[i] = []
-            if roots:
-                torch.autograd.backward(roots, grads)
     p2p.set_micro(0)
     p2p.finish()
     model.reduce_gradients()
