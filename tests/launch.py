@@ -20,6 +20,7 @@ def _env(extra: dict) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["CUDA_VISIBLE_DEVICES"] = ""   # the multi-rank tests are CPU/gloo tests
+    env["PYTHONFAULTHANDLER"] = "1"   # a rank that aborts in C++ still prints where Python was
     env.pop("SINGLE_DEV_MODE", None)
     env.update(extra)
     return env
