@@ -1,6 +1,7 @@
 """cube's data and tensor parallel plans side by side with torch's own, in one run.
 
-    python benchmarks/parallel.py [--nproc 2] [--steps 10] [--rounds 3]
+    python benchmarks/parallel.py [--quick] [--nproc 2] [--steps 10] [--rounds 3]
+    python -m benchmarks.parallel [...]      (the same; ``main(quick)`` returns the rows)
 
 Launches one torchrun job (gloo on CPU unless CUDA is there) in which every
 rank trains the same GPT (4 layers, d256, T64, global batch 16, AdamW) four
@@ -12,21 +13,29 @@ ways, interleaved round by round so machine noise hits all alike:
 
 and prints the median step time of each and the ratio cube / torch (lower is
 better for cube). A step is forward, backward, gradient sync and the optimizer.
+``--quick`` times 1 round of 3 steps.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._torchrun import run_rows  # noqa: E402
+
+DEFAULTS = {"nproc": 2, "layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048,
+            "steps": 10, "warmup": 2, "rounds": 3, "threads": 1}
+QUICK = {"steps": 3, "warmup": 1, "rounds": 1}
 
 
 def _gpt(args):
@@ -155,44 +164,66 @@ def worker(args):
         print(f"ratio cube PASData / DDP:               {med['cube PASData'] / med['DDP']:.3f}  (target <= 1.00)")
         print(f"ratio cube PASMegatronTP / DTensor TP:  {med['cube PASMegatronTP'] / med['DTensor TP']:.3f}  "
               f"(target <= 0.85)")
+        if args.out:
+            rows = [{"benchmark": "parallel", "name": name, "ms_per_step": med[name] * 1e3} for name in med]
+            for cube_name, torch_name, target in (("cube PASData", "DDP", "<= 1.00"),
+                                                  ("cube PASMegatronTP", "DTensor TP", "<= 0.85")):
+                rows.append({"benchmark": "parallel", "name": f"{cube_name} / {torch_name}",
+                             "time_ratio": med[cube_name] / med[torch_name], "target": target})
+            with open(args.out, "w") as f:
+                json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def main():
+def run(quick: bool = False, **settings) -> List[dict]:
+    """Launches the torchrun job (``settings``: any of ``DEFAULTS``); returns rank 0's rows.
+
+    Raises:
+        RuntimeError: the job failed (its output above says why).
+    """
+    unknown = sorted(set(settings) - set(DEFAULTS))
+    if unknown:
+        raise TypeError(f"benchmarks.parallel: unknown settings {unknown}; use any of {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **(QUICK if quick else {}), **settings}
+    return run_rows(Path(__file__), cfg)
+
+
+def main(quick: bool = False, **settings) -> List[dict]:
+    """Runs the comparison (``quick``: 1 round of 3 steps); rank 0 prints the table; returns its rows:
+    median ms per step of each way, and ``time_ratio`` rows cube / torch with their targets."""
+    return run(quick, **settings)
+
+
+def _cli(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16, help="global batch size")
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--steps", type=int, default=10, help="timed steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each round")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--quick", action="store_true", help="1 round of 3 steps")
+    p.add_argument("--nproc", type=int, default=DEFAULTS["nproc"])
+    p.add_argument("--layers", type=int, default=DEFAULTS["layers"])
+    p.add_argument("--dim", type=int, default=DEFAULTS["dim"])
+    p.add_argument("--heads", type=int, default=DEFAULTS["heads"])
+    p.add_argument("--seq", type=int, default=DEFAULTS["seq"])
+    p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="global batch size")
+    p.add_argument("--vocab", type=int, default=DEFAULTS["vocab"])
+    p.add_argument("--steps", type=int, help=f"timed steps per round (default {DEFAULTS['steps']})")
+    p.add_argument("--warmup", type=int, help=f"untimed steps before each round (default {DEFAULTS['warmup']})")
+    p.add_argument("--rounds", type=int, help=f"(default {DEFAULTS['rounds']})")
+    p.add_argument("--threads", type=int, default=DEFAULTS["threads"], help="intra-op threads per rank")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache", default="", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
     if args.worker:
         worker(args)
-        return
-    with tempfile.TemporaryDirectory() as cache:
-        forward = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("nproc", "worker", "cache")]
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={_port()}",
-               __file__, "--worker", "--cache", cache] + forward
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        sys.exit(subprocess.call(cmd, env=env, cwd=ROOT))
-
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return 0
+    settings = {k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None}
+    try:
+        main(args.quick, **settings)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(_cli())

@@ -1,15 +1,21 @@
 """cube: compile a single-device PyTorch training step into a distributed one.
 
-Public API: ``compile``, ``load_model``, ``init``, ``register_op``, and the
+Public API: ``compile``, ``load_model``, ``init``, ``register_op``, the checkpoint
+functions ``save_checkpoint``/``merge_checkpoint``/``load_checkpoint``, and the
 ``ir``, ``runtime`` and ``schedule`` subpackages a policy or training script uses.
 """
 from cube import ir, runtime, schedule
 from cube.compiler import CompiledStep, compile, load_model
+from cube.runtime.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
+from cube.codegen.report import explain
 from cube.runtime.device import init
+from cube.runtime.norm import clip_grad_norm_
+from cube.runtime.zero import build_optimizer
 from cube.trace.custom import register_op
 from cube.trace.export import TraceError
 
 from cube.version import __version__
 
-__all__ = ["compile", "load_model", "init", "register_op", "CompiledStep", "TraceError", "ir",
+__all__ = ["compile", "load_model", "init", "register_op", "save_checkpoint", "merge_checkpoint",
+           "load_checkpoint", "build_optimizer", "clip_grad_norm_", "explain", "CompiledStep", "TraceError", "ir",
            "runtime", "schedule", "__version__"]

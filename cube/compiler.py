@@ -1,6 +1,7 @@
 """``cube.compile``: drives trace -> policy -> codegen -> load, with a code cache."""
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -19,6 +20,7 @@ from cube.codegen import generate, generate_all
 from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import device as rt_device
+from cube.runtime import profile as rt_profile
 from cube.trace import build_graph, export
 from cube.trace.rules import REGISTRY
 
@@ -33,6 +35,24 @@ def _phase(name: str, timings: dict):
     start = time.perf_counter()
     yield
     timings[name] = time.perf_counter() - start
+
+
+@contextmanager
+def _gc_paused():
+    """Pauses Python's cyclic garbage collector for a compile.
+
+    Tracing and planning make millions of small objects that live until the
+    compile ends; collections triggered while they pile up would walk them again
+    and again (a large share of compile time on big graphs). Cycles left behind
+    are collected once the collector is back on.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _Batches:
@@ -109,8 +129,11 @@ class CompiledStep:
     """
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
-                 use_cache: bool = True):
+                 use_cache: bool = True, zero: int = 0, precision: Optional[str] = None):
         self.fn = fn
+        self.steps_run = 0
+        self.zero = zero
+        self.precision = precision
         self.user_model = model
         self.timings: dict = {}
         self.env = rt_device.init()
@@ -134,9 +157,9 @@ class CompiledStep:
         with _phase("load", self.timings):
             self.module = _load_source(self.path, f"cube_gen_{self.key[:16]}_rank{self.env.rank}")
         if self.env.rank == 0:
-            phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.timings.items())
             log.info("cube: %s plan %s for %s (world %d): %s", "reused" if self.cache_hit else "compiled",
-                     self.key[:12], type(model).__name__, self.env.world_size, phases)
+                     self.key[:12], type(model).__name__, self.env.world_size, _format_phases(self.timings))
+            log.info("cube: %s", _plan_summary(self.module.GenModel, self.path))
 
     def _key(self, sample) -> str:
         h = hashlib.sha256()
@@ -145,16 +168,19 @@ class CompiledStep:
         for part in (VERSION, torch.__version__, _model_fingerprint(self.user_model),
                      policy_source(self.policy), self.structure,
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
-                     str(self.env.world_size), "\n".join(user_rules)):
+                     str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
+                     f"precision={self.precision}"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
 
     def _compile(self, sample) -> None:
-        graph, consts = trace_and_plan(self.user_model, sample, self.structure, self.policy,
-                                       self.env.world_size, self.timings)
-        with _phase("codegen", self.timings):
-            source = generate(graph, self.env.rank, self.env.world_size, policy_name(self.policy))
+        with _gc_paused():
+            graph, consts = trace_and_plan(self.user_model, sample, self.structure, self.policy,
+                                           self.env.world_size, self.timings, zero=self.zero,
+                                           precision=self.precision)
+            source = generate(graph, self.env.rank, self.env.world_size, policy_name(self.policy),
+                              timings=self.timings)
         self.graph = graph
         self.consts = consts
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -174,16 +200,33 @@ class CompiledStep:
             raise TypeError(f"the compiled step takes the module from cube.load_model(), got "
                             f"{type(model).__name__}: call `model = cube.load_model()` after compiling "
                             f"and pass that model to the step")
-        return self.module.train_step(model, self.batches.take(dataloader))
+        step, self.steps_run = self.steps_run, self.steps_run + 1
+        with rt_profile.record(self.env.rank, step):   # CUBE_PROFILE: a trace file of this step
+            return self.module.train_step(model, self.batches.take(dataloader))
 
     @property
     def source(self) -> str:
         return self.path.read_text()
 
 
+def _plan_summary(cls, path: Path) -> str:
+    """One line on what rank 0 holds and does (from its generated module's tables)."""
+    pieces = sum(1 for _, splits in cls.PARAMS.values() if splits)
+    groups = len({tuple(r) for _, r in cls.REDUCE})
+    parts = [f"rank 0 holds {len(cls.PARAMS)} parameters ({pieces} split into pieces)",
+             f"{len(cls.GROUPS)} process groups", f"gradients of {len(cls.REDUCE)} summed over {groups} group(s)"]
+    if getattr(cls, "ZERO", 0):
+        parts.append(f"ZeRO-{cls.ZERO}")
+    if getattr(cls, "PRECISION", None):
+        parts.append(cls.PRECISION)
+    return "plan: " + ", ".join(parts) + f"; code in {path.parent}"
+
+
 def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy: Callable,
-                   world_size: int, timings: Optional[dict] = None):
-    """Traces ``model(*sample)``, builds the IR and applies the policy.
+                   world_size: int, timings: Optional[dict] = None, zero: int = 0,
+                   precision: Optional[str] = None):
+    """Traces ``model(*sample)``, builds the IR and applies the policy (``zero``: the ZeRO stage,
+    ``precision``: None, "bf16" or "fp16").
 
     Returns:
         ``(graph, consts)``: the planned graph and the lifted constant tensors it uses.
@@ -193,6 +236,8 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
         ep = export(model, sample)
     with _phase("ir", timings):
         graph, consts = build_graph(ep, model, structure)
+        graph.zero = zero
+        graph.precision = precision
         check_graph(graph)
     with _phase("policy", timings):
         graph = apply_policy(policy, graph, Resource(world_size))
@@ -201,16 +246,32 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
     return graph, {k: v for k, v in consts.items() if k in used}
 
 
-def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1) -> dict:
-    """Every rank's generated source for a plan, in this process (no launch, no cache).
+def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1,
+                  zero: int = 0, precision: Optional[str] = None, timings: Optional[dict] = None) -> dict:
+    """Every rank's generated source for a plan, in this process (no launch, no cache): a dry run.
+
+    Args:
+        timings: a dict that gets the seconds of each compile phase (``trace``,
+            ``ir``, ``policy``, ``plan``, ``codegen``); the phases are also logged
+            at INFO on the ``cube`` logger.
 
     Returns:
         ``{rank: source}`` for ranks ``0..world_size-1``.
     """
+    timings = {} if timings is None else timings
     structure, sample = _structure(batch)
     policy = load_policy(PAS)
-    graph, _ = trace_and_plan(model, sample, structure, policy, world_size)
-    return generate_all(graph, world_size, policy_name(policy))
+    with _gc_paused():
+        graph, _ = trace_and_plan(model, sample, structure, policy, world_size, timings, zero=zero,
+                                  precision=precision)
+        sources = generate_all(graph, world_size, policy_name(policy), timings=timings)
+    log.info("cube: dry run of %s for %s (world %d): %s", policy_name(policy), type(model).__name__,
+             world_size, _format_phases(timings))
+    return sources
+
+
+def _format_phases(timings: dict) -> str:
+    return ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) + f"; total {sum(timings.values()):.2f}s"
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -234,7 +295,8 @@ def _load_source(path: Path, name: str):
 
 
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
-            cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True) -> Callable:
+            cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
+            zero: int = 0, precision: Optional[str] = None) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -248,15 +310,28 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
         PAS: the policy: a callable, ``"path/to/file.py:Name"`` or ``"module:Name"``.
         cache_dir: where generated code lives (default ``CUBE_CACHE_DIR`` or ~/.cache/cube).
         use_cache: reuse generated code of an identical earlier compile.
+        zero: 3 makes a ZeRO-3 plan: parameters summed over a data parallel group
+            are sharded over it and gathered in forward (build the optimizer with
+            ``cube.build_optimizer(model, ..., zero=3)``); stages 1 and 2 need
+            nothing at compile time.
+        precision: None (float32), ``"bf16"`` or ``"fp16"``: the forward runs under
+            ``torch.autocast`` over float32 parameters and optimizer state; fp16
+            adds a dynamic loss scale (build the optimizer with
+            ``cube.build_optimizer`` so overflowed steps are skipped).
 
     Returns:
         A decorator turning the step into a ``CompiledStep``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cube.compile: model must be a torch.nn.Module, got {type(model).__name__}")
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"cube.compile: zero must be 0, 1, 2 or 3, got {zero!r}")
+    if precision not in (None, "bf16", "fp16"):
+        raise ValueError(f"cube.compile: precision must be None, 'bf16' or 'fp16', got {precision!r}")
 
     def decorator(fn: Callable) -> CompiledStep:
-        step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache)
+        step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
+                            precision=precision)
         _last_step[:] = [step]
         return step
 

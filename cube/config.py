@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional, Tuple, Union
 
 
 def single_dev_mode() -> bool:
@@ -52,6 +53,45 @@ def tensor_parallel_degree(default: int = 2) -> int:
     return _positive_int("CUBE_TP", default)
 
 
+def pipeline_degree(default: int = 2) -> int:
+    """``CUBE_PP``: the pipeline stages of ``PASMegatron`` (``policies/megatron3d.py``)."""
+    return _positive_int("CUBE_PP", default)
+
+
 def micro_batches(default: int = 4) -> int:
     """``CUBE_MICROS``: micro-batches per step of the pipeline policies (``policies/pipeline.py``)."""
     return _positive_int("CUBE_MICROS", default)
+
+
+def recompute_text() -> str:
+    """The raw value of ``CUBE_RECOMPUTE`` (``""`` when unset)."""
+    return os.environ.get("CUBE_RECOMPUTE", "").strip()
+
+
+def recompute() -> Optional[Union[str, Tuple[int, ...]]]:
+    """``CUBE_RECOMPUTE``: which blocks the shipped policies recompute (``cube.ir.blocks``).
+
+    Returns:
+        ``"all"``, a tuple of block indices (``CUBE_RECOMPUTE=0,2``), or None
+        (unset, empty or ``none``: no recompute).
+
+    Raises:
+        ValueError: anything else.
+    """
+    env = recompute_text()
+    if env.lower() in ("", "none", "off"):
+        return None
+    if env.lower() == "all":
+        return "all"
+    parts = [p.strip() for p in env.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise ValueError(f"CUBE_RECOMPUTE must be 'all' or comma-separated block indices such as '0,2', "
+                         f"got {env!r}")
+    return tuple(int(p) for p in parts)
+
+
+def plan_settings() -> str:
+    """The variables that change what the shipped policies plan or what codegen emits (``CUBE_PROFILE``
+    adds profiling regions), for the code cache key."""
+    return " ".join(f"{k}={os.environ.get(k, '')}"
+                    for k in ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_RECOMPUTE", "CUBE_PROFILE"))

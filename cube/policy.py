@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Union
 
+from cube import config
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRFwOperation
 
@@ -57,7 +58,8 @@ def policy_name(fn: Callable) -> str:
 
 
 def policy_source(fn: Callable) -> str:
-    """The source the plan depends on: the policy's whole file (helpers included)."""
+    """The source the plan depends on: the policy's whole file (helpers included), and the
+    environment variables the shipped policies read (``config.plan_settings``)."""
     target = getattr(fn, "func", fn)  # functools.partial
     try:
         with open(inspect.getsourcefile(target)) as f:
@@ -65,7 +67,7 @@ def policy_source(fn: Callable) -> str:
     except (OSError, TypeError):
         text = ""
     extra = repr(getattr(fn, "args", ())) + repr(getattr(fn, "keywords", {}))
-    return f"{policy_name(target)}\n{text}\n{extra}"
+    return f"{policy_name(target)}\n{text}\n{extra}\n{config.plan_settings()}"
 
 
 def apply_policy(fn: Callable, graph: IRGraph, resource: Resource) -> IRGraph:

@@ -7,6 +7,7 @@ loss are all-reduced, and the gradients of the parameters every device holds
 are summed in buckets while backward runs.
 """
 from cube.ir import IRDataOperation, IRGraph
+from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import batch_flow, place
 
 
@@ -16,4 +17,5 @@ def PASData(graph: IRGraph, resource) -> IRGraph:
     for node in graph.nodes():
         split = (0, 0) if isinstance(node, IRDataOperation) else flow.split_of(node)
         place(graph, node, split, devices)
+    recompute_blocks(graph)   # CUBE_RECOMPUTE
     return graph

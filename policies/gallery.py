@@ -7,6 +7,7 @@ PASRow: every linear split by input features (row); each linear's output is a
 Everything else runs whole on every device.
 """
 from cube.ir import IRGraph
+from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import place
 
 COLUMN = (1, 0)   # linear input 1 (the weight, out x in), dim 0: output features
@@ -17,6 +18,7 @@ def _linears(graph: IRGraph, split, ngpus: int) -> IRGraph:
     devices = list(range(ngpus))
     for node in graph.nodes():
         place(graph, node, split if node.name == "linear" else None, devices)
+    recompute_blocks(graph)   # CUBE_RECOMPUTE
     return graph
 
 

@@ -6,6 +6,7 @@ change it); ``dp = ngpus // tp``.
 """
 from cube import config
 from cube.ir import IRDataOperation, IRGraph
+from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import batch_flow, megatron_flow, place
 
 
@@ -21,4 +22,5 @@ def PASHybrid(graph: IRGraph, resource, tp: int = 0) -> IRGraph:
         dsplit = (0, 0) if isinstance(node, IRDataOperation) else data_flow.split_of(node)
         for i, piece in enumerate(place(graph, node, dsplit, [i * tp for i in range(dp)])):
             place(graph, piece, tensor_flow.split_of(node), [i * tp + j for j in range(tp)])
+    recompute_blocks(graph)   # CUBE_RECOMPUTE
     return graph

@@ -8,6 +8,7 @@ projection) or a reduction. Attention is then split by heads. Everything else
 module names are used, so it plans the shipped GPT, HF GPT-2 and HF Llama alike.
 """
 from cube.ir import IRGraph
+from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import megatron_flow, place
 
 
@@ -16,4 +17,5 @@ def PASMegatronTP(graph: IRGraph, resource) -> IRGraph:
     flow = megatron_flow(graph, resource.ngpus)
     for node in graph.nodes():
         place(graph, node, flow.split_of(node), devices)
+    recompute_blocks(graph)   # CUBE_RECOMPUTE
     return graph

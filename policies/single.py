@@ -4,6 +4,7 @@ With one device this is plain single-device training. With more, every rank
 runs the same full step, so results match and no communication is needed.
 """
 from cube.ir import IRGraph
+from cube.ir.blocks import recompute_blocks
 
 
 def PASSingle(graph: IRGraph, resource) -> IRGraph:
@@ -13,4 +14,5 @@ def PASSingle(graph: IRGraph, resource) -> IRGraph:
             continue
         for dev, piece in enumerate(graph.replicate(node, times=resource.ngpus)):
             graph.assign(piece, dev)
+    recompute_blocks(graph)   # CUBE_RECOMPUTE
     return graph

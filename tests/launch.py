@@ -47,11 +47,18 @@ def single(script, args=(), env=None, timeout: int = 240) -> subprocess.Complete
 
 
 def parity_across_ranks(model: str, policy: str, nproc: int, tmp_path, steps: int = 5, nmicros: int = 1,
-                        optimizer: str = "adamw") -> list:
-    """Runs tests/workers/parity_worker.py on ``nproc`` ranks; returns each rank's errors."""
+                        optimizer: str = "adamw", zero: int = 0, clip: float = 0.0, precision: str = "",
+                        env=None) -> list:
+    """Runs tests/workers/parity_worker.py on ``nproc`` ranks; returns each rank's errors.
+
+    ``zero``: build a ZeRO optimizer of that stage; ``clip``: clip the gradient norm each step;
+    ``precision``: "bf16"/"fp16" compile and compare with the plain model under the same autocast.
+    """
     import json
     torchrun(ROOT / "tests" / "workers" / "parity_worker.py", nproc, [model, policy, steps, tmp_path, nmicros],
-             env={"CUBE_PARITY_OPT": optimizer})
+             env={"CUBE_PARITY_OPT": optimizer, "CUBE_PARITY_ZERO": str(zero), "CUBE_PARITY_CLIP": str(clip),
+                  "CUBE_PARITY_PRECISION": precision,
+                  **(env or {})})
     results = [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert [r["rank"] for r in results] == list(range(nproc))
     assert all(r["world"] == nproc and r["steps"] == steps and r["nparams"] > 0 for r in results)

@@ -187,3 +187,48 @@ def test_partition_of_foreign_node():
         return graph
     with pytest.raises(ValueError, match="is not in the graph .*use the pieces it returned"):
         generate_code(MLP(8, 1), torch.randn(4, 8), PASTwice)
+
+
+def test_non_tensor_loss():
+    class DictLoss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"loss": self.lin(x).sum()}
+    with pytest.raises((TypeError, ValueError), match=r"DictLoss.forward must return a scalar"):
+        generate_code(DictLoss(), torch.randn(2, 4), PASSingle)
+
+
+def test_empty_dataloader(tmp_path):
+    with pytest.raises(ValueError, match="the dataloader is empty; it needs at least one batch"):
+        _step(MLP(8, 1), iter([]), tmp_path)
+
+
+def test_batch_of_non_tensors(tmp_path):
+    with pytest.raises(TypeError, match="a batch must be a tensor or a tuple/list of tensors, got str"):
+        _step(MLP(8, 1), iter(["not a tensor"]), tmp_path)
+
+
+def test_multi_rank_plan_without_torchrun(tmp_path):
+    """Generated code of a 2-rank plan, loaded in a single process (world size 1)."""
+    import importlib.util
+    src = generate_code(MLP(8, 1), torch.randn(4, 8), "policies.data:PASData", world_size=2)[0]
+    path = tmp_path / "rank0.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("cube_gen_two_ranks", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match=r"plan for several ranks.*torchrun --nproc_per_node=N"):
+        module.GenModel("cpu")
+
+
+def test_bad_environment_settings(monkeypatch):
+    from cube import config
+    monkeypatch.setenv("CUBE_BUCKET_MB", "lots")
+    with pytest.raises(ValueError, match="CUBE_BUCKET_MB must be a number of MiB"):
+        config.bucket_bytes(1)
+    monkeypatch.setenv("CUBE_RECOMPUTE", "every other")
+    with pytest.raises(ValueError, match="CUBE_RECOMPUTE"):
+        config.recompute()

@@ -15,6 +15,7 @@ Grammar (one group per tensor input, ``->``, one group per tensor output)::
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import List, Tuple
@@ -111,8 +112,10 @@ def _ident(tok: str, where: str) -> Ident:
     return Ident(tok)
 
 
+@functools.lru_cache(maxsize=4096)
 def parse(text: str, ninputs: int | None = None) -> OpAnno:
-    """Parses an annotation string.
+    """Parses an annotation string (cached: annotations are immutable, and a
+    model repeats a few texts over thousands of ops).
 
     Args:
         text: the annotation.

@@ -7,6 +7,8 @@ the output features of a linear onward to the op that sums them away
 """
 from __future__ import annotations
 
+import heapq
+from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -62,17 +64,22 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
                 continue
         idx, dim = choice
         out.splits[id(op)] = (op, idx, dim)
-        factor = op.anno.inputs[idx][dim].head
-        partial = False
-        for t, group in zip(op.outputs, op.anno.outputs):
-            dims = [d for d, g in enumerate(group) if g.head is not None and g.head.name == factor.name]
-            if dims:
-                out.tracked[id(t)] = dims[0]
-            elif factor.reduce:
-                partial = True
-        if partial and op not in out.reduced:
+        if _carry(op, idx, dim, out.tracked) and op not in out.reduced:
             out.reduced.append(op)
     return out
+
+
+def _carry(op: IRFwOperation, idx: int, dim: int, tracked) -> bool:
+    """Tracks the outputs of ``op`` split at ``(idx, dim)``; True when the split ends in a partial sum."""
+    factor = op.anno.inputs[idx][dim].head
+    partial = False
+    for t, group in zip(op.outputs, op.anno.outputs):
+        dims = [d for d, g in enumerate(group) if g.head is not None and g.head.name == factor.name]
+        if dims:
+            tracked[id(t)] = dims[0]
+        elif factor.reduce:
+            partial = True
+    return partial
 
 
 def _reads(op: IRFwOperation, flow: Flow) -> bool:
@@ -112,23 +119,86 @@ def megatron_flow(graph: IRGraph, num: int) -> Flow:
     """Megatron's plan found from structure: column-split a linear whose input is whole
     when its output features reach, through ops that can carry the split (activations,
     head reshapes, attention), an op that sums them away (a row linear, a reduction).
-    Linears whose split would hit an op that cannot carry it stay whole."""
+    Linears whose split would hit an op that cannot carry it stay whole.
+
+    Each linear's trial follows its split only through the ops that read what it
+    splits (what ``follow`` from that linear would change), so the whole search
+    is linear in the graph's size."""
     flow = Flow()
-    for op in graph.select(ntype=IRFwOperation):
+    readers = _Readers(graph)
+    for op in readers.ops:
         if op.name not in _MATMULS or id(op) in flow.splits or op.anno is None:
             continue
         col = _column(op)
         if col is None or not op.algorithms("dim").satisfy(*col, num):
             continue
-        trial = follow(graph, {}, num, flow, start={id(op): col})
-        if trial.blocked[len(flow.blocked):]:
-            continue
-        fresh = set(trial.tracked) - set(flow.tracked)
-        joins = any(id(o) in flow.splits and any(id(t) in fresh for t in o.inputs)
-                    for o, _, _ in trial.splits.values())
-        if trial.reduced[len(flow.reduced):] or joins:   # ends in a sum, or joins a split that does
-            flow = trial
+        trial = _trial(readers, flow, op, col, num)
+        if trial is not None:
+            splits, tracked, reduced = trial
+            flow.splits.update(splits)
+            flow.tracked.update(tracked)
+            flow.reduced.extend(reduced)
     return flow
+
+
+class _Readers:
+    """The forward ops in program order and, per tensor, the positions of the ops reading it."""
+
+    def __init__(self, graph: IRGraph):
+        self.ops = graph.select(ntype=IRFwOperation)
+        self.of: Dict[int, List[int]] = {}
+        for i, op in enumerate(self.ops):
+            for t in op.inputs:
+                at = self.of.setdefault(id(t), [])
+                if not at or at[-1] != i:
+                    at.append(i)
+        self.pos = {id(op): i for i, op in enumerate(self.ops)}
+
+
+class _Overlay:
+    """A flow seen through a trial's additions (what ``_choose`` reads)."""
+
+    def __init__(self, flow: Flow, tracked: Dict[int, int]):
+        self.tracked = ChainMap(tracked, flow.tracked)
+
+
+def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, int], num: int):
+    """Follows a column split of ``start`` through the ops that read the tensors it splits.
+
+    Gives what ``follow(graph, {}, num, flow, start={id(start): col})`` would add
+    to ``flow``, visiting only the ops it can change: ``(splits, tracked,
+    reduced)`` when the split ends in a sum or joins one of ``flow``'s splits,
+    None when it would stop at an op that cannot carry it (or goes nowhere).
+    """
+    splits: Dict[int, Tuple[IRFwOperation, int, int]] = {}
+    tracked: Dict[int, int] = {}
+    reduced: List[IRFwOperation] = []
+    view = _Overlay(flow, tracked)
+    first = readers.pos[id(start)]
+    heap, queued, joins = [first], {first}, False
+    while heap:
+        i = heapq.heappop(heap)
+        op = readers.ops[i]
+        if op is start:
+            choice = col
+        elif id(op) in flow.splits:   # already split: the new split joins it
+            joins = True
+            continue
+        else:
+            choice = _choose(op, view, num)
+            if choice is None:        # reads the split but cannot carry it
+                return None
+        splits[id(op)] = (op, *choice)
+        made: Dict[int, int] = {}
+        if _carry(op, *choice, made):
+            reduced.append(op)
+        tracked.update(made)
+        for t in made:
+            for j in readers.of.get(t, ()):
+                if j not in queued:
+                    queued.add(j)
+                    heapq.heappush(heap, j)
+    return (splits, tracked, reduced) if reduced or joins else None
 
 
 def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:

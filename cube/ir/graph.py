@@ -1,9 +1,9 @@
 """The IR graph and the primitives a policy uses on it."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
+from cube.ir.blocks import rerun_hazard
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor
 
@@ -30,6 +30,10 @@ class IRGraph:
         self.recompute_groups: List[List[IROperator]] = []
         self.stages: List[List[IROperator]] = []
         self.schedule = None   # a cube.schedule.Schedule, set by cube.schedule.sched_*
+        self.zero = 0   # ZeRO stage of the plan (cube.compile(zero=)); 3 shards parameters in the plan
+        self.precision = None   # "bf16" / "fp16" compute over float32 parameters (cube.compile(precision=))
+        self._pos: Dict[int, int] = {}   # op id -> position in ops (checked on use, see _find)
+        self._next = 0                    # where the op after the latest replaced one is
 
     # ------------------------------------------------------------------ queries
     def nodes(self) -> List[IROperator]:
@@ -54,15 +58,33 @@ class IRGraph:
     def _check_member(self, op: IROperator, what: str) -> int:
         if not isinstance(op, IROperator):
             raise TypeError(f"graph.{what} expects an op of this graph, got {type(op).__name__}: {op!r}")
-        for i, o in enumerate(self.ops):
-            if o is op:
-                return i
+        i = self._find(op)
+        if i is not None:
+            return i
         raise ValueError(f"graph.{what}: {op!r} is not in the graph (already partitioned or replicated? "
                          f"use the pieces it returned)")
 
+    def _find(self, op: IROperator) -> Optional[int]:
+        """The position of ``op`` in ``ops``, or None.
+
+        Positions are cached and checked before use; a replacement records its
+        pieces' positions and where the next op now is, so a policy walking the
+        graph in program order finds each op in constant time (no scan per op).
+        """
+        ops = self.ops
+        for i in (self._pos.get(id(op)), self._next):
+            if i is not None and i < len(ops) and ops[i] is op:
+                return i
+        self._pos = {id(o): k for k, o in enumerate(ops)}
+        return self._pos.get(id(op))
+
     def _replace(self, op: IROperator, pieces: Sequence[IROperator]) -> None:
         i = self._check_member(op, "replace")
-        self.ops[i:i + 1] = list(pieces)
+        pieces = list(pieces)
+        self.ops[i:i + 1] = pieces
+        self._pos.pop(id(op), None)
+        self._pos.update((id(p), i + k) for k, p in enumerate(pieces))
+        self._next = i + len(pieces)
 
     def partition(self, node: IROperator, algo, idx: int, dim: int, num: int) -> List[IROperator]:
         """Splits ``node`` into ``num`` pieces along input ``idx``'s dimension ``dim``.
@@ -163,17 +185,38 @@ class IRGraph:
                        for k in range(len(starts))]
         return [list(st) for st in self.stages]
 
-    def recompute(self, nodes: Sequence[IROperator]) -> None:
-        """Marks ``nodes`` as one recompute group (activations re-made in backward)."""
+    def recompute(self, nodes: Sequence[IROperator]) -> int:
+        """Marks ``nodes`` as one recompute group: their activations are dropped after
+        forward and made again in backward (``torch.utils.checkpoint``).
+
+        Pieces that ``graph.partition``/``graph.replicate`` make later join the
+        group of their op. Each rank runs every stretch of consecutive calls of
+        one group as one checkpointed function (see ``cube.codegen.recompute``).
+
+        Returns:
+            The group's id.
+
+        Raises:
+            ValueError: no ops, an op not in the graph or not a forward op, or an
+                op that must not run twice (``cube.ir.blocks.rerun_hazard``).
+        """
         nodes = list(nodes)
+        if not nodes:
+            raise ValueError("graph.recompute needs the ops of the group, got an empty list")
         for n in nodes:
             self._check_member(n, "recompute")
             if not isinstance(n, IRFwOperation):
                 raise ValueError(f"graph.recompute: only forward ops can be recomputed, got {n!r}")
+            why = rerun_hazard(n)
+            if why:
+                raise ValueError(f"graph.recompute: op {n.name!r} ({n.where()}) must not run twice: {why}. "
+                                 f"Leave it out of the group (e.g. [op for op in ops if not "
+                                 f"cube.ir.blocks.rerun_hazard(op)]; cube.ir.blocks.recompute_blocks does this)")
         gid = len(self.recompute_groups)
         for n in nodes:
             n.recompute = gid
         self.recompute_groups.append(nodes)
+        return gid
 
     # ------------------------------------------------------------------ display
     def __repr__(self) -> str:
@@ -184,6 +227,15 @@ class IRGraph:
 
 
 def _copy(node: IROperator, **changes) -> IROperator:
-    """A piece of ``node``: same op, own lists, no device yet."""
-    return dataclasses.replace(node, origin=node.origin or node, device=None, inputs=list(node.inputs),
-                               outputs=list(node.outputs), **changes)
+    """A piece of ``node``: same op, own lists, no device yet.
+
+    A shallow copy with the changed fields set: what ``dataclasses.replace``
+    makes, without re-running ``__init__`` (this runs once per piece, so it is
+    kept to a few dictionary updates).
+    """
+    piece = object.__new__(type(node))
+    fields = piece.__dict__
+    fields.update(node.__dict__)
+    fields.update(origin=node.origin or node, device=None, inputs=list(node.inputs), outputs=list(node.outputs))
+    fields.update(changes)
+    return piece

@@ -18,7 +18,7 @@ annotation and the partitions that made the piece:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from cube.ir.operator import IRDataOperation, IROperator
 
@@ -77,10 +77,42 @@ class PieceLayout:
     unread: Tuple[int, ...] = ()    # inputs this piece leaves out (a bias of a non-first partial sum)
 
 
-def piece_layout(op: IROperator) -> PieceLayout:
-    """Computes the layout of every tensor of ``op`` (a whole op or a piece)."""
-    ins = [list(full_box(t.shape)) for t in op.inputs]
-    outs = [list(full_box(t.shape)) for t in op.outputs]
+def piece_layout(op: IROperator, cache: Optional[dict] = None) -> PieceLayout:
+    """Computes the layout of every tensor of ``op`` (a whole op or a piece).
+
+    Args:
+        cache: a dict shared by the calls of one planning pass (its keys are
+            object ids, so it must not outlive the ops). Replicas of a piece
+            then share its layout, and the pieces of an op compute its full
+            boxes and the dims each factor splits once.
+    """
+    cache = {} if cache is None else cache
+    origin = op.origin or op
+    key = (id(origin), op.splits)
+    layout = cache.get(key)
+    if layout is None:
+        layout = cache[key] = _piece_layout(op, origin, cache)
+    return layout
+
+
+def _factor_dims(anno, factor: str, cache: dict):
+    """Per input and per output group of ``anno``: the dims whose head is ``factor``."""
+    key = (id(anno), factor)
+    dims = cache.get(key)
+    if dims is None:
+        def split(groups):
+            return tuple(tuple(d for d, dim in enumerate(g) if dim.head is not None and dim.head.name == factor)
+                         for g in groups)
+        dims = cache[key] = (split(anno.inputs), split(anno.outputs))
+    return dims
+
+
+def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayout:
+    full = cache.get(id(origin))
+    if full is None:
+        full = cache[id(origin)] = ([full_box(t.shape) for t in op.inputs], [full_box(t.shape) for t in op.outputs])
+    ins = [list(b) for b in full[0]]
+    outs = [list(b) for b in full[1]]
     in_terms = [[] for _ in op.inputs]
     out_terms = [[] for _ in op.outputs]
     if isinstance(op, IRDataOperation):
@@ -92,22 +124,17 @@ def piece_layout(op: IROperator) -> PieceLayout:
     anno = getattr(op, "anno", None)
     for level, (factor, i, n) in enumerate(op.splits):
         assert anno is not None, f"split of an op without annotation: {op!r}"
-        for boxes, groups, terms, is_out in ((ins, anno.inputs, in_terms, False),
-                                             (outs, anno.outputs, out_terms, True)):
-            for k, (box, group) in enumerate(zip(boxes, groups)):
-                found = False
-                for d, dim in enumerate(group):
-                    if dim.head is not None and dim.head.name == factor:
-                        box[d] = narrow(box[d], i, n)
-                        found = True
-                if found:
+        in_dims, out_dims = _factor_dims(anno, factor, cache)
+        for boxes, split_dims, terms, is_out in ((ins, in_dims, in_terms, False), (outs, out_dims, out_terms, True)):
+            for k, (box, dims) in enumerate(zip(boxes, split_dims)):
+                for d in dims:
+                    box[d] = narrow(box[d], i, n)
+                if dims:
                     continue
-                if not is_out:
-                    terms[k].append((level, factor, i, n))
-                else:
+                if is_out:
                     ident = anno.ident(factor)
                     assert ident.reduce, f"output {k} of {op!r} lacks the split factor {factor!r}"
-                    terms[k].append((level, factor, i, n))
+                terms[k].append((level, factor, i, n))
     unread = ()
     bias = ADDED_ONCE.get(op.name)
     if bias is not None and bias < len(op.inputs) and out_terms and out_terms[0]:

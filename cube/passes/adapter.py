@@ -81,6 +81,36 @@ def _pair(r: int, cands: Sequence[int], key: Callable[[int], Hashable], what: st
     return [v[k] for v in tiles.values()]
 
 
+class _Pairing:
+    """``_pair`` for every rank of one stage, sorting each candidate set into tiles once.
+
+    Ranks with the same ``klass`` have the same candidates, so the tiles (and each
+    group) are found once per class instead of once per rank: a transition is
+    linear, not quadratic, in the number of ranks.
+    """
+
+    def __init__(self):
+        self.memo: Dict[Hashable, Tuple[Dict[int, int], List[List[int]], Dict[int, List[int]]]] = {}
+
+    def __call__(self, r: int, klass: Hashable, cands: Callable[[], Sequence[int]],
+                 key: Callable[[int], Hashable], what: str) -> List[int]:
+        entry = self.memo.get(klass)
+        if entry is None:
+            tiles: Dict[Hashable, List[int]] = {}
+            for q in sorted(set(cands())):
+                tiles.setdefault(key(q), []).append(q)
+            if len({len(v) for v in tiles.values()}) != 1:
+                raise LayoutError(f"{what}: the pieces are held by unequal numbers of ranks "
+                                  f"({ {str(k): v for k, v in tiles.items()} })")
+            at = {q: k for v in tiles.values() for k, q in enumerate(v)}
+            entry = self.memo[klass] = (at, list(tiles.values()), {})
+        at, tiles, groups = entry
+        k = at[r]
+        if k not in groups:
+            groups[k] = [v[k] for v in tiles]
+        return list(groups[k])
+
+
 def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib: Dict[int, Term],
                 what: str = "value") -> Dict[int, List[Step]]:
     """Steps per consumer rank; see the module docstring.
@@ -97,11 +127,14 @@ def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib:
     term = {q: src[q][1] for q in ranks}
 
     # 1. partial sums -> full values
+    strip = {q: _strip(term[q]) for q in ranks if term[q]}
+    pair = _Pairing()
     for r in ranks:
         if not term[r]:
             continue
-        cands = [q for q in ranks if box[q] == box[r] and term[q] and _strip(term[q]) == _strip(term[r])]
-        group = _pair(r, cands, lambda q: term[q], f"{what}: summing partial values")
+        group = pair(r, (box[r], strip[r]),
+                     lambda: [q for q in ranks if box[q] == box[r] and term[q] and strip[q] == strip[r]],
+                     lambda q: term[q], f"{what}: summing partial values")
         if len(group) != _nterms(term[r]):
             raise LayoutError(f"{what}: the ranks {group} hold {len(group)} of the {_nterms(term[r])} "
                               f"partial sums; put a piece of every partition on the consumer's ranks")
@@ -126,14 +159,14 @@ def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib:
         if not todo:
             break
         new_box = dict(box)
+        chunks, gathers = _Pairing(), _Pairing()
         for r in todo:
             b, n = box[r], need[r]
             d = next(i for i in range(len(b)) if b[i] != n[i])
             if contains(b, n):       # narrow dim d (R -> D)
                 target = tuple(n[i] if i == d else b[i] for i in range(len(b)))
-                cands = [q for q in ranks if box[q] == b]
                 parts = lambda q: tuple(need[q][i] if i == d else b[i] for i in range(len(b)))  # noqa: E731
-                group = _pair(r, cands, parts, f"{what}: chunking")
+                group = chunks(r, (b, d), lambda: [q for q in ranks if box[q] == b], parts, f"{what}: chunking")
                 order = sorted(group, key=lambda q: parts(q))
                 if len(group) == 1:
                     steps[r].append(Step("narrow", (r,), dim=d, box=target))
@@ -145,9 +178,10 @@ def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib:
                 new_box[r] = target
             elif contains(n, b):     # widen dim d (D -> R)
                 target = tuple(n[i] if i == d else b[i] for i in range(len(b)))
-                cands = [q for q in ranks if box[q] != need[q] and
-                         tuple(need[q][i] if i == d else box[q][i] for i in range(len(b))) == target]
-                group = _pair(r, cands, lambda q: box[q], f"{what}: gathering")
+                group = gathers(r, (target, d),
+                                lambda: [q for q in ranks if box[q] != need[q] and
+                                         tuple(need[q][i] if i == d else box[q][i] for i in range(len(b))) == target],
+                                lambda q: box[q], f"{what}: gathering")
                 order = sorted(group, key=lambda q: box[q])
                 if tile_dim(target, [box[q] for q in order]) != d:
                     raise LayoutError(f"{what}: ranks {order} hold pieces {[box[q] for q in order]} that do "
@@ -163,12 +197,14 @@ def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib:
         raise LayoutError(f"{what}: no chain of primitives reaches the consumer's layout")
 
     # 3. gradient contributions
+    strip = {q: _strip(contrib[q]) for q in ranks if contrib[q]}
+    pair = _Pairing()
     for r in ranks:
         if not contrib[r]:
             continue
-        cands = [q for q in ranks if need[q] == need[r] and contrib[q] and
-                 _strip(contrib[q]) == _strip(contrib[r])]
-        group = _pair(r, cands, lambda q: contrib[q], f"{what}: summing gradient contributions")
+        group = pair(r, (need[r], strip[r]),
+                     lambda: [q for q in ranks if need[q] == need[r] and contrib[q] and strip[q] == strip[r]],
+                     lambda q: contrib[q], f"{what}: summing gradient contributions")
         if len(group) != _nterms(contrib[r]):
             raise LayoutError(f"{what}: the consumer's pieces on {group} are {len(group)} of "
                               f"{_nterms(contrib[r])}; every piece must run on the value's ranks")

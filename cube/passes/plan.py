@@ -76,7 +76,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 raise ValueError(f"{_describe(lop)} has two pieces on device {r}; put each piece of an op "
                                  f"on a different device (or partition it into fewer pieces)")
             pieces[id(lop)][r] = op
-    layouts = {id(p): piece_layout(p) for by in pieces.values() for p in by.values()}
+    shared: dict = {}   # replicas share a layout; pieces of an op share its full boxes
+    layouts = {id(p): piece_layout(p, shared) for by in pieces.values() for p in by.values()}
 
     data_lop = next(op for op in logical if isinstance(op, IRDataOperation))
     data_pieces = pieces[id(data_lop)]
@@ -177,9 +178,10 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                     value = out
                 local[r][key] = value
                 subst[r][id(t)] = value
+        term_groups: dict = {}
         for r, p in by.items():
             lay = layouts[id(p)]
-            term_ranks = _term_ranks(p, r, by, layouts)
+            term_ranks = _term_ranks(p, r, by, layouts, term_groups)
             count_of = _batch_origin(p.inputs[1], makers) if term_ranks and p.name in _COUNTED else None
             reads = [subst[r].get(id(t), t) for k, t in enumerate(p.inputs) if k not in lay.unread]
             calls[r].append(Call(reads, list(p.outputs), op=p,
@@ -197,9 +199,10 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     loss_sums: Dict[int, Tuple[int, ...]] = {}
     for r in sorted(holders):
         value = loss
-        if not crossing and len(loss_steps[r]) == 1 and loss_steps[r][0].kind == "all_reduce":
+        if not crossing and graph.schedule is None and len(loss_steps[r]) == 1 \
+                and loss_steps[r][0].kind == "all_reduce":
             # the sum's backward is the identity: backward starts from this rank's part
-            # while the parts are summed for the returned value
+            # while the parts are summed for the returned value (a schedule sums in forward)
             loss_sums[r] = loss_steps[r].pop().ranks
         for s in loss_steps[r]:
             out = IRTensor((), loss.dtype, loss.requires_grad, TensorKind.ACTIVATION, "loss")
@@ -299,18 +302,28 @@ def _batch_origin(t: IRTensor, makers) -> Optional[IRTensor]:
         t = maker.inputs[0]
 
 
-def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts) -> Tuple[int, ...]:
-    """The ranks holding the partial sums that add up with rank ``r``'s output 0 (empty if full)."""
+def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts, memo: Optional[dict] = None
+                ) -> Tuple[int, ...]:
+    """The ranks holding the partial sums that add up with rank ``r``'s output 0 (empty if full).
+
+    ``memo`` (one dict per logical op) keeps the tiles of each output box, so the
+    pieces of an op find their groups in one pass over the ranks, not one each.
+    """
     lay = layouts[id(p)]
     if not lay.outputs or not lay.out_terms[0]:
         return ()
     mine = lay.outputs[0]
-    cands = sorted(q for q, o in by.items() if layouts[id(o)].outputs[0] == mine)
-    tiles: Dict[tuple, List[int]] = {}
-    for q in cands:
-        tiles.setdefault(layouts[id(by[q])].out_terms[0], []).append(q)
+    memo = {} if memo is None else memo
+    if mine not in memo:
+        tiles: Dict[tuple, List[int]] = {}
+        for q in sorted(q for q, o in by.items() if layouts[id(o)].outputs[0] == mine):
+            tiles.setdefault(layouts[id(by[q])].out_terms[0], []).append(q)
+        memo[mine] = (tiles, {})
+    tiles, groups = memo[mine]
     k = tiles[lay.out_terms[0]].index(r)
-    return tuple(v[k] for v in tiles.values())
+    if k not in groups:
+        groups[k] = tuple(v[k] for v in tiles.values())
+    return groups[k]
 
 
 def _sum_at_parameters(raw, makers, pieces, layouts) -> None:
@@ -406,12 +419,40 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[T
             for r, s in steps.items():
                 if s and s[-1].kind == "identity_all_reduce":
                     s.pop()
+        checked = set()   # members of a group share its entry: check each group once, not once per member
         for r, g in groups.items():
             (ranks,) = g
-            assert all(groups.get(q) == g for q in ranks), f"asymmetric gradient groups of {t!r}: {groups}"
+            if ranks not in checked:
+                assert all(groups.get(q) == g for q in ranks), f"asymmetric gradient groups of {t!r}: {groups}"
+                checked.add(ranks)
             if ranks:
                 out.setdefault(r, []).append((t, ranks))
     return out
+
+
+def _matched_subgroups(distinct, groups) -> Optional[Dict[int, Tuple[int, ...]]]:
+    """Each rank's sum group when every device group splits into sub-groups that sum alike
+    (data parallel replicas of a tensor parallel stage, 3D parallelism): the k-th
+    sub-group of each group (by lowest rank) sums with the k-th of the others.
+    None when the groups do not split that way."""
+    parts = []
+    for s in distinct:
+        subs = set()
+        for r in s:
+            if len(groups.get(r, ())) != 1:
+                return None
+            (g,) = groups[r]
+            g = frozenset(g or (r,))
+            if r not in g or not g <= s:
+                return None
+            subs.add(g)
+        if sum(len(g) for g in subs) != len(s):   # sub-groups overlap
+            return None
+        parts.append(sorted(subs, key=min))
+    if len({len(p) for p in parts}) != 1:
+        return None
+    return {r: tuple(sorted(frozenset().union(*(p[k] for p in parts)))) for p in parts
+            for k, g in enumerate(p) for r in g}
 
 
 def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
@@ -436,6 +477,8 @@ def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
     elif whole and len({len(s) for s in distinct}) == 1:
         ordered = [sorted(s) for s in distinct]
         ranks_of = {r: tuple(sorted(o[k] for o in ordered)) for o in ordered for k, r in enumerate(o)}
+    elif _matched_subgroups(distinct, groups) is not None:   # data parallel inside tensor parallel groups
+        ranks_of = _matched_subgroups(distinct, groups)
     else:
         raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by ops "
                          f"that mix whole and split readings of it; split its readers alike in every group")

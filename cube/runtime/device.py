@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cube import config
+from cube.runtime import failfast
 
 log = logging.getLogger("cube")
 
@@ -43,16 +46,38 @@ def init(backend: Optional[str] = None) -> Env:
     if not dist.is_initialized():
         backend = backend or ("nccl" if cuda else "gloo")
         kwargs = {"device_id": device} if cuda else {}
+        store = _attempt_store()
+        if store is not None:
+            kwargs.update(store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"])
         dist.init_process_group(backend=backend, **kwargs)
+        failfast.install(dist.get_rank())
         atexit.register(_shutdown)
         log.debug("initialised process group: backend=%s world=%d", backend, dist.get_world_size())
     return Env(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def _attempt_store():
+    """Under torchrun, the launcher's store with a prefix per restart attempt (None elsewhere).
+
+    The launcher's store outlives ``--max-restarts`` restarts; without a prefix
+    the restarted ranks read the addresses the dead ones published and cannot
+    connect.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in os.environ:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(minutes=10))
+    return dist.PrefixStore(f"/cube/attempt_{attempt}", store)
 
 
 def _shutdown() -> None:
     """At exit: wait for posted sends and take the process group down in order, so no
     communication thread is left running while the interpreter tears down."""
     from cube.runtime import p2p
+    failfast.uninstall()
+    if failfast.failed_here():
+        return   # this rank failed: waiting for its peers could hang; the process is ending anyway
     try:
         p2p.finish()
         if dist.is_initialized():

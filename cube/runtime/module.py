@@ -6,7 +6,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from cube.runtime import collectives
+from cube.runtime import amp, collectives
 from cube.runtime.reducer import Reducer
 
 
@@ -24,11 +24,42 @@ class CubeModule(torch.nn.Module):
     CONSTS: Dict[str, Tuple[List[str], list]] = {}
     REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
     GROUPS: List[Tuple[int, ...]] = []
+    ZERO: int = 0   # 3: the plan's forward gathers ZeRO-3 sharded parameters (zero_begin / zero_wait)
+    PRECISION = None   # "bf16" / "fp16": forward under torch.autocast over float32 parameters
 
     def __init__(self, device):
         super().__init__()
         self.device = torch.device(device)
         self._reducer = None
+        self._zero = None   # a ZeRO optimizer (cube.runtime.zero); stage 3 gathers the parameters
+        self.loss_scale = amp.LossScale() if self.PRECISION == "fp16" else None
+
+    def __call__(self, *args, **kwargs):
+        if self.PRECISION is None:
+            return super().__call__(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=amp.DTYPES[self.PRECISION]):
+            return super().__call__(*args, **kwargs)
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Every gradient this rank holds, each memory once: the parameters' and a ZeRO
+        optimizer's chunks (stage 1's chunks are views of the parameters' gradients)."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        storages = {g.untyped_storage().data_ptr() for g in grads}
+        if self._zero is not None:
+            grads += [s.param.grad for s in self._zero.shards
+                      if s.param.grad is not None and s.param.grad.untyped_storage().data_ptr() not in storages]
+        return grads
+
+    def zero_begin(self) -> None:
+        """Start of forward in a ZeRO-3 plan: starts gathering the sharded parameters."""
+        if self._zero is not None:
+            self._zero.begin_forward()
+
+    def zero_wait(self, *params: torch.nn.Parameter) -> None:
+        """Before the first op reading ``params`` in a ZeRO-3 plan: waits until they are gathered."""
+        if self._zero is not None:
+            for p in params:
+                self._zero.wait_param(p)
 
     def setup_communication(self) -> None:
         """Creates the plan's process groups (on every rank, same order) and the gradient reducer."""
@@ -46,6 +77,10 @@ class CubeModule(torch.nn.Module):
         """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""
         if self._reducer is not None:
             self._reducer.finish()
+        if self.loss_scale is not None:
+            amp.unscale(self, self.gradients())
+        if self._zero is not None:
+            self._zero.after_reduce()
 
     @torch.no_grad()
     def load_from(self, model: torch.nn.Module, consts: Dict[str, torch.Tensor]) -> None:
@@ -114,3 +149,4 @@ def _describe(x) -> str:
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)} ({', '.join(_describe(y) for y in x)})"
     return f"a {type(x).__name__}"
+

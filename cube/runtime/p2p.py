@@ -9,10 +9,17 @@ exchange several values in any order cannot wait on each other.
 On ``src``, ``send`` returns an empty *marker* that carries the gradient's
 receive into backward; the step runs backward from the markers as well as from
 the loss (:func:`backward`).
+
+A pipeline executor posts receives before they are needed (``irecv``), so the
+data lands while this rank computes: :func:`post` for a later micro-batch's
+forward inputs (the receives a forward makes are listed by :func:`recorded`),
+and, under :func:`early_gradients`, each send's gradient receive as soon as the
+send is made. A receive finds its posted twin by source and tag.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,6 +29,9 @@ _PENDING: List = []     # posted sends of this step
 _MARKERS: List[torch.Tensor] = []
 _MICRO = [0]            # the micro-batch being run: tags are offset by it
 TAG_STRIDE = 1 << 16
+_POSTED: Dict[Tuple[int, int], Tuple[object, torch.Tensor]] = {}   # (src, tag) -> posted irecv and its buffer
+_RECVS: List[tuple] = []   # (src, tag, shape, dtype, device) of the receives made since the last ``recorded``
+_EARLY = [False]           # post each send's gradient receive when the send is made
 
 
 def set_micro(i: int) -> None:
@@ -40,6 +50,49 @@ def _tag(tag: int) -> int:
     return tag + _MICRO[0] * TAG_STRIDE
 
 
+def _take(src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """The value of the receive ``(src, tag)`` (tag with its micro-batch offset): its posted
+    ``irecv`` if there is one, else a blocking receive."""
+    posted = _POSTED.pop((src, tag), None)
+    if posted is not None:
+        posted[0].wait()
+        return posted[1]
+    y = torch.empty(tuple(shape), dtype=dtype, device=device)
+    dist.recv(y, src, tag=tag)
+    return y
+
+
+def _post(src: int, tag: int, shape, dtype: torch.dtype, device) -> None:
+    if (src, tag) not in _POSTED:
+        y = torch.empty(tuple(shape), dtype=dtype, device=device)
+        _POSTED[(src, tag)] = (dist.irecv(y, src, tag=tag), y)
+
+
+def post(recvs: Sequence[tuple], micro: int) -> None:
+    """Posts the receives ``recvs`` (as :func:`recorded` lists them) of micro-batch ``micro``."""
+    for src, tag, shape, dtype, device in recvs:
+        _post(src, tag + micro * TAG_STRIDE, shape, dtype, device)
+
+
+def recorded() -> List[tuple]:
+    """The receives made since the last call (``(src, tag, shape, dtype, device)``, tags without
+    the micro-batch offset), forgotten here."""
+    out = list(_RECVS)
+    _RECVS.clear()
+    return out
+
+
+@contextmanager
+def early_gradients():
+    """Inside, each send posts the receive of its gradient at once (every forward of the
+    block must get its backward before the block ends, as a pipeline schedule does)."""
+    _EARLY[0] = True
+    try:
+        yield
+    finally:
+        _EARLY[0] = False
+
+
 def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
     """Posts a send; ``tag`` already carries the micro-batch offset."""
     x = x.detach().contiguous()
@@ -52,24 +105,20 @@ class _Send(Function):
         tag = _tag(tag)
         ctx.args = (dst, tag, x.shape, x.dtype, x.device)
         _isend(x, dst, tag)
+        if _EARLY[0]:
+            _post(*ctx.args)
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad):
-        dst, tag, shape, dtype, device = ctx.args
-        grad = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(grad, dst, tag=tag)
-        return grad, None, None
+        return _take(*ctx.args), None, None
 
 
 class _Recv(Function):
     @staticmethod
     def forward(ctx, anchor, src, tag, shape, dtype):
-        tag = _tag(tag)
-        ctx.args = (src, tag)
-        y = torch.empty(shape, dtype=dtype, device=anchor.device)
-        dist.recv(y, src, tag=tag)
-        return y
+        ctx.args = (src, _tag(tag))
+        return _take(src, _tag(tag), shape, dtype, anchor.device)
 
     @staticmethod
     def backward(ctx, grad):
@@ -78,8 +127,13 @@ class _Recv(Function):
         return None, None, None, None, None
 
 
-def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True) -> None:
-    """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward."""
+def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+    """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward.
+
+    ``dtype``: the type the receiver expects (mixed precision computes some values in a lower one).
+    """
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
     if grad and torch.is_grad_enabled() and x.requires_grad:
         _MARKERS.append(_Send.apply(x, dst, tag))
     else:
@@ -89,12 +143,11 @@ def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True) -> None:
 def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
          requires_grad: bool) -> torch.Tensor:
     """Receives a value from ``src``; with ``requires_grad`` its gradient is sent back in backward."""
+    _RECVS.append((src, tag, tuple(shape), dtype, device))
     if requires_grad and torch.is_grad_enabled():
         anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
         return _Recv.apply(anchor, src, tag, tuple(shape), dtype)
-    y = torch.empty(tuple(shape), dtype=dtype, device=device)
-    dist.recv(y, src, tag=_tag(tag))
-    return y
+    return _take(src, _tag(tag), shape, dtype, device)
 
 
 def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]] = None,
@@ -113,7 +166,17 @@ def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]]
 
 
 def finish() -> None:
-    """Waits for this step's sends (their buffers must live until they are out)."""
+    """Waits for this step's sends (their buffers must live until they are out).
+
+    Posted receives are left alone: a finished step has taken all it posted
+    (see :func:`untaken`), and waiting for one whose message never comes (a step
+    that failed half-way, at exit) would hang."""
     for work, _ in _PENDING:
         work.wait()
     _PENDING.clear()
+    _RECVS.clear()
+
+
+def untaken() -> List[Tuple[int, int]]:
+    """``(src, tag)`` of the receives posted ahead and not taken yet."""
+    return list(_POSTED)

@@ -29,18 +29,32 @@ class _Bucket:
         self.ready = 0
         self.work = None
         self.flat = None
+        self.shard = None       # a ZeRO optimizer's chunk of this bucket (cube.runtime.zero)
+        self.keep_full = True   # ZeRO-1 keeps the full gradients, ZeRO-2/3 only the chunk
 
     def launch(self) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.flat = _flatten_dense_tensors(grads)
-        self.work = dist.all_reduce(self.flat, group=group(self.ranks), async_op=True)
+        grp = group(self.ranks)
+        if self.shard is not None and not self.keep_full and self.flat.is_cuda \
+                and "nccl" in str(dist.get_backend(grp)):
+            # only this rank's chunk is kept: reduce-scatter (gloo has none, so all-reduce there)
+            padded = torch.zeros(self.shard.padded, dtype=self.flat.dtype, device=self.flat.device)
+            padded[:self.flat.numel()].copy_(self.flat)
+            self.flat = torch.empty(self.shard.chunk, dtype=self.flat.dtype, device=self.flat.device)
+            self.work = dist.reduce_scatter_tensor(self.flat, padded, group=grp, async_op=True)
+            return
+        self.work = dist.all_reduce(self.flat, group=grp, async_op=True)
 
     def finish(self) -> None:
         if self.work is None:
             self.launch()
         self.work.wait()
-        for p, g in zip(self.params, _unflatten_dense_tensors(self.flat, self.params)):
-            p.grad = g   # a view of the summed bucket: no copy back
+        if self.shard is not None:
+            self.shard.take_gradient(self.flat, self.keep_full)
+        if self.shard is None or self.keep_full:
+            for p, g in zip(self.params, _unflatten_dense_tensors(self.flat, self.params)):
+                p.grad = g   # a view of the summed bucket: no copy back
         self.ready, self.work, self.flat = 0, None, None
 
 

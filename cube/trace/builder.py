@@ -216,6 +216,11 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
         raise TypeError(f"{type(model).__qualname__}.forward must return one scalar loss tensor; "
                         f"it returned {len(user)} outputs. Return the loss only (e.g. the mean "
                         f"cross entropy) and keep other values out of the forward's result.")
+    spec = getattr(getattr(ep, "call_spec", None), "out_spec", None)
+    if spec is not None and not spec.is_leaf():   # e.g. {"loss": ...}: the step calls loss.backward()
+        raise TypeError(f"{type(model).__qualname__}.forward must return a scalar loss tensor, not a "
+                        f"{getattr(spec.type, '__name__', spec.type)} holding it; return the tensor itself "
+                        f"(e.g. `return loss`), since the training step calls loss.backward() on it.")
     loss = outs[0]
     if loss.ndim != 0 or not loss.dtype.is_floating_point:
         raise TypeError(f"{type(model).__qualname__}.forward must return a scalar floating-point "

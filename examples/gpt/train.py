@@ -1,14 +1,27 @@
 """Train the nanoGPT-style GPT with cube.
 
     SINGLE_DEV_MODE=1 python examples/gpt/train.py --policy PASSingle
-    torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASSingle
+    torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --zero 2 --precision bf16
+
+Restarts: with ``--ckpt DIR`` the script saves a checkpoint every
+``--save-every`` steps and, when DIR already holds one, resumes from the latest
+(also under another policy or world size). Under ``torchrun --max-restarts=N``
+a rank that dies is restarted with the others, and training goes on from the
+last checkpoint to the same result as an uninterrupted run (each step's batch
+depends only on the step number). ``--crash-at-step K`` kills rank
+``world-1`` at step K on the first attempt, to watch that happen:
+
+    torchrun --nproc_per_node=2 --max-restarts=1 examples/gpt/train.py --policy PASData \\
+        --ckpt /tmp/gpt_ckpt --crash-at-step 5
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +30,38 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import cube  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from policies import resolve  # noqa: E402
+
+
+class StepBatches:
+    """Global batch ``i`` drawn from a generator seeded with ``i``: resuming at step k gives the same data."""
+
+    def __init__(self, config: GPTConfig, batch: int, start: int = 0):
+        self.config, self.batch, self.step = config, batch, start
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        gen = torch.Generator().manual_seed(1000 + self.step)
+        self.step += 1
+        ids = torch.randint(0, self.config.vocab_size, (self.batch, self.config.block_size), generator=gen)
+        return ids, torch.roll(ids, -1, dims=1)
+
+
+def _latest(ckpt: Path):
+    """The newest complete checkpoint under ``ckpt`` (its ``latest`` file names it), or None."""
+    pointer = ckpt / "latest"
+    return ckpt / pointer.read_text().strip() if pointer.exists() else None
+
+
+def _save(ckpt: Path, model, optimizer, step: int, rank: int) -> None:
+    name = f"step{step}"
+    cube.save_checkpoint(ckpt / name, model, optimizer, extra={"step": step})
+    if rank == 0:   # the pointer moves only after the checkpoint is complete
+        tmp = ckpt / f".latest.{os.getpid()}"
+        tmp.write_text(name)
+        os.replace(tmp, ckpt / "latest")
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -28,6 +73,12 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
+    parser.add_argument("--precision", choices=["bf16", "fp16"], default=None, help="mixed precision")
+    parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
+    parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (resume from it)")
+    parser.add_argument("--save-every", type=int, default=1)
+    parser.add_argument("--crash-at-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--verbose", action="store_true", help="log compile phases")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -36,10 +87,9 @@ def main(argv=None):
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
     model = GPT(config)
-    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq))
-    dataloader = cube.runtime.utils.create_dummy_dataloader((ids, torch.roll(ids, -1, dims=1)))
+    dataloader = StepBatches(config, args.batch)
 
-    @cube.compile(model, dataloader, PAS=policy)
+    @cube.compile(model, dataloader, PAS=policy, zero=3 if args.zero == 3 else 0, precision=args.precision)
     def train_iter(model, dataloader):
         data = next(dataloader)
         loss = model(*data)
@@ -47,14 +97,28 @@ def main(argv=None):
         return loss
 
     model = cube.load_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = cube.build_optimizer(model, torch.optim.AdamW, zero=args.zero, lr=1e-3)
     env = cube.init()
-    for step in range(args.steps):
+    start = 0
+    if args.ckpt is not None and _latest(args.ckpt) is not None:
+        start = cube.load_checkpoint(_latest(args.ckpt), model, optimizer)["step"]
+        # a new iterator: the step hands back the batch compile read only with the loader it was given
+        dataloader = StepBatches(config, args.batch, start)
+        if env.rank == 0:
+            print(f"resumed from {_latest(args.ckpt)} at step {start}")
+    for step in range(start, args.steps):
+        if step == args.crash_at_step and env.rank == env.world_size - 1 \
+                and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)   # a rank dies without a word, as on a lost machine
         loss = train_iter(model, dataloader)
+        if args.clip:
+            cube.clip_grad_norm_(model, args.clip, optimizer=optimizer)
         optimizer.step()
         optimizer.zero_grad()
         if env.rank == 0:
-            print(f"step {step}: loss {loss.item():.6f}")
+            print(f"step {step}: loss {loss.item():.6f}", flush=True)
+        if args.ckpt is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            _save(args.ckpt, model, optimizer, step + 1, env.rank)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ full batch, and its pieces of every parameter with the matching slices of the
 plain model's parameters after each step; it writes the largest relative errors
 to OUTDIR/rank{r}.json.
 """
+import contextlib
 import copy
 import json
 import os
@@ -46,33 +47,52 @@ def main():
                for _ in range(steps * nmicros)]
     loader = iter(batches)
 
-    train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"))
+    # CUBE_PARITY_ZERO=1|2|3: a ZeRO optimizer; CUBE_PARITY_CLIP=x: clip the gradient norm to x
+    zero = int(os.environ.get("CUBE_PARITY_ZERO", "0"))
+    clip = float(os.environ.get("CUBE_PARITY_CLIP", "0"))
+    # CUBE_PARITY_PRECISION=bf16|fp16: mixed precision, against the plain model under the same autocast
+    precision = os.environ.get("CUBE_PARITY_PRECISION") or None
+    autocast = (lambda: torch.autocast("cpu", dtype=cube.runtime.amp.DTYPES[precision])) if precision \
+        else contextlib.nullcontext
+    train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"), zero=zero, precision=precision)
     cmodel = cube.load_model()
     env = cube.init()
     # CUBE_PARITY_OPT=sgd: plain SGD, to tell AdamW's sensitivity near zero gradients from real errors
-    make = (lambda ps: torch.optim.SGD(ps, lr=1e-2)) if os.environ.get("CUBE_PARITY_OPT") == "sgd" \
-        else (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    opt = make(cmodel.parameters())
-    ref_opt = make(ref.parameters())
+    cls, kw = (torch.optim.SGD, {"lr": 1e-2}) if os.environ.get("CUBE_PARITY_OPT") == "sgd" \
+        else (torch.optim.AdamW, {"lr": 1e-3})
+    opt = cube.build_optimizer(cmodel, cls, zero=zero, **kw)
+    ref_opt = cls(ref.parameters(), **kw)
     ref_params = dict(ref.named_parameters())
-    loss_err, param_err = 0.0, 0.0
+    loss_err, param_err, norm_err, losses = 0.0, 0.0, 0.0, []
     for i in range(steps):
         loss = train_iter(cmodel, loader)
-        opt.step()
-        opt.zero_grad()
         # the plain model on the same batches: gradient accumulation of the mean micro-batch loss
-        ref_loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+        with autocast():
+            ref_loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
         ref_loss.backward()
+        if clip:
+            norm = cube.clip_grad_norm_(cmodel, clip, optimizer=opt)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+            norm_err = max(norm_err, rel(norm, ref_norm))
+        opt.step()
+        held = cube.runtime.memory.report(cmodel, opt)   # gradients are still there before zero_grad
+        opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
         loss_err = max(loss_err, rel(loss, ref_loss))
-        for local, p in cmodel.named_parameters():
-            names, splits = cmodel.PARAMS[local]
-            err = rel(p, piece(ref_params[names[0]], splits))
-            if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
-                print(f"rank {env.rank} step {i}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
-            param_err = max(param_err, err)
+        losses.append(float(loss))
+        with (opt.gathered() if zero == 3 else contextlib.nullcontext()):   # ZeRO-3 holds shards at rest
+            for local, p in cmodel.named_parameters():
+                names, splits = cmodel.PARAMS[local]
+                err = rel(p, piece(ref_params[names[0]], splits))
+                if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
+                    print(f"rank {env.rank} step {i}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
+                param_err = max(param_err, err)
     result = {"rank": env.rank, "world": env.world_size, "loss_err": loss_err, "param_err": param_err,
+              "norm_err": norm_err, "clipped": bool(clip), "losses": losses,
+              "param_sums": {local: float(p.detach().double().sum()) for local, p in cmodel.named_parameters()},
+              "held_bytes": held, "rest_param_bytes": cube.runtime.memory.report(cmodel, opt)["params"],
+              "full_bytes": cube.runtime.memory.report(ref, ref_opt),
               "nparams": len(list(cmodel.parameters())), "steps": steps,
               "names": sorted(cmodel.PARAMS[k][0][0] for k, _ in cmodel.named_parameters()),
               "all_names": sorted(ref_params),

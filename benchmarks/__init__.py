@@ -1,0 +1,1 @@
+"""Side-by-side measurements of cube against torch-native equivalents (``python -m benchmarks``)."""

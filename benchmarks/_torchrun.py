@@ -1,0 +1,41 @@
+"""Launching a benchmark's worker under torchrun and reading back rank 0's rows."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rows(script: Path, cfg: dict) -> List[dict]:
+    """Runs ``script --worker --cache DIR --out FILE --k=v ...`` on ``cfg["nproc"]`` ranks; returns the rows
+    rank 0 wrote to FILE.
+
+    Raises:
+        RuntimeError: the job failed (its output, passed through, says why).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        forward = [f"--{k}={v}" for k, v in cfg.items() if k != "nproc"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={cfg['nproc']}",
+               "--master_addr=127.0.0.1", f"--master_port={port()}",
+               str(Path(script).resolve()), "--worker", "--cache", tmp, "--out", out] + forward
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        code = subprocess.call(cmd, env=env, cwd=ROOT)
+        if code or not os.path.exists(out):
+            raise RuntimeError(f"{Path(script).name}: the torchrun job failed (exit code {code}); its output "
+                               f"above says why")
+        with open(out) as f:
+            return json.load(f)

@@ -1,0 +1,319 @@
+"""How well ``cube.sim`` predicts: simulated vs measured step time of GPT plans on CPU ranks.
+
+    python -m benchmarks.sim_accuracy [--quick] [--steps 2] [--rounds 4]
+
+The GPT of ``benchmarks/parallel.py`` (4 layers, d256, T64, global batch 16,
+AdamW) is planned several ways on 2 and 4 gloo ranks (data parallel with ZeRO
+stages and recompute, Megatron tensor parallel, hybrid, 1F1B and GPipe with 2
+and 4 micro-batches of the same global batch). Each plan is simulated in this
+process (ops profiled at one thread per rank, collectives calibrated, ranks
+sharing this host's cores), then measured in one torchrun job per world size
+(plans interleaved round by round; a step is the compiled step, the optimizer
+step and a barrier; median of the timed steps).
+
+The host may be shared: while measuring, the other programs competing for the
+cores are counted (``cube.sim.host.Sampler``), and each plan is predicted twice,
+for an idle host and for the host as it was during its steps. Printed per plan:
+both predictions, the measured time, the busiest rank's predicted compute and
+its measured CPU time (which other programs do not inflate); then the mean
+absolute percentage error, Spearman's rank correlation and the regret of the
+plan predicted best (its measured time over the measured best, minus 1).
+
+``build()`` returns the model and a batch, so the simulator's command line
+takes this file as a model spec: ``python -m cube.sim benchmarks/sim_accuracy.py --ngpus 2 --search``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cube.sim.host import Sampler  # noqa: E402
+
+BATCH, SEQ, VOCAB = 16, 64, 2048
+# name, world, policy, micro-batches, ZeRO stage, recompute
+PLANS = [
+    ("PASData", 2, "policies.data:PASData", 1, 0, False),
+    ("PASData zero1", 2, "policies.data:PASData", 1, 1, False),
+    ("PASData zero3", 2, "policies.data:PASData", 1, 3, False),
+    ("PASData recompute", 2, "policies.data:PASData", 1, 0, True),
+    ("PASMegatronTP", 2, "policies.megatron:PASMegatronTP", 1, 0, False),
+    ("PAS1F1B m2", 2, "policies.pipeline:PAS1F1B", 2, 0, False),
+    ("PAS1F1B m4", 2, "policies.pipeline:PAS1F1B", 4, 0, False),
+    ("PASGPipe m4", 2, "policies.pipeline:PASGPipe", 4, 0, False),
+    ("PASData", 4, "policies.data:PASData", 1, 0, False),
+    ("PASHybrid tp2", 4, "policies.hybrid:PASHybrid", 1, 0, False),
+    ("PASMegatronTP", 4, "policies.megatron:PASMegatronTP", 1, 0, False),
+    ("PAS1F1B m4", 4, "policies.pipeline:PAS1F1B", 4, 0, False),
+]
+QUICK = [0, 1, 4, 5, 7, 8, 9, 11]
+
+
+def build():
+    """The benchmark GPT and one global batch (the model spec ``python -m cube.sim`` takes)."""
+    import torch
+    from examples.gpt.model import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=8, n_embd=256, bias=False))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return model, (ids, torch.roll(ids, -1, dims=1))
+
+
+class _env:
+    """Sets the plan's environment variables (micro-batches, recompute) for a compile."""
+
+    def __init__(self, nmicros: int, recompute: bool):
+        self.set = {"CUBE_MICROS": str(nmicros), "CUBE_RECOMPUTE": "all" if recompute else ""}
+
+    def __enter__(self):
+        self.old = {k: os.environ.get(k) for k in self.set}
+        os.environ.update(self.set)
+
+    def __exit__(self, *exc):
+        for k, v in self.old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def plan_graphs(plans):
+    """Each plan traced and planned as its compile would (its micro-batch, CUBE_MICROS, CUBE_RECOMPUTE)."""
+    from cube.compiler import trace_and_plan
+    from cube.policy import load_policy
+    model, (ids, tgt) = build()
+    graphs = []
+    for name, world, policy, m, zero, rc in plans:
+        with _env(m, rc):
+            graph, _ = trace_and_plan(model, (ids[:BATCH // m], tgt[:BATCH // m]), "tuple", load_policy(policy),
+                                      world, zero=3 if zero == 3 else 0)
+        graphs.append(graph)
+    return graphs
+
+
+def predict(plans, graphs, background=None, threads: int = 1, scale=None):
+    """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and scaled to
+    their cost in a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
+    host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``scale``: the
+    context factor of an earlier call (measured when None)."""
+    import torch
+    from cube.sim import comm as comm_mod
+    from cube.sim.context import scaled
+    from cube.sim.host import this_host
+    from cube.sim.profile import Profiler
+    from cube.sim.simulate import simulate
+    torch.set_num_threads(threads)
+    costs = Profiler(threads=threads)
+    if scale is None:
+        scaled(costs, *build())
+    else:
+        costs.scale = scale
+    host = this_host()
+    out = []
+    for i, ((name, world, policy, m, zero, rc), graph) in enumerate(zip(plans, graphs)):
+        comm = comm_mod.load(world, calibrate_missing=True)
+        out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
+                            host=host.loaded(background[i] if background else 0.0)))
+    costs.save()
+    return out, costs.scale, host
+
+
+def _worker(args) -> None:
+    """One torchrun job: every plan of this world size, compiled once, timed round by round."""
+    import torch
+    import torch.distributed as dist
+    import cube
+    env = cube.init()
+    torch.set_num_threads(1)
+    plans = [p for p in PLANS if p[1] == env.world_size and p[0] in args.names.split("|")]
+    model, (ids, tgt) = build()
+    runners = []
+    for name, world, policy, m, zero, rc in plans:
+        micro = BATCH // m
+        batches = [(ids[:micro].roll(k, 0), tgt[:micro].roll(k, 0)) for k in range(m)]
+
+        def endless(batches=batches):
+            while True:
+                yield from batches
+        it = endless()
+        with _env(m, rc):
+            @cube.compile(model, it, PAS=policy, cache_dir=args.cache, zero=3 if zero == 3 else 0)
+            def train_iter(model, dataloader):
+                data = next(dataloader)
+                loss = model(*data)
+                loss.backward()
+                return loss
+        gen = cube.load_model()
+        opt = cube.build_optimizer(gen, torch.optim.AdamW, zero=zero, lr=1e-4)
+
+        def step(train_iter=train_iter, gen=gen, opt=opt, it=it):
+            train_iter(gen, it)
+            opt.step()
+            opt.zero_grad()
+        runners.append((f"{name} w{world}", step, [], [], []))
+    for _ in range(args.rounds):
+        for _, step, times, spans, cpu in runners:
+            for _ in range(args.warmup):
+                step()
+            for _ in range(args.steps):
+                dist.barrier()
+                t0, wall, c0 = time.perf_counter(), time.time(), time.thread_time()
+                step()
+                cpu.append(time.thread_time() - c0)
+                dist.barrier()
+                times.append(time.perf_counter() - t0)
+                spans.append((wall, time.time()))
+    out = {}
+    for name, _, times, spans, cpu in runners:   # CPU time of the busiest rank's main thread
+        busiest = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
+        out[name] = [statistics.median(times), spans, float(busiest)]
+    if env.rank == 0:
+        Path(args.out).write_text(json.dumps(out))
+    dist.barrier()
+
+
+def measure(plans, steps: int, rounds: int, warmup: int = 1):
+    """Per plan (one torchrun job per world size): the median step seconds, the mean number of other
+    programs competing for the cores during its timed steps, and the median CPU seconds per step of the
+    busiest rank's main thread (its compute, which other programs do not inflate)."""
+    out, background, busy = {}, {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted({p[1] for p in plans}):
+            names = "|".join(p[0] for p in plans if p[1] == world)
+            result = os.path.join(tmp, f"w{world}.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                   "--master_addr=127.0.0.1", f"--master_port={_port()}", __file__, "--worker", "--names", names,
+                   "--out", result, "--cache", os.path.join(tmp, "cache"), "--steps", str(steps),
+                   "--rounds", str(rounds), "--warmup", str(warmup)]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                       CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+            job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            sampler = Sampler([job.pid])
+            sampler.start()
+            stdout, stderr = job.communicate()
+            sampler.stop()
+            if job.returncode != 0:
+                raise RuntimeError(f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}")
+            for name, (median, spans, cpu) in json.loads(Path(result).read_text()).items():
+                out[name], background[name], busy[name] = median, sampler.during(spans), cpu
+    keys = [f"{p[0]} w{p[1]}" for p in plans]
+    return [out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys]
+
+
+def _port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spearman(xs, ys) -> float:
+    """Spearman's rank correlation (ties get their mean rank)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    sy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (sx * sy) if sx and sy else 0.0
+
+
+def metrics(rows, key: str = "loaded_ms") -> dict:
+    """MAPE, Spearman and regret of the prediction ``key`` over ``rows`` (each also with ``measured_ms``)."""
+    pred = [r[key] for r in rows]
+    meas = [r["measured_ms"] for r in rows]
+    mape = statistics.mean(abs(p - m) / m for p, m in zip(pred, meas))
+    chosen = min(range(len(rows)), key=lambda i: pred[i])
+    return {"mape": mape, "spearman": spearman(pred, meas), "regret": meas[chosen] / min(meas) - 1,
+            "predicted_best": rows[chosen]["plan"]}
+
+
+def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
+    """Predicts and measures the plans; prints the table and the metrics; returns one dict per plan.
+
+    Two predictions per plan: for ranks that have the host's cores to themselves (``predicted_ms``),
+    and for the host as it was while measuring, shared with the other programs' runnable threads
+    (``loaded_ms``; ``background``: their mean count).
+    """
+    plans = [PLANS[i] for i in QUICK] if quick else PLANS
+    t0 = time.perf_counter()
+    graphs = plan_graphs(plans)
+    idle, context, host = predict(plans, graphs)
+    t1 = time.perf_counter()
+    measured, background, cpu = measure(plans, steps, rounds)
+    t2 = time.perf_counter()
+    loaded, _, _ = predict(plans, graphs, background, scale=context)
+    rows = []
+    for (name, world, *_), res, busy, m, others, c in zip(plans, idle, loaded, measured, background, cpu):
+        compute = max(s.compute for s in res.ranks.values())
+        rows.append({"benchmark": "sim_accuracy", "name": f"{name} ({world} ranks)", "plan": f"{name} ({world} ranks)",
+                     "world": world, "predicted_ms": res.step_time * 1e3, "loaded_ms": busy.step_time * 1e3,
+                     "measured_ms": m * 1e3, "background": others,
+                     "error_pct": (busy.step_time - m) / m * 100, "peak_mib": res.peak_memory / 2**20,
+                     "compute_ms": compute * 1e3, "cpu_ms": c * 1e3})
+    print(f"GPT 4 layers, d256, T64, global batch {BATCH}; CPU gloo ranks on {os.cpu_count()} cores; "
+          f"simulated in {t1 - t0:.1f}s, measured in {t2 - t1:.1f}s; ops cost x{context:.2f} in a whole step")
+    print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'others':>8}"
+          f"{'compute':>9}{'CPU':>8}{'peak MiB':>10}")
+    for r in rows:
+        print(f"{r['plan']:<27}{r['predicted_ms']:>10.1f}{r['loaded_ms']:>10.1f}{r['measured_ms']:>10.1f}"
+              f"{r['error_pct']:>7.1f}%{r['background']:>8.2f}{r['compute_ms']:>9.1f}{r['cpu_ms']:>8.1f}"
+              f"{r['peak_mib']:>10.1f}")
+    print("(ms per step. idle host: predicted with the cores to the ranks; as loaded: sharing them with the "
+          "other programs competing while it was measured ('others', sampled); error: as loaded vs measured; "
+          "compute: predicted compute of the busiest rank; CPU: its main thread's measured CPU time)")
+    cmape = statistics.mean(abs(r["compute_ms"] - r["cpu_ms"]) / r["cpu_ms"] for r in rows)
+    print(f"compute vs CPU time: MAPE {cmape * 100:.1f}% (the op costs, whatever else runs on the host)")
+    worlds = sorted({r["world"] for r in rows})
+    for key, label in (("loaded_ms", "as loaded"), ("predicted_ms", "idle host")):
+        for part_label, part in [("all", rows)] + [(f"{w} ranks", [r for r in rows if r["world"] == w]) for w in worlds]:
+            if len(part) < 2:
+                continue
+            m = metrics(part, key)
+            print(f"{label:<10}{part_label:<8} MAPE {m['mape'] * 100:5.1f}% (target <= 10%)   Spearman "
+                  f"{m['spearman']:6.3f} (>= 0.9)   regret {m['regret'] * 100:5.1f}% (<= 5%), predicted best: "
+                  f"{m['predicted_best']}")
+    return rows
+
+
+def _cli() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"{len(QUICK)} plans instead of {len(PLANS)}")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
+    p.add_argument("--rounds", type=int, default=4, help="rounds over the plans (interleaved)")
+    p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--names", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    p.add_argument("--cache", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        _worker(args)
+        return
+    main(args.quick, args.steps, args.rounds)
+
+
+if __name__ == "__main__":
+    _cli()

@@ -1,0 +1,172 @@
+"""A plan, for people: a text dump per rank and pictures (SVG, no dependencies).
+
+- ``plan.txt``: per rank, its pieces of the parameters, each forward statement
+  (op piece with the boxes it reads and makes, or a communication step with its
+  ranks), the gradient sums left to the reducer and the pipeline actions.
+- ``placement.svg``: which rank holds which piece of each parameter: one row per
+  tensor, one column per rank, the rank's box drawn inside the full tensor.
+- ``schedule.svg``: the pipeline schedule as a rank x time chart (when the plan
+  has one).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from cube.ir.graph import IRGraph
+from cube.ir.tensor import TensorKind
+from cube.passes.plan import Call, RankPlan
+from cube.schedule.plan import Schedule, validate
+
+COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
+
+
+def _box(box, shape) -> str:
+    """``[0:4, :]``: the box, with ``:`` for a whole dim."""
+    parts = [":" if (s, e) == (0, n) else f"{s}:{e}" for (s, e), n in zip(box, shape)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def _name(t) -> str:
+    return t.names[0] if getattr(t, "names", None) else (t.hint or t.name or "value")
+
+
+def _call_line(call: Call) -> str:
+    if call.step is not None:
+        s = call.step
+        what = _name(call.inputs[0]) if call.inputs else _name(call.outputs[0])
+        extra = f" dim={s.dim}" if s.kind in ("all_gather", "reduce_scatter", "chunk", "narrow") else ""
+        extra += f"->{s.dim2}" if s.kind == "all_to_all" else ""
+        extra = f" dim={s.dim}{extra}" if s.kind == "all_to_all" else extra
+        return f"{s.kind:<20} {what}  ranks={tuple(s.ranks)}{extra}"
+    op, lay = call.op, call.layout
+    ins = ", ".join(f"{_name(t)}{_box(b, t.shape)}" for t, b in zip(op.inputs, lay.inputs))
+    outs = ", ".join(f"{_name(t)}{_box(b, t.shape)}" + (" (partial sum)" if term else "")
+                     for t, b, term in zip(op.outputs, lay.outputs, lay.out_terms))
+    where = f"  [{op.module_path}]" if op.module_path else ""
+    return f"{op.name:<20} {ins} -> {outs}{where}"
+
+
+def plan_text(graph: IRGraph, plans: Dict[int, RankPlan], actions: Optional[Dict[int, List[str]]] = None) -> str:
+    """Every rank's plan as text (see the module docstring)."""
+    out = [f"plan of {graph.name}: {len(plans)} ranks" + (f", ZeRO-{graph.zero}" if getattr(graph, "zero", 0) else "")
+           + (f", {graph.precision}" if getattr(graph, "precision", None) else "")]
+    for r in sorted(plans):
+        p = plans[r]
+        out.append("")
+        out.append(f"== rank {r}")
+        out.append("batch: " + ", ".join(f"{_name(t)}{_box(b, t.shape)}" for t, b in zip(p.data.outputs, p.data_boxes)))
+        params = [(t, b) for t, b in p.attrs if t.kind is TensorKind.PARAM]
+        held = sum(_numel(b) for _, b in params)
+        out.append(f"parameters ({held} elements):")
+        out += [f"  {t.names[0]}{_box(b, t.shape)}" for t, b in params]
+        out.append("forward:")
+        out += [f"  {i:>4}  {_call_line(c)}" for i, c in enumerate(p.calls)]
+        if p.reduce:
+            out.append("gradients summed after backward (reducer):")
+            out += [f"  {t.names[0]} over {tuple(ranks)}" for t, ranks in p.reduce]
+        if p.loss_sum:
+            out.append(f"loss: partial, summed over {tuple(p.loss_sum)}")
+        if actions and r in actions:
+            out.append("schedule: " + " ".join(actions[r]))
+    return "\n".join(out) + "\n"
+
+
+def _numel(box) -> int:
+    n = 1
+    for s, e in box:
+        n *= e - s
+    return n
+
+
+def _svg(width: int, height: int, body: Sequence[str]) -> str:
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'font-family="monospace" font-size="11">\n<rect width="100%" height="100%" fill="white"/>\n'
+            + "\n".join(body) + "\n</svg>\n")
+
+
+def placement_svg(plans: Dict[int, RankPlan]) -> str:
+    """One row per parameter, one column per rank: the rank's piece filled inside the full tensor."""
+    tensors: Dict[str, tuple] = {}
+    held: Dict[tuple, list] = {}
+    for r, p in plans.items():
+        for t, b in p.attrs:
+            if t.kind is TensorKind.PARAM:
+                tensors.setdefault(t.names[0], tuple(t.shape))
+                held.setdefault((t.names[0], r), []).append(b)
+    cell, label, pad = 60, 260, 8
+    ranks = sorted(plans)
+    body = [f'<text x="{pad}" y="16">parameter (full shape)</text>']
+    body += [f'<text x="{label + i * (cell + pad)}" y="16">rank {r}</text>' for i, r in enumerate(ranks)]
+    for row, (name, shape) in enumerate(tensors.items()):
+        y = 28 + row * (cell // 2 + pad)
+        body.append(f'<text x="{pad}" y="{y + 14}">{name} {list(shape)}</text>')
+        rows = shape[0] if shape else 1
+        cols = shape[1] if len(shape) > 1 else 1
+        for i, r in enumerate(ranks):
+            x = label + i * (cell + pad)
+            body.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell // 2}" fill="#eee" stroke="#999"/>')
+            for b in held.get((name, r), []):
+                (r0, r1) = b[0] if b else (0, 1)
+                (c0, c1) = b[1] if len(b) > 1 else (0, 1)
+                bx, bw = x + cell * c0 / cols, cell * (c1 - c0) / cols
+                by, bh = y + (cell // 2) * r0 / rows, (cell // 2) * (r1 - r0) / rows
+                body.append(f'<rect x="{bx:.1f}" y="{by:.1f}" width="{bw:.1f}" height="{bh:.1f}" '
+                            f'fill="{COLORS[r % len(COLORS)]}"/>')
+    height = 40 + len(tensors) * (cell // 2 + pad)
+    return _svg(label + len(ranks) * (cell + pad) + pad, height, body)
+
+
+def schedule_svg(schedule: Schedule) -> str:
+    """The schedule as a rank x time chart: forward and backward micro-steps, idle gaps blank."""
+    times = validate(schedule)
+    w, h, left, top = 34, 24, 60, 24
+    virtual = schedule.nstages > schedule.nranks
+    body = [f'<text x="4" y="14">{schedule.name}: {schedule.nstages} stages, {schedule.nmicros} micro-batches</text>']
+    for r, acts in enumerate(schedule.ranks):
+        y = top + r * (h + 4)
+        body.append(f'<text x="4" y="{y + 16}">pipe {r}</text>')
+        for a in acts:
+            x = left + times[a] * w
+            color = COLORS[a.micro % len(COLORS)]
+            opacity = "1" if a.kind == "F" else "0.55"
+            body.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h}" fill="{color}" '
+                        f'fill-opacity="{opacity}"/><text x="{x + 4}" y="{y + 16}">{a.label(virtual)}</text>')
+    steps = max(times.values()) + 1 if times else 0
+    return _svg(left + steps * w + 10, top + schedule.nranks * (h + 4) + 10, body)
+
+
+def write_report(graph: IRGraph, plans: Dict[int, RankPlan], folder: Path,
+                 actions: Optional[Dict[int, List[str]]] = None) -> List[Path]:
+    """Writes ``plan.txt``, ``placement.svg`` and (with a schedule) ``schedule.svg`` into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"plan.txt": plan_text(graph, plans, actions), "placement.svg": placement_svg(plans)}
+    if graph.schedule is not None:
+        files["schedule.svg"] = schedule_svg(graph.schedule)
+    paths = []
+    for name, text in files.items():
+        (folder / name).write_text(text)
+        paths.append(folder / name)
+    return paths
+
+
+def explain(model, batch, PAS, world_size: int, folder, zero: int = 0, precision: Optional[str] = None) -> List[Path]:
+    """Plans ``model`` for ``world_size`` ranks in this process and writes the report into ``folder``.
+
+    Nothing is launched: this traces, applies the policy and plans every rank,
+    as ``cube.compile`` would, then writes ``plan.txt``, ``placement.svg`` and
+    (for pipeline plans) ``schedule.svg``.
+
+    Returns:
+        The paths written.
+    """
+    from cube.codegen.emit import _schedule_actions
+    from cube.compiler import _structure, trace_and_plan
+    from cube.passes.plan import build_plans
+    from cube.policy import load_policy
+    structure, sample = _structure(batch)
+    graph, _ = trace_and_plan(model, sample, structure, load_policy(PAS), world_size, zero=zero, precision=precision)
+    plans = build_plans(graph, world_size)
+    actions = _schedule_actions(graph, plans) if graph.schedule is not None else None
+    return write_report(graph, plans, folder, actions)

@@ -1,0 +1,544 @@
+"""Checkpoints of generated modules: one file per rank, merged or resharded when read.
+
+A checkpoint is a directory holding ``rank{r}.pt`` for every rank of the plan
+that saved it and ``meta.json``, which rank 0 writes last (world size, files and
+a sha256 per file). Every file is written atomically (temporary file, fsync,
+rename). A directory without ``meta.json``, or whose files do not match it, is
+incomplete or corrupt, and every reader refuses it.
+
+Each rank file holds, per local parameter and buffer, the user's names for it,
+its piece of the full tensor (``[(dim, start, stop)]``, as in ``PARAMS``) and
+the piece itself; and, per parameter, the optimizer state: tensors shaped like
+the parameter's piece are pieces with the same splits, anything else (AdamW's
+``step``) is kept as is. Readers assemble full tensors from the pieces of all
+files, so a checkpoint can be merged for the single-device model or loaded
+under another plan (other world size, other policy).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import io
+import json
+import os
+import pickle
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from cube.runtime.module import CubeModule, piece
+from cube.runtime.zero import whole_parameters
+
+FORMAT = 1
+META = "meta.json"
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------------- save
+def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: Any = None) -> None:
+    """Saves this rank's pieces of the model and optimizer state under directory ``path``.
+
+    Call it on every rank. Each rank writes ``path/rank{r}.pt``; after all have
+    written (the ranks exchange their files' checksums when torch.distributed is
+    initialized), rank 0 writes ``path/meta.json``, which marks the checkpoint
+    complete. An optimizer with ``consolidated_state()`` (a ZeRO optimizer) is
+    asked for the state a plain optimizer would hold; that call may be collective.
+
+    Args:
+        path: the checkpoint directory (created if needed; an older checkpoint
+            there is replaced).
+        model: this rank's module from ``cube.load_model()``.
+        optimizer: the optimizer over ``model.parameters()``, or None.
+        extra: tensors and plain Python values to keep with this rank's file
+            (a step counter, ...); ``load_checkpoint`` returns them.
+
+    Raises:
+        TypeError: ``model`` is not a generated module.
+        ValueError: the optimizer holds tensors that are not parameters of ``model``.
+    """
+    _check_model(model, "save_checkpoint")
+    rank, world = _rank_world()
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        with contextlib.suppress(FileNotFoundError):
+            (folder / META).unlink()   # the directory is incomplete until the new meta.json
+    with whole_parameters(model):   # ZeRO-3 holds only chunks at rest
+        record = {"format": FORMAT, "model": _model_name(type(model)), "rank": rank, "world_size": world,
+                  "full_shapes": getattr(type(model), "FULL_SHAPES", None), "tensors": _tensor_records(model),
+                  "optimizer": None if optimizer is None else _optimizer_record(model, optimizer),
+                  "extra": extra}
+    name = f"rank{rank}.pt"
+    _atomic_write(folder / name, lambda f: torch.save(record, f))
+    entry = (name, _sha256(folder / name), (folder / name).stat().st_size)
+    entries = [entry]
+    if dist.is_initialized() and world > 1:   # also the barrier: every rank has written its file
+        entries = [None] * world
+        dist.all_gather_object(entries, entry)
+    if rank == 0:
+        meta = {"format": FORMAT, "model": record["model"], "world_size": world,
+                "files": {n: {"sha256": h, "bytes": b} for n, h, b in entries}}
+        _atomic_write(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+
+
+def _tensor_records(model: CubeModule) -> Dict[str, dict]:
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    out = {}
+    for kind, table, held in (("param", model.PARAMS, params), ("buffer", model.BUFFERS, buffers)):
+        for local, (names, splits) in table.items():
+            out[local] = {"kind": kind, "names": list(names), "splits": [tuple(s) for s in splits],
+                          "tensor": _portable(held[local])}
+    return out
+
+
+def _optimizer_record(model: CubeModule, optimizer) -> dict:
+    """Hyperparameters per group, the group of every parameter, and the state by local name."""
+    if hasattr(optimizer, "consolidated_state"):
+        state, groups = optimizer.consolidated_state()
+    else:
+        state, groups = optimizer.state, optimizer.param_groups
+    local_of = {id(p): k for k, p in model.named_parameters()}
+    group_of = {}
+    for i, g in enumerate(groups):
+        for p in g.get("params", ()):
+            group_of[_local(local_of, p, "save_checkpoint")] = i
+    if not any("params" in g for g in groups):   # hyperparameters only: one group over every parameter
+        group_of = {k: 0 for k in local_of.values()}
+    out = {}
+    for p, st in state.items():
+        pieces, values = {}, {}
+        for key, v in st.items():
+            if torch.is_tensor(v) and v.shape == p.shape:
+                pieces[key] = _portable(v)
+            else:
+                values[key] = _portable(v) if torch.is_tensor(v) else v
+        out[_local(local_of, p, "save_checkpoint")] = {"pieces": pieces, "values": values}
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    return {"groups": hyper, "group_of": group_of, "state": out}
+
+
+# ---------------------------------------------------------------------- read
+class _Checkpoint:
+    """A verified checkpoint directory, indexed by the user's tensor names."""
+
+    def __init__(self, path: PathLike):
+        self.folder = Path(path)
+        self.meta, self.records = _read(self.folder)
+        self.world_size = self.meta["world_size"]
+        self.model = self.meta.get("model", "?")
+        self.alias: Dict[str, str] = {}       # every user name -> the canonical one (names[0])
+        self.kind: Dict[str, str] = {}
+        self.names: Dict[str, List[str]] = {}
+        self.pieces: Dict[str, list] = {}     # canonical -> [(splits, tensor)]
+        self.orders: List[List[str]] = []     # canonical parameter names, per rank in PARAMS order
+        self.opt_pieces: Dict[str, Dict[str, list]] = {}
+        self.opt_values: Dict[str, dict] = {}
+        self.group_of: Dict[str, int] = {}
+        self.has_optimizer = any(r["optimizer"] is not None for r in self.records)
+        self.groups = next((r["optimizer"]["groups"] for r in self.records if r["optimizer"]), [])
+        self._full: Dict[Tuple[str, Optional[str]], torch.Tensor] = {}
+        for rec in self.records:
+            self._index(rec)
+        given = next((r["full_shapes"] for r in self.records if r.get("full_shapes")), None) or {}
+        self.shapes = {c: tuple(given[c]) if c in given else _full_shape(
+            [(s, tuple(t.shape)) for s, t in ps]) for c, ps in self.pieces.items()}
+
+    def _index(self, rec: dict) -> None:
+        order = []
+        for local, t in rec["tensors"].items():
+            canon = self.alias.setdefault(t["names"][0], t["names"][0])
+            for n in t["names"]:
+                self.alias.setdefault(n, canon)
+            self.kind.setdefault(canon, t["kind"])
+            self.names.setdefault(canon, list(t["names"]))
+            self.pieces.setdefault(canon, []).append((t["splits"], t["tensor"]))
+            if t["kind"] == "param":
+                order.append(canon)
+        self.orders.append(order)
+        opt = rec["optimizer"]
+        if opt is None:
+            return
+        for local, g in opt["group_of"].items():
+            self.group_of.setdefault(self.alias[rec["tensors"][local]["names"][0]], g)
+        for local, st in opt["state"].items():
+            t = rec["tensors"][local]
+            canon = self.alias[t["names"][0]]
+            for key, v in st["pieces"].items():
+                self.opt_pieces.setdefault(canon, {}).setdefault(key, []).append((t["splits"], v))
+            for key, v in st["values"].items():
+                self.opt_values.setdefault(canon, {}).setdefault(key, v)
+
+    def full(self, canon: str, key: Optional[str] = None) -> torch.Tensor:
+        """The full tensor (``key``: that optimizer state of the parameter), assembled once."""
+        if (canon, key) not in self._full:
+            pieces = self.pieces[canon] if key is None else self.opt_pieces[canon][key]
+            what = f"{canon!r}" if key is None else f"optimizer state {key!r} of {canon!r}"
+            self._full[(canon, key)] = _assemble(pieces, self.shapes[canon], what, self.folder)
+        return self._full[(canon, key)]
+
+    def optimizer_state(self, canon: str) -> dict:
+        """The parameter's full optimizer state (empty when it has none)."""
+        out = {k: v.clone() if torch.is_tensor(v) else v for k, v in self.opt_values.get(canon, {}).items()}
+        out.update({key: self.full(canon, key) for key in self.opt_pieces.get(canon, {})})
+        return out
+
+    def param_order(self) -> List[str]:
+        """Canonical parameter names: an order consistent with every rank's ``PARAMS``."""
+        return _merge_orders(self.orders)
+
+
+def _read(folder: Path) -> Tuple[dict, List[dict]]:
+    """Reads ``meta.json`` and every rank file, checking sizes and checksums."""
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint directory {str(folder)!r} does not exist; pass the directory that "
+                         f"cube.save_checkpoint wrote")
+    meta_path = folder / META
+    if not meta_path.is_file():
+        raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {META} is missing (rank 0 writes it after "
+                         f"every rank saved, so the save did not finish); save again or use another checkpoint")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files, world = meta["files"], int(meta["world_size"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint file {str(meta_path)!r} is corrupt ({e}); save the checkpoint again") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {str(folder)!r} has format {meta.get('format')!r}, this cube reads format "
+                         f"{FORMAT}; save it again with this version")
+    if sorted(files) != sorted(f"rank{r}.pt" for r in range(world)):
+        raise ValueError(f"checkpoint file {str(meta_path)!r} is corrupt: it lists {sorted(files)} for world size "
+                         f"{world}; save the checkpoint again")
+    records = []
+    for r in range(world):
+        f = folder / f"rank{r}.pt"
+        if not f.is_file():
+            raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {f.name} is missing; save it again")
+        data = f.read_bytes()
+        if len(data) != files[f.name]["bytes"] or hashlib.sha256(data).hexdigest() != files[f.name]["sha256"]:
+            raise ValueError(f"checkpoint file {str(f)!r} is corrupt: its size or sha256 differs from {META} "
+                             f"(changed or cut short after the save); save the checkpoint again")
+        try:
+            rec = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except (pickle.UnpicklingError, RuntimeError) as e:
+            raise ValueError(f"checkpoint file {str(f)!r} cannot be read ({str(e).splitlines()[0]}); its extra "
+                             f"must hold only tensors and plain Python values") from None
+        if rec.get("format") != FORMAT or rec.get("rank") != r or rec.get("world_size") != world:
+            raise ValueError(f"checkpoint file {str(f)!r} does not belong to this checkpoint (rank "
+                             f"{rec.get('rank')!r} of {rec.get('world_size')!r}); save the checkpoint again")
+        records.append(rec)
+    return meta, records
+
+
+def _assemble(pieces: list, shape: tuple, what: str, folder: Path) -> torch.Tensor:
+    """The full tensor from its pieces; every element must be covered (overlaps: the last wins)."""
+    full = torch.empty(shape, dtype=pieces[0][1].dtype)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for splits, t in pieces:
+        try:
+            dst = piece(full, splits)
+        except (RuntimeError, IndexError):
+            dst = None
+        if dst is None or dst.shape != t.shape:
+            raise ValueError(f"checkpoint {str(folder)!r}: a piece {list(splits)} of {what} (shape "
+                             f"{list(t.shape)}) does not fit the full shape {list(shape)}; the checkpoint is "
+                             f"corrupt, save it again")
+        dst.copy_(t)
+        piece(covered, splits).fill_(True)
+    if not bool(covered.all()):
+        missing = int((~covered).sum())
+        raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {missing} of {covered.numel()} elements of "
+                         f"{what} are held by no rank; save it from a plan whose ranks together hold every tensor")
+    return full
+
+
+# ---------------------------------------------------------------------- merge
+def merge_checkpoint(path: PathLike, model: Optional[torch.nn.Module] = None) -> Tuple[dict, Optional[dict]]:
+    """Assembles a checkpoint into state dicts of the single-device model (one process).
+
+    Args:
+        path: the checkpoint directory.
+        model: the original single-device model (optional). With it, the state
+            dict is checked against ``model.state_dict()`` (names, shapes; its
+            non-persistent buffers are left out) and the optimizer state is indexed
+            in ``model.parameters()`` order. Without it, parameters are ordered as
+            the generated modules list them (first appearance, rank 0 first),
+            which follows the model's order of definition for the plans cube
+            generates; pass ``model`` when in doubt.
+
+    Returns:
+        ``(model_state_dict, optimizer_state_dict)``: the first has every user name
+        (every name of a tied parameter); the second (None when the checkpoint
+        holds no optimizer state) is what a plain torch optimizer over
+        ``model.parameters()`` loads, one parameter group per saved group.
+
+    Raises:
+        ValueError: a missing, incomplete or corrupt checkpoint, a tensor some
+            element of which no rank held, or a ``model`` the checkpoint is not of.
+    """
+    ckpt = _Checkpoint(path)
+    state = {n: ckpt.full(c) for c, names in ckpt.names.items() for n in names}
+    if model is not None:
+        state = _match_model(state, model, ckpt)
+        order = []
+        for n, _ in model.named_parameters():
+            if ckpt.alias[n] not in order:
+                order.append(ckpt.alias[n])
+    else:
+        order = ckpt.param_order()
+    if not ckpt.has_optimizer:
+        return state, None
+    index = {c: i for i, c in enumerate(order)}
+    opt_state = {index[c]: s for c in order for s in [ckpt.optimizer_state(c)] if s}
+    groups = [{**h, "params": sorted(index[c] for c, g in ckpt.group_of.items() if g == i and c in index)}
+              for i, h in enumerate(ckpt.groups)]
+    return state, {"state": opt_state, "param_groups": groups}
+
+
+def _match_model(state: dict, model: torch.nn.Module, ckpt: _Checkpoint) -> dict:
+    """``state`` in ``model.state_dict()`` order, checked against it."""
+    expected = model.state_dict()
+    for name, t in expected.items():
+        if name not in state:
+            raise ValueError(f"checkpoint {str(ckpt.folder)!r} (model {ckpt.model}) has no tensor {name!r} that "
+                             f"{type(model).__name__} has: it was saved from another model")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"{name!r} has shape {list(state[name].shape)} in checkpoint {str(ckpt.folder)!r} but "
+                             f"{list(t.shape)} in {type(model).__name__}: it was saved from another model")
+    transient = {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(expected)
+    for name in state:
+        if name not in expected and name not in transient:
+            raise ValueError(f"checkpoint {str(ckpt.folder)!r} holds {name!r}, which {type(model).__name__} does not "
+                             f"have: it was saved from another model")
+    return {name: state[name] for name in expected}
+
+
+def _merge_orders(orders: Sequence[List[str]]) -> List[str]:
+    """One order consistent with each list (ties: earliest first appearance, rank 0 first)."""
+    first: Dict[str, Tuple[int, int]] = {}
+    after: Dict[str, set] = {}
+    waiting: Dict[str, int] = {}
+    for r, seq in enumerate(orders):
+        for i, n in enumerate(seq):
+            first.setdefault(n, (r, i))
+            waiting.setdefault(n, 0)
+        for a, b in zip(seq, seq[1:]):
+            if b not in after.setdefault(a, set()):
+                after[a].add(b)
+                waiting[b] += 1
+    ready = [(first[n], n) for n, w in waiting.items() if w == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        out.append(n)
+        for b in after.get(n, ()):
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, (first[b], b))
+    rest = sorted((n for n in first if n not in set(out)), key=first.get)   # only if the ranks disagree
+    return out + rest
+
+
+# ---------------------------------------------------------------------- load
+def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None) -> Any:
+    """Loads a checkpoint saved under any plan into this rank's module (and optimizer).
+
+    Call it on every rank (it exchanges the ranks' piece tables when
+    torch.distributed is initialized). Each rank reads the checkpoint's files on
+    CPU, assembles the full tensors it holds pieces of, and copies its pieces in.
+    An optimizer with ``load_consolidated_state(state, param_groups)`` (ZeRO)
+    gets the per-parameter state through it; a plain one through ``load_state_dict``.
+    The saved hyperparameters (lr, ...) replace the optimizer's.
+
+    Args:
+        path: the checkpoint directory.
+        model: this rank's module from ``cube.load_model()``.
+        optimizer: the optimizer over ``model.parameters()``, or None.
+
+    Returns:
+        The ``extra`` saved with this rank's file (rank 0's when the world size differs).
+
+    Raises:
+        TypeError: ``model`` is not a generated module.
+        ValueError: a missing, incomplete or corrupt checkpoint; a checkpoint of
+            another model (the first name, kind or shape that differs); an
+            optimizer but no optimizer state in the checkpoint, or parameter
+            groups that differ from the saved ones.
+    """
+    _check_model(model, "load_checkpoint")
+    target = _target_tables(model)
+    ckpt = _Checkpoint(path)
+    _check_same_model(ckpt, target, type(model))
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    with torch.no_grad(), whole_parameters(model, write=True):
+        for table in (model.PARAMS, model.BUFFERS):
+            for local, (names, splits) in table.items():
+                tensors[local].copy_(piece(ckpt.full(ckpt.alias[names[0]]), splits))
+    if optimizer is not None:
+        _load_optimizer(ckpt, model, optimizer)
+    rank, world = _rank_world()
+    return ckpt.records[rank if world == ckpt.world_size else 0]["extra"]
+
+
+def _target_tables(model: CubeModule) -> List[Tuple[str, List[str], list, tuple]]:
+    """``(kind, names, splits, local shape)`` of every tensor of every rank of the plan."""
+    tensors = dict(model.named_parameters())
+    tensors.update(dict(model.named_buffers()))
+    mine = [(kind, list(names), [tuple(s) for s in splits], tuple(tensors[local].shape))
+            for kind, table in (("param", model.PARAMS), ("buffer", model.BUFFERS))
+            for local, (names, splits) in table.items()]
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return mine
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [t for rank in every for t in rank]
+
+
+def _check_same_model(ckpt: _Checkpoint, target: list, cls: type) -> None:
+    """Names, kinds and full shapes of the plan's tensors must be the checkpoint's."""
+    where = f"checkpoint {str(ckpt.folder)!r} (model {ckpt.model})"
+    ours = f"this model ({_model_name(cls)})"
+    boxes: Dict[str, list] = {}
+    kinds: Dict[str, str] = {}
+    for kind, names, splits, shape in target:
+        for n in names:
+            if n not in ckpt.alias:
+                raise ValueError(f"{where} has no {kind} {n!r} that {ours} has: it was saved from another model")
+        kinds[names[0]] = kind
+        boxes.setdefault(names[0], []).append((splits, shape))
+    held = {n for _, names, _, _ in target for n in names}
+    for n in ckpt.alias:
+        if n not in held:
+            raise ValueError(f"{where} holds {n!r}, which {ours} does not have: it was saved from another model")
+    given = getattr(cls, "FULL_SHAPES", None) or {}
+    for name, pieces in boxes.items():
+        canon = ckpt.alias[name]
+        if kinds[name] != ckpt.kind[canon]:
+            raise ValueError(f"{name!r} is a {ckpt.kind[canon]} in {where} but a {kinds[name]} in {ours}: it was "
+                             f"saved from another model")
+        shape = tuple(given[name]) if name in given else _full_shape(pieces)
+        if shape != ckpt.shapes[canon]:
+            raise ValueError(f"{name!r} has shape {list(ckpt.shapes[canon])} in {where} but {list(shape)} in "
+                             f"{ours}: it was saved from another model")
+
+
+def _load_optimizer(ckpt: _Checkpoint, model: CubeModule, optimizer) -> None:
+    if not ckpt.has_optimizer:
+        raise ValueError(f"checkpoint {str(ckpt.folder)!r} holds no optimizer state (it was saved without an "
+                         f"optimizer): load it with optimizer=None, or save with save_checkpoint(path, model, "
+                         f"optimizer)")
+    state = {}
+    for local, p in model.named_parameters():
+        names, splits = model.PARAMS[local]
+        full = ckpt.optimizer_state(ckpt.alias[names[0]])
+        if full:
+            state[p] = {k: piece(v, splits).clone() if k in ckpt.opt_pieces.get(ckpt.alias[names[0]], {}) else v
+                        for k, v in full.items()}
+    if hasattr(optimizer, "load_consolidated_state"):
+        optimizer.load_consolidated_state(state, [dict(g) for g in ckpt.groups])
+        return
+    groups = optimizer.param_groups
+    if len(groups) != len(ckpt.groups):
+        raise ValueError(f"the optimizer has {len(groups)} parameter groups but checkpoint {str(ckpt.folder)!r} "
+                         f"was saved with {len(ckpt.groups)}; build the optimizer's groups as when saving")
+    local_of = {id(p): k for k, p in model.named_parameters()}
+    index: Dict[int, int] = {}
+    saved_groups = []
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            canon = ckpt.alias[model.PARAMS[_local(local_of, p, "load_checkpoint")][0][0]]
+            if ckpt.group_of.get(canon, i) != i:
+                raise ValueError(f"parameter {canon!r} is in group {i} of the optimizer but was in group "
+                                 f"{ckpt.group_of[canon]} when saved; build the optimizer's groups as when saving")
+            index[id(p)] = len(index)
+        saved_groups.append({**ckpt.groups[i], "params": [index[id(p)] for p in g["params"]]})
+    optimizer.load_state_dict({"state": {index[id(p)]: s for p, s in state.items() if id(p) in index},
+                               "param_groups": saved_groups})
+
+
+# ---------------------------------------------------------------------- helpers
+def _check_model(model, fn: str) -> None:
+    if not isinstance(model, CubeModule):
+        raise TypeError(f"cube.{fn} takes this rank's module from cube.load_model(), got "
+                        f"{type(model).__name__}; for the single-device model use merge_checkpoint and "
+                        f"model.load_state_dict")
+
+
+def _local(local_of: Dict[int, str], p: torch.Tensor, fn: str) -> str:
+    if id(p) not in local_of:
+        raise ValueError(f"cube.{fn}: the optimizer holds a tensor of shape {list(p.shape)} that is not a "
+                         f"parameter of the model; build the optimizer over model.parameters()")
+    return local_of[id(p)]
+
+
+def _rank_world() -> Tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _model_name(cls: type) -> str:
+    """The user's model class name (generated docstrings start with it)."""
+    doc = (cls.__doc__ or "").split(",")[0].strip()
+    return doc if doc.isidentifier() else cls.__name__
+
+
+def _full_shape(pieces: Sequence[Tuple[list, tuple]]) -> tuple:
+    """The full shape bounding ``(splits, piece shape)`` pieces: exact where they cover it.
+
+    A dim some piece does not split has that piece's size; a split dim ends
+    where the furthest piece ends.
+    """
+    ndim = len(pieces[0][1])
+    size = [0] * ndim
+    exact = [None] * ndim
+    for splits, shape in pieces:
+        offset = [0] * ndim
+        for dim, start, _ in splits:
+            offset[dim] += start
+        for d in range(ndim):
+            size[d] = max(size[d], offset[d] + shape[d])
+            if d not in {s[0] for s in splits}:
+                exact[d] = shape[d]
+    return tuple(e if e is not None else s for e, s in zip(exact, size))
+
+
+def _portable(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy holding only its own elements (a saved view would drag its whole storage)."""
+    t = t.detach().cpu()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Writes through a temporary file in the same directory, fsync, and a rename."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"   # the usual permissions
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):   # make the rename itself durable
+        dirfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,122 @@
+"""``python -m cube.sim``: simulate a policy, or search for the best plan.
+
+    python -m cube.sim SPEC --ngpus N --policy PASData [--trace step.json] [--memory mem.png]
+    python -m cube.sim SPEC --ngpus N --search [--mem-cap 16] [--out cube_auto_plan.json]
+
+SPEC names the model and one global batch: a Python file (a training script is
+fine, its ``main`` guarded by ``if __name__ == "__main__"``) or a module,
+optionally with ``:function``, defining ``build()`` that returns
+``(model, batch)`` (default function: ``build``). Op costs are measured on this
+device (cached; ``--estimate`` uses FLOP/byte estimates instead) and
+collectives are calibrated once per world size (``--no-calibrate``: defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+
+import torch
+
+
+def load_spec(spec: str):
+    """``(model, batch)`` from ``file.py[:fn]`` or ``module[:fn]`` (see the module docstring).
+
+    Raises:
+        ValueError: no such file, module or function, or it returns something else.
+    """
+    where, _, name = spec.partition(":")
+    name = name or "build"
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise ValueError(f"no file {where!r}; pass a Python file or module defining {name}() -> (model, batch)")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
+        mod_spec = importlib.util.spec_from_file_location("cube_sim_spec", where)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ImportError as e:
+            raise ValueError(f"cannot import {where!r} ({e}); pass a Python file or an importable module") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(f"{where!r} defines no function {name}(); add `def {name}(): return model, batch` "
+                         f"(the nn.Module and one global batch) or name another with {where}:function")
+    out = fn()
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.nn.Module)):
+        raise ValueError(f"{where}:{name}() must return (model, batch), got {type(out).__name__}")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cube.sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("spec", help="file.py[:build] or module[:build] returning (model, batch)")
+    p.add_argument("--ngpus", type=int, required=True, help="world size to plan for")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--policy", help="a shipped policy name (PASData) or 'file.py:Name' / 'module:Name'")
+    what.add_argument("--search", action="store_true", help="search data/tensor/pipeline plans")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage of the optimizer (with --policy)")
+    p.add_argument("--mem-cap", type=float, default=None, help="GiB per device (search)")
+    p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) of the step")
+    p.add_argument("--memory", default=None, help="write the memory-over-time plot (PNG, or CSV)")
+    p.add_argument("--out", default="cube_auto_plan.json", help="where the search writes the best plan")
+    p.add_argument("--top", type=int, default=20, help="rows of the search table")
+    p.add_argument("--estimate", action="store_true", help="FLOP/byte estimates instead of measuring ops")
+    p.add_argument("--no-calibrate", action="store_true", help="default communication costs, no host calibration")
+    p.add_argument("--cores", type=float, default=None,
+                   help="cores the ranks share (default: this host's on CPU, none on GPU)")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
+    if args.ngpus < 1:
+        p.error("--ngpus must be at least 1")
+
+    from cube.sim import api
+    model, batch = load_spec(args.spec)
+    costs, comm, host = api.default_models(args.ngpus, estimate=args.estimate, calibrate=not args.no_calibrate,
+                                           cores=args.cores)
+    if not args.estimate:
+        from cube.sim.context import scaled
+        scaled(costs, model, batch)   # what ops cost in a whole step beyond alone
+    if args.policy:
+        result = api.simulate_policy(model, batch, args.policy, args.ngpus, costs=costs, comm=comm,
+                                     zero=args.zero, host=host)
+        print(result.summary())
+        if args.trace:
+            print(f"trace: {result.chrome_trace(args.trace)}")
+        if args.memory:
+            print(f"memory: {result.memory_plot(args.memory)}")
+        return 0
+    from cube.sim import search
+    cap = args.mem_cap * 2**30 if args.mem_cap else None
+    ranked = search.search(model, batch, args.ngpus, costs, comm, mem_cap=cap, host=host)
+    print(search.table(ranked, args.top))
+    best = next((c for c in ranked if c.feasible and c.result is not None), None)
+    if best is None:
+        print("no plan fits: raise --mem-cap or use more devices", file=sys.stderr)
+        return 1
+    search.write_plan(best, args.out)
+    zero = best.config.get("zero", 0)
+    print(f"\nbest: {best.name}: {best.step_time * 1e3:.2f} ms, {best.peak / 2**20:.1f} MiB; plan written to "
+          f"{args.out}\nuse it: CUBE_AUTO_PLAN={args.out} with PAS='policies.auto:PASAuto'"
+          + (", cube.compile(..., zero=3)" if zero == 3 else "")
+          + (f", cube.build_optimizer(model, torch.optim.AdamW, zero={zero})" if zero else "")
+          + (f"; the dataloader yields micro-batches of {best.config['micro_batch']} samples, "
+             f"{best.config['nmicros']} per step" if best.config["pp"] > 1 else ""))
+    if args.trace:
+        graph = search.planned(search._Tracer(model, batch), best.config)
+        from cube.sim.simulate import simulate
+        res = simulate(graph, args.ngpus, costs=costs, comm=comm, zero=zero, host=host)
+        print(f"trace of the best plan: {res.chrome_trace(args.trace)}")
+        if args.memory:
+            print(f"memory: {res.memory_plot(args.memory)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Gradient buckets and ZeRO shards of a rank, formed exactly as the runtime forms them.
+
+The reducer's buckets come from ``cube.runtime.reducer.Reducer`` itself, run on
+parameters on the ``meta`` device (no memory), fed in the order the generated
+module lists them (``REDUCE``, last-used parameters first), so bucket sizes
+(``CUBE_BUCKET_MB``, the small first bucket) and order are the runtime's. Each
+bucket with several ranks is one ZeRO shard: a flat buffer padded to a
+multiple of the group size, of which every rank owns one chunk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+from cube.codegen.emit import _Emitter
+from cube.ir.graph import IRGraph
+from cube.ir.layout import box_shape
+from cube.ir.tensor import IRTensor
+from cube.passes.plan import RankPlan
+from cube.runtime.reducer import Reducer
+
+
+@dataclass(eq=False)
+class Bucket:
+    """One gradient bucket: its parameters (IR tensors), ranks, and sizes on this rank."""
+
+    params: List[IRTensor]
+    ranks: Tuple[int, ...]
+    numel: int
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def chunk(self) -> int:
+        """Elements of this rank's ZeRO chunk."""
+        return math.ceil(self.numel / len(self.ranks))
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * len(self.ranks)
+
+
+def reduce_order(graph: IRGraph, plan: RankPlan) -> List[Tuple[IRTensor, Tuple[int, ...]]]:
+    """The generated module's ``REDUCE`` entries, in its order."""
+    return _Emitter(graph, plan, [])._reduce_order()
+
+
+def local_numel(plan: RankPlan) -> Dict[int, int]:
+    """Parameter/buffer id -> elements of this rank's piece."""
+    return {id(t): math.prod(box_shape(b)) for t, b in plan.attrs}
+
+
+def make_buckets(graph: IRGraph, plan: RankPlan) -> List[Bucket]:
+    """This rank's gradient buckets, in launch order (only those over several ranks)."""
+    sizes = {id(t): box_shape(b) for t, b in plan.attrs}
+    entries, of = [], {}
+    for t, ranks in reduce_order(graph, plan):
+        p = torch.nn.Parameter(torch.empty(sizes[id(t)], dtype=t.dtype, device="meta"))
+        of[id(p)] = t
+        entries.append((p, tuple(ranks)))
+    reducer = Reducer(entries)
+    out = []
+    for b in reducer.buckets:
+        params = [of[id(p)] for p in b.params]
+        numel = sum(p.numel() for p in b.params)
+        out.append(Bucket(params, tuple(b.ranks), numel, b.params[0].element_size()))
+    return out

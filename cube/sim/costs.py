@@ -1,0 +1,152 @@
+"""Compute costs of op pieces: what the simulator asks, and estimates that need no measurement.
+
+A cost model answers three questions (the ``Profiler`` measures, the others estimate):
+
+- ``op_cost(call)``: an op piece's forward and backward seconds at its local
+  shapes, and which of its tensors autograd keeps for backward (``OpCost``);
+- ``optimizer_cost(numels)``: seconds of one AdamW step over tensors of these sizes;
+- ``copy_cost(nbytes)``: seconds to copy that many bytes (flattening buckets, chunks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+from cube.ir.layout import box_shape
+from cube.passes.plan import Call
+
+_MATMUL = ("linear", "addmm", "matmul", "mm", "bmm", "baddbmm", "conv1d", "conv2d", "conv3d", "einsum")
+_ATTENTION = ("scaled_dot_product_attention",)
+# ops whose output is a view of input 0 (no new memory)
+VIEWS = ("view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "t", "unsqueeze", "squeeze",
+         "select", "slice", "alias", "detach", "unflatten", "flatten", "split", "chunk", "unbind", "narrow",
+         "as_strided", "view_as", "expand_as")
+
+
+@dataclass
+class OpCost:
+    """Cost of one op piece.
+
+    Attributes:
+        fw: forward seconds.
+        bw: backward seconds (0 when nothing it reads needs a gradient).
+        saved: what autograd keeps for backward: ``("in", k)`` input ``k``,
+            ``("out", j)`` output ``j``, ``("x", nbytes)`` a tensor of its own.
+        alias: per output, the input whose memory it shares (a view), else -1.
+        measured: True when timed on the device, False when estimated.
+    """
+
+    fw: float
+    bw: float = 0.0
+    saved: Tuple[tuple, ...] = ()
+    alias: Tuple[int, ...] = ()
+    measured: bool = False
+
+    def to_json(self) -> dict:
+        return {"fw": self.fw, "bw": self.bw, "saved": [list(s) for s in self.saved],
+                "alias": list(self.alias), "measured": self.measured}
+
+    @staticmethod
+    def from_json(d: dict) -> "OpCost":
+        return OpCost(d["fw"], d["bw"], tuple(tuple(s) for s in d["saved"]), tuple(d["alias"]), d["measured"])
+
+
+def local_shapes(call: Call):
+    """``(input shapes, output shapes)`` of an op piece: the boxes of its layout."""
+    lay = call.layout
+    return [box_shape(b) for b in lay.inputs], [box_shape(b) for b in lay.outputs]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def needs_grad(call: Call) -> bool:
+    """Whether autograd runs a backward for this op piece (some float input needs a gradient)."""
+    op = call.op
+    if not op.grad_enabled:
+        return False
+    unread = set(call.layout.unread)
+    return any(t.requires_grad and t.dtype.is_floating_point and k not in unread for k, t in enumerate(op.inputs))
+
+
+@dataclass
+class Estimator:
+    """Costs from FLOPs and bytes moved (no measurement): ``max(flops / flops_rate, bytes / mem_rate)``.
+
+    Args:
+        flops_rate: FLOP/s of matmul-like ops.
+        mem_rate: bytes/s of memory-bound ops and copies.
+        launch: seconds of fixed overhead per op (Python and dispatch).
+        adam_rate: parameter elements per second one AdamW step updates.
+    """
+
+    flops_rate: float = 30e9
+    mem_rate: float = 5e9
+    launch: float = 10e-6
+    adam_rate: float = 150e6
+
+    def op_cost(self, call: Call) -> OpCost:
+        op = call.op
+        ins, outs = local_shapes(call)
+        itemsize = op.outputs[0].dtype.itemsize if op.outputs else 4
+        nbytes = sum(_numel(s) * t.dtype.itemsize for s, t in zip(ins, op.inputs)) + \
+            sum(_numel(s) for s in outs) * itemsize
+        out = sum(_numel(s) for s in outs)
+        if op.name in _MATMUL and ins:
+            flops = 2 * out * max(ins[0][-1] if ins[0] else 1, 1)
+        elif op.name in _ATTENTION and ins:
+            q = ins[0]
+            flops = 4 * _numel(q) * (ins[1][-2] if len(ins[1]) > 1 else 1)
+        else:
+            flops = out
+        is_view = op.name in VIEWS
+        fw = self.launch + (0.0 if is_view else max(flops / self.flops_rate, nbytes / self.mem_rate))
+        bw = 2 * fw if needs_grad(call) else 0.0
+        saved = tuple(("in", k) for k, t in enumerate(op.inputs)
+                      if t.dtype.is_floating_point and not is_view and needs_grad(call))
+        alias = tuple(0 if is_view else -1 for _ in op.outputs)
+        return OpCost(fw, bw, saved, alias, measured=False)
+
+    def optimizer_cost(self, numels: Sequence[int]) -> float:
+        return len(numels) * self.launch * 4 + sum(numels) / self.adam_rate
+
+    def copy_cost(self, nbytes: int) -> float:
+        return 2 * nbytes / self.mem_rate
+
+
+@dataclass
+class FixedCosts:
+    """Costs given by hand (tests, what-if studies): every op piece costs ``fw`` forward and ``bw``
+    backward unless ``by_name`` (op name -> (fw, bw)) or ``fn`` (call -> OpCost or None) says otherwise.
+
+    Saved tensors: an op keeps its float inputs (``saved_inputs``) for backward.
+    """
+
+    fw: float = 1.0
+    bw: float = 2.0
+    by_name: Dict[str, Tuple[float, float]] = field(default_factory=dict)
+    fn: Optional[Callable[[Call], Optional[OpCost]]] = None
+    optimizer: float = 0.0
+    copy_rate: float = 0.0   # bytes/s; 0: copies are free
+    saved_inputs: bool = True
+
+    def op_cost(self, call: Call) -> OpCost:
+        if self.fn is not None:
+            got = self.fn(call)
+            if got is not None:
+                return got
+        fw, bw = self.by_name.get(call.op.name, (self.fw, self.bw))
+        grad = needs_grad(call)
+        saved = tuple(("in", k) for k, t in enumerate(call.op.inputs)
+                      if self.saved_inputs and grad and t.dtype.is_floating_point)
+        return OpCost(fw, bw if grad else 0.0, saved, tuple(-1 for _ in call.op.outputs), measured=False)
+
+    def optimizer_cost(self, numels: Sequence[int]) -> float:
+        return self.optimizer
+
+    def copy_cost(self, nbytes: int) -> float:
+        return nbytes / self.copy_rate if self.copy_rate else 0.0

@@ -1,0 +1,103 @@
+"""Instructions of a rank's program, and the writer that emits them (see ``cube.sim.program``).
+
+Instructions (``Ins.op``): ``compute`` (busy for ``dur``), ``coll`` (a blocking
+collective), ``launch`` / ``wait`` (an asynchronous collective on the
+communication stream), ``send`` (posted, never blocks), ``recv`` (blocks until
+the message is there), ``flush`` (waits until this rank's sends are out).
+Collectives are matched across ranks by their group and their order in it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Hashable, List, Optional, Tuple
+
+from cube.sim.buckets import Bucket
+from cube.sim.memory import MemTracker
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass
+class Ins:
+    """One instruction of a rank's program (see the module docstring)."""
+
+    op: str
+    dur: float = 0.0
+    key: Hashable = None
+    group: Tuple[int, ...] = ()
+    label: str = ""
+    cat: str = ""
+    nbytes: int = 0
+    mem: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Program:
+    """A rank's instructions, its memory at the start of the step and its buckets."""
+
+    rank: int
+    ins: List[Ins]
+    base: Dict[str, int]
+    buckets: List[Bucket]
+
+
+def _nbytes(shape, dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+
+class Writer:
+    """Emits instructions for one rank, with the memory changes since the last one attached.
+
+    Args:
+        costs: the compute cost model (``op_cost``, ``optimizer_cost``, ``copy_cost``).
+        comm: the communication model (``cost(kind, nbytes, n)``).
+    """
+
+    def __init__(self, costs, comm):
+        self.costs, self.comm = costs, comm
+        self.mem = MemTracker()
+        self.ins: List[Ins] = []
+        self.seq: Dict[tuple, int] = {}
+
+    def emit(self, op: str, **kw) -> Ins:
+        ins = Ins(op, **kw)
+        self.ins.append(ins)
+        return ins
+
+    def settle(self) -> None:
+        """Attaches the memory changes since the last instruction to it."""
+        delta = self.mem.take()
+        if delta and self.ins:
+            for k, v in delta.items():
+                self.ins[-1].mem[k] = self.ins[-1].mem.get(k, 0) + v
+
+    def compute(self, dur: float, label: str, cat: str) -> None:
+        self.emit("compute", dur=dur, label=label, cat=cat)
+
+    def _key(self, ranks) -> tuple:
+        group = tuple(sorted(ranks))
+        n = self.seq.get(group, 0)
+        self.seq[group] = n + 1
+        return group, n
+
+    def coll(self, kind: str, ranks, nbytes: int, cat: str, blocking: bool = True) -> Optional[Hashable]:
+        if len(ranks) < 2:
+            return None
+        key = self._key(ranks)
+        self.emit("coll" if blocking else "launch", dur=self.comm.cost(kind, nbytes, len(ranks)), key=key,
+                  group=key[0], label=f"{kind} {nbytes / 2**20:.2f} MiB", cat=cat, nbytes=nbytes)
+        return key
+
+    def wait(self, key, label: str) -> None:
+        if key is not None:
+            self.emit("wait", key=key, label=label, cat="wait")
+
+    def send(self, key, nbytes: int, cat: str) -> None:
+        self.emit("send", dur=self.comm.cost("p2p", nbytes, 2), key=key, label=f"send {nbytes / 2**20:.2f} MiB",
+                  cat=cat, nbytes=nbytes)
+
+    def recv(self, key, cat: str) -> None:
+        self.emit("recv", key=key, label="recv", cat=cat)
+

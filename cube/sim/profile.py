@@ -1,0 +1,327 @@
+"""Measuring op pieces on this device: forward and backward time at their local shapes.
+
+For each op piece the profiler forms the call the generated code makes
+(``cube.codegen.local.local_call``), builds random inputs of the piece's local
+shapes, runs it (forward under autograd when something needs a gradient, then
+backward through ``torch.autograd.grad`` on the outputs) and keeps the median
+of a few repeats. It also records which tensors autograd saved for backward and
+which outputs are views of an input, for the memory model.
+
+Results are cached on disk (``<cache dir>/sim/profile.json``) keyed by the call,
+its local shapes, dtypes, gradient flags, non-tensor arguments, the device and
+the thread count, so a second run measures nothing. A call that cannot run
+standalone falls back to the FLOP/byte estimate (logged at DEBUG).
+
+On a CPU with one intra-op thread (how torchrun runs ranks) the clock is the
+measuring thread's CPU time, so other programs sharing the cores do not
+inflate the costs: they are those of an idle host (the simulator shares the
+cores itself). Elsewhere it is wall time (after synchronizing a GPU).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import cube.runtime
+from cube.codegen.local import local_call
+from cube.ir.tensor import IRTensor, TensorKind
+from cube.passes.plan import Call
+from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
+from cube.sim.store import JsonStore, default_path
+
+log = logging.getLogger("cube")
+VERSION = 4   # part of every cache key: measurements of another version are taken again
+_COUNTED = ("cross_entropy_loss", "nll_loss")
+
+
+def resolve(name: str) -> Callable:
+    """``"aten.linear.default"`` / ``"runtime.ops.mean_part"`` / ``"torch.ops.x.y.z"`` -> the callable."""
+    root, *rest = name.split(".")
+    obj = {"aten": torch.ops.aten, "runtime": cube.runtime, "torch": torch}[root]
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, budget: float = 2e-3) -> float:
+    """Seconds of ``fn()``: the median of the faster half of ``repeats`` samples. Fast calls are looped so
+    that a sample lasts about ``budget``. On a CPU with one intra-op thread the clock is this thread's
+    CPU time (not inflated by other programs sharing the cores), else wall time."""
+    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    fn()
+    _sync(device)
+    t0 = clock()
+    fn()
+    _sync(device)
+    one = max(clock() - t0, 1e-7)
+    inner = max(1, min(200, int(budget / one)))
+    samples = []
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        samples.append((clock() - t0) / inner)
+    samples.sort()
+    return statistics.median(samples[:max(1, (len(samples) + 1) // 2)])
+
+
+class Profiler:
+    """Measured costs of op pieces on ``device`` (default: CUDA if available, else CPU).
+
+    Args:
+        device: where to measure.
+        cache: the JSON file of measurements (default ``<cache dir>/sim/profile.json``);
+            ``False`` keeps them in memory only.
+        repeats: samples per measurement (the median is kept).
+        threads: intra-op threads while measuring (CPU); default: torch's current setting.
+            Ranks launched by torchrun run with one thread each.
+
+    Attributes:
+        scale: factor applied to every op's time (``cube.sim.context.context_factor``: what a
+            whole step costs beyond its ops measured alone); 1 by default.
+    """
+
+    def __init__(self, device=None, cache=None, repeats: int = 7, threads: Optional[int] = None):
+        self.device = torch.device(device) if device is not None else \
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.store = JsonStore(None if cache is False else (cache or default_path("profile")))
+        self.repeats = repeats
+        self.threads = threads
+        self.estimate = Estimator()
+        self.hits = self.misses = 0
+        self.scale = 1.0   # ops in context cost this much more than alone (cube.sim.context)
+        self._memo: Dict[str, OpCost] = {}
+
+    # ------------------------------------------------------------------ public
+    def op_cost(self, call: Call) -> OpCost:
+        """The cost of an op piece (measured once, then from the cache), times ``scale``."""
+        cost = self._cost(call)
+        if self.scale == 1.0:
+            return cost
+        return OpCost(cost.fw * self.scale, cost.bw * self.scale, cost.saved, cost.alias, cost.measured)
+
+    def _cost(self, call: Call) -> OpCost:
+        key = self.key(call)
+        if key in self._memo:
+            return self._memo[key]
+        hit = self.store.get(key)
+        if hit is not None:
+            self.hits += 1
+            cost = OpCost.from_json(hit)
+        else:
+            self.misses += 1
+            cost = self._measure(call)
+            self.store.put(key, cost.to_json())
+        self._memo[key] = cost
+        return cost
+
+    def optimizer_cost(self, numels: Sequence[int]) -> float:
+        """Seconds of one AdamW step over tensors of ``numels`` elements: a per-tensor and a
+        per-element rate, measured once per device."""
+        per_tensor, per_elem = self._adam_rates()
+        return len(numels) * per_tensor + sum(numels) * per_elem
+
+    def copy_cost(self, nbytes: int) -> float:
+        return nbytes * self._copy_rate()
+
+    def save(self) -> None:
+        """Writes new measurements to the cache file."""
+        self.store.save()
+
+    def key(self, call: Call) -> str:
+        fn, args, kwargs, _ = self._call(call)
+        shapes = {id(t): s for t, s in zip(call.op.inputs, local_shapes(call)[0])}
+        grads = {id(t): self._requires_grad(call, k) for k, t in enumerate(call.op.inputs)}
+
+        def sig(v):
+            if isinstance(v, IRTensor):
+                shape = shapes.get(id(v), tuple(v.shape))
+                return f"T{list(shape)}:{str(v.dtype)[6:]}{'g' if grads.get(id(v)) else ''}"
+            if isinstance(v, (list, tuple)):
+                return "[" + ",".join(sig(x) for x in v) + "]"
+            if isinstance(v, dict):
+                return "{" + ",".join(f"{k}={sig(x)}" for k, x in sorted(v.items())) + "}"
+            if isinstance(v, torch.device):
+                return "dev"
+            return repr(v)
+        threads = self.threads or torch.get_num_threads()
+        return f"{fn}({sig(args)};{sig(kwargs)})@{self.device.type}/t{threads}/v{VERSION}"
+
+    # ------------------------------------------------------------------ measuring
+    def _call(self, call: Call):
+        op = call.op
+        count = None
+        if call.term_ranks and op.name in _COUNTED:   # a known global count: no communication here
+            count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "count")
+        fn, args, kwargs = local_call(op, call.layout, call.term_ranks, count)
+        name = fn or str(op.target)
+        if fn is None and not str(op.target).startswith(("aten.", "torch.ops")):
+            name = f"torch.ops.{op.target}"
+        return name, args, kwargs, count
+
+    @staticmethod
+    def _requires_grad(call: Call, k: int) -> bool:
+        t = call.op.inputs[k]
+        return bool(call.op.grad_enabled and t.requires_grad and t.dtype.is_floating_point
+                    and k not in call.layout.unread)
+
+    def _inputs(self, call: Call, count) -> Dict[int, torch.Tensor]:
+        op = call.op
+        ins, _ = local_shapes(call)
+        floats = [s for s, t in zip(ins, op.inputs) if t.dtype.is_floating_point]
+        bound = max(1, min([d for s in floats for d in s] or [2]))
+        out: Dict[int, torch.Tensor] = {}
+        for k, (t, shape) in enumerate(zip(op.inputs, ins)):
+            if t.dtype.is_floating_point:
+                x = torch.rand(shape, dtype=t.dtype, device=self.device) + 0.5
+                x.requires_grad_(self._requires_grad(call, k))
+            elif t.dtype == torch.bool:
+                x = torch.rand(shape, device=self.device) > 0.5
+            else:
+                x = torch.randint(0, bound, shape, dtype=t.dtype, device=self.device)
+            out[id(t)] = x
+        if count is not None:
+            tgt = op.inputs[1] if len(op.inputs) > 1 else op.inputs[0]
+            out[id(count)] = torch.tensor(float(tgt.numel()), dtype=count.dtype, device=self.device)
+        return out
+
+    def _measure(self, call: Call) -> OpCost:
+        old = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            return self._measure_call(call)
+        except Exception as e:   # noqa: BLE001 - any op that cannot run alone is estimated instead
+            log.debug("cube.sim: cannot profile %s standalone (%s: %s); using the FLOP/byte estimate",
+                      call.op.name, type(e).__name__, e)
+            return self.estimate.op_cost(call)
+        finally:
+            torch.set_num_threads(old)
+
+    def _measure_call(self, call: Call) -> OpCost:
+        name, args, kwargs, count = self._call(call)
+        fn = resolve(name)
+        values = self._inputs(call, count)
+        dev = self.device
+
+        def mat(v):
+            if isinstance(v, IRTensor):
+                return values[id(v)]
+            if isinstance(v, list):
+                return [mat(x) for x in v]
+            if isinstance(v, tuple):
+                return tuple(mat(x) for x in v)
+            if isinstance(v, dict):
+                return {k: mat(x) for k, x in v.items()}
+            if isinstance(v, torch.device):
+                return dev
+            return v
+        a, kw = mat(args), mat(kwargs)
+        grad = needs_grad(call)
+        with torch.set_grad_enabled(grad):
+            fw = time_call(lambda: fn(*a, **kw), dev, self.repeats)
+            saved, out = self._saved(call, values, lambda: fn(*a, **kw))
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if torch.is_tensor(o)]
+        alias = tuple(self._alias(o, call, values) for o in outs)
+        bw = 0.0
+        leaves = [values[id(t)] for k, t in enumerate(call.op.inputs) if self._requires_grad(call, k)]
+        roots = [o for o in outs if o.requires_grad]
+        if grad and leaves and roots:
+            seeds = [torch.ones_like(o) for o in roots]
+            run = lambda: torch.autograd.grad(roots, leaves, seeds, retain_graph=True, allow_unused=True)  # noqa: E731
+            bw = max(time_call(run, dev, self.repeats) - self._engine_overhead(), 0.1 * fw)
+        return OpCost(fw, bw, saved, alias, measured=True)
+
+    def _saved(self, call: Call, values, run):
+        """Runs once under saved-tensor hooks: which inputs/outputs (or own tensors) autograd keeps."""
+        found: List = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: found.append(t) or t, lambda t: t):
+            out = run()
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if torch.is_tensor(o)]
+        ptrs_in = {}
+        for k, t in enumerate(call.op.inputs):
+            x = values[id(t)]
+            if x.numel():
+                ptrs_in.setdefault(x.untyped_storage().data_ptr(), k)
+        ptrs_out = {o.untyped_storage().data_ptr(): j for j, o in enumerate(outs) if o.numel()}
+        saved, seen = [], set()
+        for t in found:
+            if not torch.is_tensor(t) or not t.numel():
+                continue
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            if ptr in ptrs_out:
+                saved.append(("out", ptrs_out[ptr]))
+            elif ptr in ptrs_in:
+                saved.append(("in", ptrs_in[ptr]))
+            else:
+                saved.append(("x", t.untyped_storage().nbytes()))
+        return tuple(saved), out
+
+    @staticmethod
+    def _alias(o: torch.Tensor, call: Call, values) -> int:
+        if not o.numel():
+            return -1
+        ptr = o.untyped_storage().data_ptr()
+        for k, t in enumerate(call.op.inputs):
+            x = values[id(t)]
+            if x.numel() and x.untyped_storage().data_ptr() == ptr:
+                return k
+        return -1
+
+    # ------------------------------------------------------------------ device rates
+    def _rate(self, name: str, measure: Callable[[], object]):
+        threads = self.threads or torch.get_num_threads()
+        key = f"#{name}@{self.device.type}/t{threads}/v{VERSION}"
+        hit = self.store.get(key)
+        if hit is None:
+            old = torch.get_num_threads()
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            try:
+                hit = measure()
+            finally:
+                torch.set_num_threads(old)
+            self.store.put(key, hit)
+        return hit
+
+    def _engine_overhead(self) -> float:
+        """Seconds autograd spends starting a backward (paid once per step, not per op)."""
+        def measure():
+            x = torch.rand(4, device=self.device, requires_grad=True)
+            y = x * 2
+            g = torch.ones_like(y)
+            base = time_call(lambda: torch.autograd.grad([y], [x], [g], retain_graph=True), self.device, 9)
+            return 0.7 * base   # the rest is the one node's own cost
+        return self._rate("engine", measure)
+
+    def _copy_rate(self) -> float:
+        def measure():
+            x = torch.empty(4 << 20, dtype=torch.float32, device=self.device)
+            return time_call(lambda: x.clone(), self.device, 5) / (x.numel() * 4)   # seconds per byte
+        return self._rate("copy-seconds-per-byte", measure)
+
+    def _adam_rates(self):
+        def measure():
+            def step_time(shapes):
+                ps = [torch.nn.Parameter(torch.rand(s, device=self.device)) for s in shapes]
+                for p in ps:
+                    p.grad = torch.rand_like(p)
+                opt = torch.optim.AdamW(ps, lr=1e-3)
+                return time_call(opt.step, self.device, 5)
+            small = step_time([(8,)] * 64) / 64
+            big = step_time([(1 << 20,)])
+            return [small, max(big - small, 1e-9) / (1 << 20)]
+        return tuple(self._rate("adamw", measure))

@@ -1,0 +1,273 @@
+"""Per-rank programs: what each rank does in one training step, as instructions for the engine.
+
+A rank's program follows its generated code: the forward calls (after the same
+``gather_transfers`` and recompute runs as codegen), then backward in reverse
+order, with each communication step replaced by its adjoint (all-gather <->
+reduce-scatter, identity <-> all-reduce, send <-> receive); under a pipeline
+schedule, one forward or backward per action and micro-batch. Gradient
+buckets launch on the communication stream as soon as their last gradient is
+made (not during a schedule: the reducer is held until the end), the step
+waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
+are attached to the instructions that cause them (``cube.sim.memory``); the
+instructions are those of ``cube.sim.instructions``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Hashable, List, Optional
+
+from cube.codegen.emit import _last_uses
+from cube.codegen.recompute import find_runs, gather_transfers
+from cube.ir.graph import IRGraph
+from cube.ir.layout import box_shape
+from cube.ir.tensor import IRTensor, TensorKind
+from cube.passes.plan import Call, RankPlan
+from cube.sim.buckets import make_buckets
+from cube.sim.costs import needs_grad
+from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, _nbytes
+from cube.sim.step_end import StepEnd
+
+__all__ = ["Builder", "Ins", "Program", "COLLECTIVES"]
+
+
+class Builder(Writer, StepEnd):
+    """Builds one rank's program; see the module docstring.
+
+    Args:
+        graph, plan: the placed graph and this rank's plan.
+        costs: the compute cost model (``op_cost``, ``optimizer_cost``, ``copy_cost``).
+        comm: the communication model (``cost(kind, nbytes, n)``).
+        zero: the ZeRO stage (0-3).
+        actions: the rank's pipeline actions (``["F0", "B0", ...]``), or None.
+    """
+
+    def __init__(self, graph: IRGraph, plan: RankPlan, costs, comm, zero: int = 0,
+                 actions: Optional[List[str]] = None):
+        super().__init__(costs, comm)
+        self.graph, self.plan, self.zero = graph, plan, zero
+        self.actions = actions
+        self.backend = getattr(comm, "backend", "gloo")
+        self.buckets = make_buckets(graph, plan)
+        self.calls = gather_transfers(plan.calls)
+        self.attrs = {id(t): t for t, _ in plan.attrs}
+        self.attr_bytes = {id(t): _nbytes(box_shape(b), t.dtype) for t, b in plan.attrs}
+        self.runs = find_runs(self.calls, plan.loss, lambda t: id(t) in self.attrs)
+        self.run_of = {i: r for r in self.runs for i in range(r.start, r.stop)}
+        self.last_use = _last_uses(self.calls, plan.loss)
+        self.first_read: Dict[int, int] = {}
+        for i, call in enumerate(self.calls):
+            for t in call.inputs:
+                self.first_read.setdefault(id(t), i)
+        self.sharded = [b for b in self.buckets if zero >= 1 and len(b.ranks) > 1]
+        self.shard_of = {id(t): b for b in self.sharded for t in b.params}
+        self.tag = ""                   # "re" while a run is recomputed in backward
+        self.re_made: set = set()       # ids of the values a recompute made again
+        self.re_values: List[IRTensor] = []
+        self.launched: Dict[int, Hashable] = {}   # bucket index -> comm item
+        self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
+        self.held = actions is not None
+
+    # ------------------------------------------------------------------ values
+    def vkey(self, t: IRTensor, micro: int):
+        tag = self.tag if id(t) in self.re_made else ""
+        return micro, id(t), tag
+
+    @staticmethod
+    def input_value(call: Call, k: int) -> IRTensor:
+        t = call.op.inputs[k]
+        return call.subst.get(id(t), t)
+
+    def is_attr(self, t: IRTensor) -> bool:
+        return id(t) in self.attrs
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, micro: int, cat: str = "forward") -> None:
+        if self.zero == 3 and not self.gathers and self.sharded:
+            for idx in reversed(range(len(self.sharded))):   # zero_begin: every bucket, forward order
+                b = self.sharded[idx]
+                self.gathers[idx] = self.coll("all_gather", b.ranks, b.padded * b.itemsize, "zero", blocking=False)
+                self.mem.add("params", (b.padded - b.chunk) * b.itemsize)
+                self.settle()
+        for t in self.plan.data.outputs:
+            self.mem.alloc(self.vkey(t, micro), _nbytes(t.shape, t.dtype))
+        waited = set()
+        for i, call in enumerate(self.calls):
+            run = self.run_of.get(i)
+            if run is not None and i == run.start:
+                for t in run.inputs:
+                    self.mem.hold(self.vkey(t, micro), ("ckpt", micro, run.start))
+            if self.zero == 3:
+                for t in call.inputs:
+                    b = self.shard_of.get(id(t))
+                    if b is not None and id(b) not in waited:
+                        waited.add(id(b))
+                        self.wait(self.gathers.get(self.sharded.index(b)), "zero_wait")
+            self.fw_call(i, call, micro, cat, keep_saved=run is None)
+            for t in self.last_use.get(i, []):
+                if not self.is_attr(t):
+                    self.mem.release(self.vkey(t, micro))
+            self.settle()
+
+    def fw_call(self, i: int, call: Call, micro: int, cat: str, keep_saved: bool) -> None:
+        if call.op is None:
+            self.fw_step(call, micro, cat)
+            return
+        op = call.op
+        cost = self.costs.op_cost(call)
+        self.compute(cost.fw, _label(op), cat)
+        for j, o in enumerate(op.outputs):
+            if self.tag:
+                self.re_made.add(id(o))
+                self.re_values.append(o)
+            k = cost.alias[j] if j < len(cost.alias) else -1
+            if k >= 0 and not self.is_attr(self.input_value(call, k)):
+                self.mem.alias(self.vkey(o, micro), self.vkey(self.input_value(call, k), micro))
+            elif k < 0:
+                self.mem.alloc(self.vkey(o, micro), _nbytes(box_shape(call.layout.outputs[j]), o.dtype))
+        if not keep_saved:
+            return
+        holder = ("saved", micro, i, self.tag)
+        for n, (what, arg) in enumerate(cost.saved):
+            if what == "in":
+                v = self.input_value(call, arg)
+                if not self.is_attr(v):
+                    self.mem.hold(self.vkey(v, micro), holder)
+            elif what == "out" and arg < len(op.outputs):
+                self.mem.hold(self.vkey(op.outputs[arg], micro), holder)
+            elif what == "x":
+                self.mem.alloc(("x", micro, i, self.tag, n), arg, holder=holder)
+
+    def fw_step(self, call: Call, micro: int, cat: str) -> None:
+        s = call.step
+        out = call.outputs[0] if call.outputs else None
+        if s.kind == "send":
+            self.send((s.ranks, s.tag, micro, "f"), _nbytes(box_shape(s.box), call.inputs[0].dtype), cat)
+        elif s.kind == "recv":
+            self.recv((s.ranks, s.tag, micro, "f"), cat)
+        elif s.kind in COLLECTIVES:
+            nbytes = _nbytes(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
+            self.coll(s.kind, s.ranks, nbytes, cat)
+        elif s.kind == "chunk":
+            self.compute(self.costs.copy_cost(_nbytes(out.shape, out.dtype)), "chunk", cat)
+        if out is None:
+            return
+        if self.tag:
+            self.re_made.add(id(out))
+            self.re_values.append(out)
+        if s.kind in ("identity_all_reduce", "narrow"):
+            self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
+        else:
+            self.mem.alloc(self.vkey(out, micro), _nbytes(out.shape, out.dtype))
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, micro: int) -> None:
+        for i in reversed(range(len(self.calls))):
+            run = self.run_of.get(i)
+            if run is not None and i == run.stop - 1:
+                self.recompute(run, micro)
+            call = self.calls[i]
+            if call.op is not None:
+                if needs_grad(call):
+                    self.compute(self.costs.op_cost(call).bw, _label(call.op), "backward")
+                    self.grad_flow(call, micro)
+                self.mem.release_all(("saved", micro, i, self.tag if run is not None else ""))
+            else:
+                self.bw_step(call, micro)
+                self.grad_flow(call, micro)
+            if run is not None and i == run.start:
+                self.mem.release_all(("ckpt", micro, run.start))
+                self.tag = ""
+            self.settle()
+            if not self.held:
+                self.launch_ready(i)
+        self.mem.release_all(("g", micro))   # gradients nothing consumed (the loss's seed)
+        self.settle()
+
+    def recompute(self, run, micro: int) -> None:
+        """The run's forward again, its saved tensors held until its backward is done."""
+        self.tag, self.re_made, self.re_values = "re", set(), []
+        for k in range(run.start, run.stop):
+            self.fw_call(k, self.calls[k], micro, "recompute", keep_saved=True)
+        for t in self.re_values:   # only what autograd saved stays
+            self.mem.release(self.vkey(t, micro))
+        self.settle()
+
+    def bw_step(self, call: Call, micro: int) -> None:
+        s = call.step
+        if s.kind == "send":
+            if s.grad != "none" and call.inputs[0].requires_grad:
+                self.recv((s.ranks, s.tag, micro, "b"), "backward")
+            return
+        out = call.outputs[0]
+        if s.grad == "none" or not out.requires_grad:
+            return
+        nbytes, n = _nbytes(out.shape, out.dtype), len(s.ranks)
+        if s.kind == "recv":
+            self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
+        elif s.kind == "identity_all_reduce":
+            self.coll("all_reduce", s.ranks, nbytes, "backward")
+        elif s.kind == "all_gather" and s.grad == "V":
+            self.coll("reduce_scatter", s.ranks, nbytes, "backward")
+        elif s.kind == "all_gather":
+            self.compute(self.costs.copy_cost(nbytes // n), "chunk grad", "backward")
+        elif s.kind in ("reduce_scatter", "chunk"):
+            self.coll("all_gather", s.ranks, nbytes * n, "backward")
+        elif s.kind == "all_to_all":
+            self.coll("all_to_all", s.ranks, nbytes, "backward")
+
+    def grad_flow(self, call: Call, micro: int) -> None:
+        """Gradients: the inputs' appear (parameters' stay until the optimizer), the outputs' go."""
+        if call.op is not None:
+            reads = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
+                     if k not in call.layout.unread]
+        else:
+            reads = [(v, v) for v in call.inputs]
+        for v, logical in reads:
+            if not (logical.requires_grad and logical.dtype.is_floating_point):
+                continue
+            if self.is_attr(v):
+                if v.kind is TensorKind.PARAM and not self.mem.alive(("pg", id(v))):
+                    self.mem.alloc(("pg", id(v)), self.attr_bytes[id(v)], "grads", holder="grads")
+                continue
+            root = self.mem.root_of(self.vkey(v, micro))
+            if root is not None and not self.mem.alive(("g", root)):
+                self.mem.alloc(("g", root), self.mem.sizes.get(root, 0), holder=("g", micro))
+        outs = call.op.outputs if call.op is not None else call.outputs
+        for o in outs:
+            root = self.mem.root_of(self.vkey(o, micro))
+            if root == self.vkey(o, micro):
+                self.mem.release(("g", root), ("g", micro))
+
+    def build(self, optimizer: bool = True) -> Program:
+        base = self.base()
+        plan = self.plan
+        has_p2p = any(c.step is not None and c.step.kind in ("send", "recv") for c in self.calls)
+        if self.actions is None:
+            self.forward(0)
+            loss_key = self.coll("all_reduce", plan.loss_sum, 4, "loss", blocking=False) if plan.loss_sum else None
+            self.backward(0)
+            if has_p2p:
+                self.emit("flush", label="p2p.finish", cat="wait")
+            self.reduce_gradients()
+            self.wait(loss_key, "loss sum")
+        else:
+            for act in self.actions:
+                (self.forward if act[0] == "F" else self.backward)(int(act[1:]))
+            self.emit("flush", label="p2p.finish", cat="wait")
+            self.reduce_gradients()
+            if plan.loss_from is None:
+                for dst in plan.loss_to:
+                    self.send(("loss", plan.rank, dst), 4, "loss")
+                if plan.loss_to:
+                    self.emit("flush", label="loss sent", cat="wait")
+            else:
+                self.recv(("loss", plan.loss_from, plan.rank), "loss")
+        for micro in range(len(self.actions) // 2 if self.actions else 1):   # the step returns the losses
+            self.mem.release(self.vkey(plan.loss, micro))
+        self.settle()
+        if optimizer:
+            self.optimizer()
+        return Program(plan.rank, self.ins, base, self.buckets)
+
+
+def _label(op) -> str:
+    return f"{op.name} [{op.module_path}]" if op.module_path else op.name

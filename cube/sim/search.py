@@ -1,0 +1,203 @@
+"""Searching plans: data x tensor x pipeline degrees, micro-batches, recompute and ZeRO, simulated.
+
+Every candidate is a ``policies.auto`` configuration (the grid of ``PASData``,
+``PASMegatronTP``, ``PASHybrid`` and the pipeline policies, with stages balanced
+by ``cube.sim.stages``) at the same global batch: a pipeline of ``m``
+micro-batches traces a micro-batch of ``batch / m`` samples. Each is planned,
+simulated, and ranked by predicted step time; plans over the memory cap rank
+after those within it, and plans cube cannot build are listed with the reason.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from cube.compiler import _structure
+from cube.ir.graph import IRGraph
+from cube.passes import check_graph
+from cube.passes.plan import build_plans
+from cube.policy import Resource, apply_policy
+from cube.sim import stages
+from cube.sim.host import Host
+from cube.sim.simulate import SimResult, simulate
+from cube.trace import build_graph, export
+
+EQUIVALENT = {(True, False, False): "PASData", (False, True, False): "PASMegatronTP",
+              (True, True, False): "PASHybrid", (False, False, True): "pipeline"}
+
+
+@dataclass
+class Candidate:
+    """One plan of the search and its prediction (``result`` None when it could not be planned)."""
+
+    config: dict
+    result: Optional[SimResult] = None
+    error: str = ""
+    feasible: bool = True
+
+    @property
+    def step_time(self) -> float:
+        return self.result.step_time if self.result is not None else math.inf
+
+    @property
+    def peak(self) -> int:
+        return self.result.peak_memory if self.result is not None else 0
+
+    @property
+    def name(self) -> str:
+        return describe(self.config)
+
+
+def describe(cfg: dict) -> str:
+    """A one-line name of a configuration, with the shipped policy it corresponds to."""
+    dp, tp, pp = cfg["dp"], cfg["tp"], cfg["pp"]
+    like = EQUIVALENT.get((dp > 1, tp > 1, pp > 1), "hybrid pipeline" if pp > 1 else "single")
+    parts = [f"dp{dp} tp{tp} pp{pp}"]
+    if pp > 1:
+        parts.append(f"{cfg['schedule']} m{cfg['nmicros']}")
+    parts.append(f"zero{cfg.get('zero', 0)}")
+    if cfg.get("recompute"):
+        parts.append("recompute")
+    return " ".join(parts) + f"  ({like})"
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute: Sequence[bool] = (False, True),
+            zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe"),
+            max_pp: Optional[int] = None) -> List[dict]:
+    """Every configuration for ``world`` devices and a global ``batch`` (micro-batch counts: ``micros``
+    times the pipeline depth)."""
+    out = []
+    for pp in _divisors(world):
+        if max_pp is not None and pp > max_pp:
+            continue
+        for tp in _divisors(world // pp):
+            dp = world // (pp * tp)
+            ms = sorted({pp * k for k in micros}) if pp > 1 else [1]
+            for m in ms:
+                if batch % m or (batch // m) % dp:
+                    continue
+                for sched in (schedules if pp > 1 else ("1f1b",)):
+                    for rc in recompute:
+                        for z in (zero if dp > 1 else (0,)):
+                            if z == 3 and rc:
+                                continue   # not supported together yet (cube.codegen.recompute)
+                            out.append({"dp": dp, "tp": tp, "pp": pp, "nmicros": m, "schedule": sched,
+                                        "recompute": bool(rc), "zero": z, "micro_batch": batch // m,
+                                        "world": world})
+    return out
+
+
+class _Tracer:
+    """Exports the model once per micro-batch shape; builds a fresh IR graph for each plan."""
+
+    def __init__(self, model: torch.nn.Module, batch):
+        self.model = model
+        self.structure, self.sample = _structure(batch)
+        self.exported: Dict[int, tuple] = {}
+
+    def graph(self, micro_batch: int, zero: int = 0) -> IRGraph:
+        if micro_batch not in self.exported:
+            sample = tuple(t[:micro_batch] for t in self.sample)
+            self.exported[micro_batch] = (export(self.model, sample), sample)
+        ep, _ = self.exported[micro_batch]
+        graph, _ = build_graph(ep, self.model, self.structure)
+        graph.zero = zero
+        check_graph(graph)
+        return graph
+
+
+def planned(tracer: _Tracer, cfg: dict) -> IRGraph:
+    """The graph of ``cfg`` after ``policies.auto.plan``."""
+    from policies.auto import plan
+    graph = tracer.graph(cfg["micro_batch"], zero=3 if cfg.get("zero") == 3 else 0)
+    graph = apply_policy(lambda g, r: plan(g, r, cfg), graph, Resource(cfg["world"]))
+    check_graph(graph, placed=True)
+    return graph
+
+
+def balance(tracer: _Tracer, cfg: dict, costs, comm) -> List[int]:
+    """Stage starts for ``cfg`` from the op costs of its ``dp x tp`` layout (``cube.sim.stages``)."""
+    flat = dict(cfg, pp=1, world=cfg["dp"] * cfg["tp"], recompute=False, zero=0, starts=None)
+    graph = planned(tracer, flat)
+    per_op = stages.op_costs(graph, build_plans(graph, flat["world"])[0], costs, comm)
+    return stages.balanced_starts(tracer.graph(cfg["micro_batch"]), cfg["pp"], per_op, comm)
+
+
+def search(model: torch.nn.Module, batch, world: int, costs, comm, mem_cap: Optional[float] = None,
+           host: Optional[Host] = None, candidates: Optional[List[dict]] = None,
+           progress: Optional[Callable[[str], None]] = None, **space) -> List[Candidate]:
+    """Simulates every configuration and returns them ranked (best first).
+
+    Args:
+        model, batch: the single-device model and one global batch.
+        world: devices.
+        costs, comm: the compute and communication models (see ``simulate``).
+        mem_cap: bytes per device; plans above it rank last, marked infeasible.
+        host: CPU ranks sharing one host (see ``simulate``).
+        candidates: configurations to try (default: ``configs(world, batch, **space)``).
+        progress: called with one line per plan (default: print to stderr).
+    """
+    progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+    tracer = _Tracer(model, batch)
+    cands = candidates if candidates is not None else configs(world, tracer.sample[0].shape[0], **space)
+    starts: Dict[tuple, List[int]] = {}
+    out: List[Candidate] = []
+    for k, cfg in enumerate(cands, 1):
+        cfg = dict(cfg)
+        t0 = time.perf_counter()
+        cand = Candidate(cfg)
+        try:
+            if cfg["pp"] > 1 and not cfg.get("starts"):
+                key = (cfg["dp"], cfg["tp"], cfg["pp"], cfg["micro_batch"])
+                if key not in starts:
+                    starts[key] = balance(tracer, cfg, costs, comm)
+                cfg["starts"] = starts[key]
+            graph = planned(tracer, cfg)
+            cand.result = simulate(graph, world, costs=costs, comm=comm, zero=cfg.get("zero", 0), host=host,
+                                   coarse=True)
+            cand.feasible = mem_cap is None or cand.peak <= mem_cap
+        except (ValueError, TypeError, NotImplementedError) as e:
+            cand.error, cand.feasible = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}", False
+        out.append(cand)
+        what = cand.error or f"{cand.step_time * 1e3:9.2f} ms  {cand.peak / 2**20:9.1f} MiB" + \
+            ("" if cand.feasible else "  over the memory cap")
+        progress(f"[{k}/{len(cands)}] {cand.name:<44} {what}  ({time.perf_counter() - t0:.1f}s)")
+    if hasattr(costs, "save"):
+        costs.save()
+    return rank(out)
+
+
+def rank(cands: List[Candidate]) -> List[Candidate]:
+    """Feasible plans by predicted step time, then plans over the cap, then plans that failed."""
+    return sorted(cands, key=lambda c: (c.result is None, not c.feasible, c.step_time))
+
+
+def table(cands: List[Candidate], top: Optional[int] = None) -> str:
+    """The ranked plans as a text table."""
+    lines = [f"{'#':>3}  {'plan':<44} {'step ms':>9} {'peak MiB':>9}  note"]
+    for i, c in enumerate(cands[:top] if top else cands, 1):
+        if c.result is None:
+            lines.append(f"{i:>3}  {c.name:<44} {'-':>9} {'-':>9}  {c.error}")
+            continue
+        note = "" if c.feasible else "over the memory cap"
+        lines.append(f"{i:>3}  {c.name:<44} {c.step_time * 1e3:>9.2f} {c.peak / 2**20:>9.1f}  {note}")
+    return "\n".join(lines)
+
+
+def write_plan(cand: Candidate, path: str) -> str:
+    """Writes the configuration ``policies.auto.PASAuto`` reads (with the prediction); returns the path."""
+    cfg = dict(cand.config, predicted_step_ms=round(cand.step_time * 1e3, 3),
+               predicted_peak_mib=round(cand.peak / 2**20, 1))
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path

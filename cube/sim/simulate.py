@@ -1,0 +1,186 @@
+"""Simulating one training step of a placed graph: step time, memory per rank, a trace.
+
+``simulate(graph, world)`` plans every rank as codegen does (``build_plans``,
+the schedule's actions, the reducer's buckets, recompute runs), builds each
+rank's program (``cube.sim.program``), runs them together
+(``cube.sim.engine``) and returns a ``SimResult``: the predicted step time (the
+last rank to finish, optimizer included), per-rank compute, exposed
+communication and peak memory with its breakdown, a Chrome trace (one process
+per rank, compute and communication threads; open it in Perfetto) and the
+memory of each rank over time.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from cube.codegen.emit import _schedule_actions
+from cube.codegen.recompute import check_recompute
+from cube.ir.graph import IRGraph
+from cube.passes.plan import build_plans
+from cube.sim import engine
+from cube.sim.comm import CommModel
+from cube.sim.costs import Estimator
+from cube.sim.host import Host
+from cube.sim.memory import KINDS, peak
+from cube.sim.program import Builder, Ins
+
+
+@dataclass
+class RankStats:
+    """One rank's share of the step.
+
+    Attributes:
+        end: seconds until its step (optimizer included) ends.
+        compute: seconds of compute.
+        comm: seconds its compute stream waited on blocking communication and peers.
+        peak: peak bytes; ``breakdown``: bytes per kind at the peak.
+    """
+
+    end: float
+    compute: float
+    comm: float
+    peak: int
+    breakdown: Dict[str, int]
+
+
+@dataclass
+class SimResult:
+    """What ``simulate`` predicts; see the module docstring."""
+
+    step_time: float
+    ranks: Dict[int, RankStats]
+    events: List[engine.Event] = field(repr=False, default_factory=list)
+    memory: Dict[int, List[tuple]] = field(repr=False, default_factory=dict)
+
+    @property
+    def peak_memory(self) -> int:
+        """The largest per-rank peak, in bytes."""
+        return max(s.peak for s in self.ranks.values())
+
+    def summary(self) -> str:
+        lines = [f"predicted step time {self.step_time * 1e3:.2f} ms, peak memory "
+                 f"{self.peak_memory / 2**20:.1f} MiB"]
+        lines.append(f"{'rank':>4} {'end ms':>9} {'compute':>9} {'blocked':>9} {'peak MiB':>9}  breakdown at peak (MiB)")
+        for r, s in sorted(self.ranks.items()):
+            parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s.breakdown.items() if v)
+            lines.append(f"{r:>4} {s.end * 1e3:>9.2f} {s.compute * 1e3:>9.2f} {s.comm * 1e3:>9.2f} "
+                         f"{s.peak / 2**20:>9.1f}  {parts}")
+        return "\n".join(lines)
+
+    def chrome_trace(self, path) -> str:
+        """Writes a Chrome trace JSON (``chrome://tracing`` or ui.perfetto.dev); returns the path."""
+        out = []
+        for r in sorted(self.ranks):
+            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+            for tid, name in ((0, "compute"), (1, "communication")):
+                out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
+        for e in self.events:
+            args = {"MiB": round(e.nbytes / 2**20, 3)} if e.nbytes else {}
+            out.append({"name": e.name, "cat": e.cat, "ph": "X", "pid": e.rank, "tid": 0 if e.thread == "compute" else 1,
+                        "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "args": args})
+        for r, points in self.memory.items():
+            for t, total in points:
+                out.append({"name": "memory", "ph": "C", "pid": r, "ts": t * 1e6, "args": {"MiB": total / 2**20}})
+        with open(path, "w") as f:
+            json.dump({"traceEvents": out, "displayTimeUnit": "ms"}, f)
+        return str(path)
+
+    def memory_plot(self, path) -> str:
+        """Memory of each rank over the step: a PNG when matplotlib is installed, else a CSV
+        (``rank,seconds,bytes``) next to ``path``. Returns the file written."""
+        try:
+            import matplotlib
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            path = os.path.splitext(str(path))[0] + ".csv"
+            with open(path, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["rank", "seconds", "bytes"])
+                for r, points in sorted(self.memory.items()):
+                    w.writerows([r, t, b] for t, b in points)
+            return path
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for r, points in sorted(self.memory.items()):
+            ax.step([t * 1e3 for t, _ in points], [b / 2**20 for _, b in points], where="post", label=f"rank {r}")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("MiB")
+        ax.legend()
+        fig.savefig(path, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        return str(path)
+
+
+def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
+                   optimizer: bool = True, plans=None) -> dict:
+    """Every rank's program (``cube.sim.program``) for the placed ``graph``."""
+    if zero is None:
+        zero = getattr(graph, "zero", 0)
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"simulate: zero must be 0, 1, 2 or 3, got {zero!r}")
+    if getattr(graph, "zero", 0) == 3 and zero != 3:
+        raise ValueError("simulate: the graph was planned for zero=3; simulate it with zero=3")
+    if zero == 3 and getattr(graph, "zero", 0) != 3:
+        raise ValueError("simulate: zero=3 needs a graph planned for it (trace_and_plan(..., zero=3))")
+    costs = costs if costs is not None else Estimator()
+    comm = comm if comm is not None else CommModel()
+    check_recompute(graph)
+    plans = plans if plans is not None else build_plans(graph, world)
+    actions = _schedule_actions(graph, plans) if graph.schedule is not None else {}
+    return {r: Builder(graph, plans[r], costs, comm, zero, actions.get(r)).build(optimizer) for r in range(world)}
+
+
+def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
+             host: Optional[Host] = None, optimizer: bool = True, coarse: bool = False) -> SimResult:
+    """Predicts one training step of the placed ``graph`` on ``world`` ranks.
+
+    Args:
+        graph: a graph after its policy (every op placed).
+        world: the number of ranks.
+        costs: the compute cost model: a ``Profiler`` (measured), ``Estimator``
+            (default) or ``FixedCosts``.
+        comm: the communication model (default: the backend's uncalibrated defaults).
+        zero: the ZeRO stage of the optimizer (default: the graph's, 0 unless planned for 3).
+        host: CPU ranks sharing one host's cores (``cube.sim.host.Host``, e.g. ``this_host()``);
+            None: each rank has a device of its own (GPUs).
+        optimizer: include the optimizer step (and ZeRO's gathers after it).
+        coarse: merge consecutive compute instructions (faster; coarser trace and memory curve).
+
+    Raises:
+        ValueError: a plan that cannot run (see ``build_plans``) or inconsistent ZeRO settings.
+    """
+    programs = build_programs(graph, world, costs, comm, zero, optimizer)
+    stats: Dict[int, tuple] = {}
+    for r, prog in programs.items():
+        top, at, totals = peak(prog.base, [i.mem for i in prog.ins])
+        stats[r] = (top, {k: at.get(k, 0) for k in KINDS}, totals)
+        if coarse:
+            prog.ins = _merge(prog.ins)
+    ends, events, times = engine.run(programs, host)
+    ranks, memory = {}, {}
+    for r, prog in programs.items():
+        compute = sum(i.dur for i in prog.ins if i.op == "compute")
+        blocked = sum(e.end - e.start for e in events if e.rank == r and e.thread == "compute"
+                      and e.cat in ("comm", "wait"))
+        top, at, totals = stats[r]
+        ranks[r] = RankStats(ends[r], compute, blocked, top, at)
+        if not coarse:
+            start = sum(prog.base.values())
+            memory[r] = [(0.0, start)] + list(zip(times[r], totals))
+    return SimResult(max(ends.values()) if ends else 0.0, ranks, events, memory)
+
+
+def _merge(ins: List[Ins]) -> List[Ins]:
+    out: List[Ins] = []
+    for i in ins:
+        if out and i.op == "compute" and out[-1].op == "compute" and out[-1].cat == i.cat:
+            out[-1].dur += i.dur
+            for k, v in i.mem.items():
+                out[-1].mem[k] = out[-1].mem.get(k, 0) + v
+            continue
+        out.append(Ins(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes, dict(i.mem)))
+    return out

@@ -1,0 +1,52 @@
+"""The benchmark runner finds modules and reads its command line; no benchmark runs here."""
+import importlib
+
+import pytest
+
+runner = importlib.import_module("benchmarks.__main__")
+
+
+def test_discovers_the_shipped_benchmarks_without_importing_them():
+    found = runner.discover()
+    assert found["parallel"] is None and found["compile_scaling"] is None
+    assert list(found)[:2] == ["parallel", "compile_scaling"]
+
+
+def test_modules_without_main_quick_are_skipped_with_the_reason(tmp_path):
+    (tmp_path / "good.py").write_text("def main(quick=False):\n    return []\n")
+    (tmp_path / "cli.py").write_text("def main(argv=None):\n    return 0\n")
+    (tmp_path / "lib.py").write_text("X = 1\n")
+    (tmp_path / "_private.py").write_text("def main(quick=False):\n    pass\n")
+    found = runner.discover(tmp_path)
+    assert found["good"] is None
+    assert "takes no quick argument" in found["cli"]
+    assert "no main(quick)" in found["lib"]
+    assert "_private" not in found
+
+
+def test_arguments():
+    args = runner.parse_args(["--quick", "--only", "parallel"], ["parallel", "compile_scaling"])
+    assert args.quick and args.only == ["parallel"] and not args.list
+    assert runner.parse_args([], ["parallel"]).only is None
+
+
+def test_unknown_benchmark_is_an_error_naming_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--only", "nope"], ["parallel", "compile_scaling"])
+    err = capsys.readouterr().err
+    assert "nope" in err and "parallel, compile_scaling" in err
+
+
+def test_summary_lists_ratios_and_exponents():
+    rows = [{"benchmark": "x", "name": "a / b", "time_ratio": 0.9, "target": "<= 1.00", "ms_per_step": 3.0},
+            {"benchmark": "x", "name": "growth", "total_exponent": 1.02}]
+    got = runner.summary({"x": (rows, None)})
+    assert got == [("x", "a / b", "time_ratio", 0.9, "<= 1.00"), ("x", "growth", "total_exponent", 1.02, "")]
+
+
+def test_compile_scaling_helpers():
+    cs = importlib.import_module("benchmarks.compile_scaling")
+    assert cs.skip_reason(16, "PAS1F1B", 64) and cs.skip_reason(64, "PAS1F1B", 64) is None
+    assert cs.skip_reason(4, "PASMegatronTP", 64) is None and cs.skip_reason(4, "PASData", 64) is None
+    rows = [{"policy": "P", "ranks": 8, "nodes": n, "total": 2.0 * n} for n in (100, 1000, 10000)]
+    assert cs.growth(rows)[("P", 8)] == pytest.approx(1.0)

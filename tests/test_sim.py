@@ -1,0 +1,318 @@
+"""cube.sim: cost models, the simulator on hand-checkable costs, memory, the profiler cache, the search.
+
+Every timing here comes from given costs (``FixedCosts``, a ``CommModel`` with chosen
+alpha/beta), never from measured speed; no processes are launched.
+"""
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cube.compiler import generate_code, trace_and_plan
+from cube.passes.plan import build_plans
+from cube.sim import CommModel, Estimator, FixedCosts, OpCost, Profiler, simulate
+from cube.sim import comm as comm_mod
+from cube.sim import engine, search
+from cube.sim.program import Ins, Program
+from cube.sim.simulate import build_programs
+from examples.gpt.model import GPT, GPTConfig
+from policies.auto import plan
+
+F, B = 1.0, 2.0   # seconds of each linear's forward and backward
+
+
+class TwoLinears(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.l1 = nn.Linear(d, d, bias=False)
+        self.l2 = nn.Linear(d, d, bias=False)
+
+    def forward(self, x):
+        return self.l2(self.l1(x)).sum()
+
+
+def _graph(cfg, model=None, batch=8, zero=0):
+    torch.manual_seed(0)
+    model = model or TwoLinears()
+    x = torch.randn(batch, 8)
+    world = cfg["dp"] * cfg["tp"] * cfg.get("pp", 1)
+    graph, _ = trace_and_plan(model, (x,), "tensor", lambda g, r: plan(g, r, cfg), world, zero=zero)
+    return graph, world
+
+
+def _free_comm(**beta) -> CommModel:
+    """Communication that costs nothing, except ``beta[kind]`` seconds per byte where given."""
+    kinds = comm_mod.KINDS
+    return CommModel("gloo", {k: 0.0 for k in kinds}, {k: beta.get(k, 0.0) for k in kinds})
+
+
+LINEARS = FixedCosts(fw=0.0, bw=0.0, by_name={"linear": (F, B)})
+
+
+# ---------------------------------------------------------------------- pipelines
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_two_stage_pipeline_matches_the_analytic_bubble(schedule, m):
+    p = 2
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": p, "starts": [0, 1], "nmicros": m, "schedule": schedule})
+    res = simulate(graph, world, costs=LINEARS, comm=_free_comm())
+    assert res.step_time == pytest.approx((m + p - 1) * (F + B))
+    for s in res.ranks.values():   # each stage computes m (F + B); the rest is the bubble
+        assert s.compute == pytest.approx(m * (F + B))
+        assert 1 - s.compute / res.step_time == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_pipeline_pays_for_its_messages():
+    # a p2p message of the 8x8 float activation (256 bytes) costs 256 * beta each way
+    beta = 1e-3
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": 2, "starts": [0, 1], "nmicros": 1, "schedule": "1f1b"})
+    res = simulate(graph, world, costs=LINEARS, comm=_free_comm(p2p=beta))
+    # (the loss the last stage sends back arrives while the first stage still runs backward)
+    assert res.step_time == pytest.approx(2 * (F + B) + 2 * 256 * beta)
+
+
+# ---------------------------------------------------------------------- collectives
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_collective_costs_follow_the_alpha_beta_model(n):
+    m = CommModel("gloo", {k: 1e-5 for k in comm_mod.KINDS}, {k: 1e-9 for k in comm_mod.KINDS})
+    nbytes = 1 << 20
+    assert m.cost("all_reduce", nbytes, n) == pytest.approx(2 * (n - 1) * 1e-5 + 2 * (n - 1) / n * nbytes * 1e-9)
+    for kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert m.cost(kind, nbytes, n) == pytest.approx((n - 1) * 1e-5 + (n - 1) / n * nbytes * 1e-9)
+    assert m.cost("p2p", nbytes, n) == pytest.approx(1e-5 + nbytes * 1e-9)
+    assert m.cost("all_reduce", nbytes, 1) == 0.0
+    with pytest.raises(ValueError, match="unknown collective kind 'broadcast'"):
+        m.cost("broadcast", nbytes, n)
+
+
+def test_a_collective_starts_when_its_last_member_arrives():
+    m = CommModel("gloo", {"all_reduce": 1e-3}, {"all_reduce": 1e-8})
+    cost = m.cost("all_reduce", 4096, 2)
+    coll = dict(op="coll", dur=cost, key=((0, 1), 0), group=(0, 1), label="all_reduce")
+    progs = {0: Program(0, [Ins("compute", 1.0), Ins(**coll)], {}, []),
+             1: Program(1, [Ins("compute", 3.0), Ins(**coll), Ins("compute", 0.5)], {}, [])}
+    ends, events, _ = engine.run(progs)
+    assert ends[0] == pytest.approx(3.0 + cost)
+    assert ends[1] == pytest.approx(3.5 + cost)
+    comm = [e for e in events if e.thread == "comm"]
+    assert {(e.rank, e.start) for e in comm} == {(0, 3.0), (1, 3.0)}
+
+
+def test_mismatched_programs_are_a_deadlock():
+    progs = {0: Program(0, [Ins("recv", key="never")], {}, []), 1: Program(1, [Ins("compute", 1.0)], {}, [])}
+    with pytest.raises(engine.DeadlockError, match="rank 0: at instruction 0 recv"):
+        engine.run(progs)
+
+
+def test_fit_recovers_alpha_and_beta():
+    samples = [(k, n, b, CommModel("gloo", {k: 2e-5}, {k: 3e-10}).cost(k, b, n))
+               for k in comm_mod.KINDS for n in (2, 4) for b in (1 << 12, 1 << 20, 1 << 23)]
+    m = comm_mod.fit(samples)
+    for k in comm_mod.KINDS:
+        assert m.alpha[k] == pytest.approx(2e-5, rel=1e-6) and m.beta[k] == pytest.approx(3e-10, rel=1e-6)
+
+
+# ---------------------------------------------------------------------- data parallel
+def test_data_parallel_step_is_compute_plus_exposed_communication(monkeypatch):
+    # one bucket per weight (tiny buckets): W2's sum overlaps l1's backward, W1's cannot overlap anything
+    monkeypatch.setenv("CUBE_BUCKET_MB", "0.0001")
+    c = 3.0                       # seconds of each bucket's all-reduce: 8x8 floats, 2 ranks (factor 1)
+    comm = _free_comm(all_reduce=c / 256)
+    graph, world = _graph({"dp": 2, "tp": 1, "pp": 1})
+    res = simulate(graph, world, costs=LINEARS, comm=comm)
+    compute = 2 * (F + B)
+    # W2 ready at 2F + B, summed until 2F + B + c; W1 ready at 2F + 2B, waits for the stream, ends at 2F + B + 2c
+    assert res.step_time == pytest.approx(2 * F + B + 2 * c)
+    assert res.step_time - compute == pytest.approx(2 * c - B)   # the communication not hidden
+    assert res.ranks[0].compute == pytest.approx(compute)
+
+
+def test_one_bucket_waits_for_all_of_backward():
+    c = 3.0
+    graph, world = _graph({"dp": 2, "tp": 1, "pp": 1})
+    res = simulate(graph, world, costs=LINEARS, comm=_free_comm(all_reduce=c / 512))
+    assert res.step_time == pytest.approx(2 * (F + B) + c)
+
+
+# ---------------------------------------------------------------------- memory
+def _memory(zero):
+    graph, world = _graph({"dp": 2, "tp": 1, "pp": 1}, zero=3 if zero == 3 else 0)
+    return build_programs(graph, world, LINEARS, _free_comm(), zero=zero)[0]
+
+
+def test_zero_stages_shard_optimizer_state_gradients_and_parameters():
+    params = 2 * 8 * 8 * 4                 # two 8x8 float weights, one bucket over 2 ranks
+    base = {z: _memory(z).base for z in (0, 1, 2, 3)}
+    assert base[0] == {"params": params, "optimizer": 2 * params}           # AdamW: two moments
+    assert base[1] == {"params": params, "optimizer": params}               # state: half each
+    assert base[2] == base[1]
+    assert base[3] == {"params": params // 2, "optimizer": params}           # parameters at rest too
+    g = {z: sum(i.mem.get("grads", 0) for i in _memory(z).ins if i.cat != "optimizer") for z in (0, 1, 2, 3)}
+    assert g[0] == g[1] == params and g[2] == g[3] == params // 2       # kept after the step's reduction
+    for z in (0, 1, 2, 3):   # nothing leaks: the step ends where it started
+        assert sum(sum(i.mem.values()) for i in _memory(z).ins) == 0
+
+
+def test_peak_memory_and_trace(tmp_path):
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": 2, "starts": [0, 1], "nmicros": 4, "schedule": "gpipe"})
+    gpipe = simulate(graph, world, costs=LINEARS, comm=_free_comm())
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": 2, "starts": [0, 1], "nmicros": 4, "schedule": "1f1b"})
+    f1b = simulate(graph, world, costs=LINEARS, comm=_free_comm())
+    # GPipe keeps all 4 micro-batches' activations on the first stage, 1F1B at most 2
+    assert gpipe.ranks[0].breakdown["activations"] > f1b.ranks[0].breakdown["activations"]
+    trace = json.loads(open(f1b.chrome_trace(tmp_path / "t.json")).read())["traceEvents"]
+    assert {e["pid"] for e in trace} == {0, 1}
+    assert any(e["ph"] == "X" and e["cat"] == "backward" for e in trace)
+    plot = f1b.memory_plot(tmp_path / "mem.png")
+    assert plot.endswith((".png", ".csv")) and open(plot, "rb").read()
+
+
+def test_recompute_trades_time_for_activation_memory():
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
+    model = GPT(cfg)
+    ids = torch.randint(0, 64, (4, 8))
+    out = {}
+    for rc in (False, True):
+        policy = lambda g, r, rc=rc: plan(g, r, {"dp": 1, "tp": 1, "pp": 1, "recompute": rc})  # noqa: E731
+        graph, _ = trace_and_plan(model, (ids, ids), "tuple", policy, 1)
+        out[rc] = simulate(graph, 1, costs=Estimator(), comm=_free_comm())
+    assert out[True].step_time > out[False].step_time
+    assert out[True].ranks[0].breakdown["activations"] < out[False].ranks[0].breakdown["activations"]
+
+
+# ---------------------------------------------------------------------- profiler
+def test_profiler_measures_once_then_reads_its_cache(tmp_path):
+    graph, world = _graph({"dp": 2, "tp": 1, "pp": 1})
+    calls = [c for c in build_plans(graph, world)[0].calls if c.op is not None]
+    first = Profiler(device="cpu", cache=tmp_path / "p.json", repeats=1)
+    costs = [first.op_cost(c) for c in calls]
+    assert first.misses >= 1 and first.hits == 0
+    assert all(c.measured and c.fw > 0 for c in costs)
+    linear = costs[[c.op.name for c in calls].index("linear")]
+    assert ("in", 0) in linear.saved and linear.bw > 0   # the input is kept for the weight's gradient
+    first.save()
+    second = Profiler(device="cpu", cache=tmp_path / "p.json", repeats=1)
+    again = [second.op_cost(c) for c in calls]
+    assert second.misses == 0 and second.hits >= 1
+    assert [c.fw for c in again] == [c.fw for c in costs]
+
+
+def test_profiler_estimates_what_it_cannot_run(tmp_path):
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": 1})
+    call = next(c for c in build_plans(graph, world)[0].calls if c.op is not None)
+    prof = Profiler(device="cpu", cache=False, repeats=1)
+    prof._measure_call = lambda call: (_ for _ in ()).throw(RuntimeError("no kernel"))
+    cost = prof.op_cost(call)
+    assert not cost.measured and cost.fw > 0
+
+
+# ---------------------------------------------------------------------- stages and search
+class FourLinears(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(d, d, bias=False) for _ in range(4)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_pipeline_stages_are_balanced_on_simulated_costs():
+    torch.manual_seed(0)
+    tracer = search._Tracer(FourLinears(), torch.randn(8, 8))
+    cfg = {"dp": 1, "tp": 1, "pp": 2, "micro_batch": 8, "world": 2}
+    even = search.balance(tracer, cfg, LINEARS, _free_comm())
+    assert even == [0, 2]                           # two layers per stage
+    last_heavy = FixedCosts(fw=0.0, bw=0.0, fn=lambda call: OpCost(3.0, 6.0) if call.op.name == "linear"
+                            and call.op.module_path.endswith("3") else None, by_name={"linear": (1.0, 2.0)})
+    assert search.balance(tracer, cfg, last_heavy, _free_comm()) == [0, 3]   # 9 | 9 instead of 6 | 12
+
+
+def test_search_ranks_plans_and_emits_a_policy_that_compiles(tmp_path, monkeypatch):
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    ids = torch.randint(0, 64, (8, 8))
+    batch = (ids, torch.roll(ids, -1, 1))
+    lines = []
+    ranked = search.search(model, batch, 2, Estimator(), CommModel("gloo"), mem_cap=64 * 2**20,
+                           progress=lines.append, micros=(1, 2), zero=(0, 1, 3))
+    assert len(ranked) == len(lines) >= 8
+    times = [c.step_time for c in ranked if c.feasible]
+    assert times == sorted(times) and len(times) >= 5
+    kinds = {(c.config["dp"], c.config["tp"], c.config["pp"]) for c in ranked if c.result is not None}
+    assert {(2, 1, 1), (1, 2, 1), (1, 1, 2)} <= kinds
+    assert "step ms" in search.table(ranked)
+    best = ranked[0]
+    path = search.write_plan(best, str(tmp_path / "plan.json"))
+    monkeypatch.setenv("CUBE_AUTO_PLAN", path)
+    micro = tuple(t[:best.config["micro_batch"]] for t in batch)
+    sources = generate_code(model, micro, "policies.auto:PASAuto", world_size=2,
+                            zero=3 if best.config["zero"] == 3 else 0)
+    assert set(sources) == {0, 1} and all("class GenModel" in s for s in sources.values())
+    # every kind of plan the search proposes compiles
+    for c in ranked:
+        if c.result is not None and c.config["pp"] > 1:
+            monkeypatch.setenv("CUBE_AUTO_PLAN", search.write_plan(c, str(tmp_path / "pipe.json")))
+            micro = tuple(t[:c.config["micro_batch"]] for t in batch)
+            assert "runtime.pipeline.run" in generate_code(model, micro, "policies.auto:PASAuto", world_size=2)[0]
+            break
+
+
+def test_auto_policy_errors_name_the_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUBE_AUTO_PLAN", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="run `python -m cube.sim"):
+        generate_code(TwoLinears(), torch.randn(8, 8), "policies.auto:PASAuto", world_size=2)
+    (tmp_path / "p.json").write_text(json.dumps({"dp": 4, "tp": 1, "pp": 1}))
+    monkeypatch.setenv("CUBE_AUTO_PLAN", str(tmp_path / "p.json"))
+    with pytest.raises(ValueError, match="launch 4 processes or search again"):
+        generate_code(TwoLinears(), torch.randn(8, 8), "policies.auto:PASAuto", world_size=2)
+
+
+SPEC = '''
+import torch
+from examples.gpt.model import GPT, GPTConfig
+
+
+def build():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32))
+    ids = torch.randint(0, 64, (8, 8))
+    return model, (ids, torch.roll(ids, -1, 1))
+
+
+if __name__ == "__main__":
+    raise SystemExit("a training script's main does not run when the simulator reads it")
+'''
+
+
+def test_command_line_simulates_a_policy_and_searches(tmp_path, capsys, monkeypatch):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "train.py"
+    spec.write_text(SPEC)
+    monkeypatch.chdir(tmp_path)
+    common = ["--ngpus", "2", "--estimate", "--no-calibrate"]
+    assert main([str(spec), *common, "--policy", "PASData", "--trace", "t.json", "--memory", "m.png"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and (tmp_path / "t.json").exists()
+    assert main([f"{spec}:build", *common, "--search", "--mem-cap", "1", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "best:" in out and "policies.auto:PASAuto" in out
+    cfg = json.loads((tmp_path / "cube_auto_plan.json").read_text())
+    assert cfg["dp"] * cfg["tp"] * cfg["pp"] == 2 and cfg["predicted_step_ms"] > 0
+    with pytest.raises(ValueError, match=r"defines no function nope\(\)"):
+        main([f"{spec}:nope", *common, "--policy", "PASData"])
+
+
+def test_auto_plan_is_part_of_the_code_cache_key(tmp_path, monkeypatch):
+    from cube.policy import policy_source
+    from policies.auto import PASAuto
+    path = tmp_path / "plan.json"
+    monkeypatch.setenv("CUBE_AUTO_PLAN", str(path))
+    sources = []
+    for dp in (2, 1):
+        path.write_text(json.dumps({"dp": dp, "tp": 1, "pp": 3 - dp}))
+        sources.append(policy_source(PASAuto))
+    assert "{'config': {'dp': 2" in sources[0] and "{'config': {'dp': 1" in sources[1]
