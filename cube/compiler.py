@@ -7,7 +7,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import device as rt_device
 from cube.runtime import profile as rt_profile
+from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
 from cube.trace.rules import REGISTRY
 
@@ -185,8 +185,8 @@ class CompiledStep:
         self.consts = consts
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.consts:
-            _atomic_write(self.consts_path, lambda f: torch.save(self.consts, f))
-        _atomic_write(self.path, lambda f: f.write(source.encode()))
+            atomic_write(self.consts_path, lambda f: torch.save(self.consts, f))
+        atomic_write(self.path, lambda f: f.write(source.encode()))
 
     # ------------------------------------------------------------------ public
     def load_model(self) -> torch.nn.Module:
@@ -272,19 +272,6 @@ def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], worl
 
 def _format_phases(timings: dict) -> str:
     return ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()) + f"; total {sum(timings.values()):.2f}s"
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Writes via a temporary file and a rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _load_source(path: Path, name: str):

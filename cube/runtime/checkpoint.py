@@ -23,7 +23,6 @@ import io
 import json
 import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime.module import CubeModule, piece
+from cube.runtime.utils import atomic_write
 from cube.runtime.zero import whole_parameters
 
 FORMAT = 1
@@ -73,7 +73,7 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
                   "optimizer": None if optimizer is None else _optimizer_record(model, optimizer),
                   "extra": extra}
     name = f"rank{rank}.pt"
-    _atomic_write(folder / name, lambda f: torch.save(record, f))
+    atomic_write(folder / name, lambda f: torch.save(record, f))
     entry = (name, _sha256(folder / name), (folder / name).stat().st_size)
     entries = [entry]
     if dist.is_initialized() and world > 1:   # also the barrier: every rank has written its file
@@ -82,7 +82,7 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
     if rank == 0:
         meta = {"format": FORMAT, "model": record["model"], "world_size": world,
                 "files": {n: {"sha256": h, "bytes": b} for n, h, b in entries}}
-        _atomic_write(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        atomic_write(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
 def _tensor_records(model: CubeModule) -> Dict[str, dict]:
@@ -513,27 +513,6 @@ def _portable(t: torch.Tensor) -> torch.Tensor:
     if t.untyped_storage().nbytes() != t.numel() * t.element_size():
         t = t.clone()
     return t
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Writes through a temporary file in the same directory, fsync, and a rename."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"   # the usual permissions
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):   # make the rename itself durable
-        dirfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dirfd)
-        finally:
-            os.close(dirfd)
 
 
 def _sha256(path: Path) -> str:

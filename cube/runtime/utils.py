@@ -1,7 +1,11 @@
 """Helpers for training scripts."""
 from __future__ import annotations
 
-from typing import Sequence, Union
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -35,3 +39,26 @@ class DummyDataloader:
 def create_dummy_dataloader(sample, batch_size: int | None = None) -> DummyDataloader:
     """An endless dataloader of one fixed batch (for examples and benchmarks)."""
     return DummyDataloader(sample, batch_size)
+
+
+def atomic_write(path: Path, write: Callable) -> None:
+    """Writes ``path`` through ``write(file)`` on a temporary file in the same directory, fsync and a
+    rename, so a reader (or a crash) never sees half a file."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"   # the usual permissions
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):   # make the rename itself durable
+        dirfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dirfd)
+        finally:
+            os.close(dirfd)
