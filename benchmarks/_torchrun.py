@@ -39,3 +39,23 @@ def run_rows(script: Path, cfg: dict) -> List[dict]:
                                f"above says why")
         with open(out) as f:
             return json.load(f)
+
+
+def compile_gpt(model, loader, policy, cache: str, **options):
+    """``cube.compile`` of the standard GPT step (``model(ids, targets)``, backward, return the loss).
+
+    Args:
+        options: ``cube.compile`` options (``zero=``, ``precision=``).
+
+    Returns:
+        ``(train_iter, generated model of this rank)``.
+    """
+    import cube
+
+    @cube.compile(model, loader, PAS=policy, cache_dir=cache, **options)
+    def train_iter(model, dataloader):
+        ids, tgt = next(dataloader)
+        loss = model(ids, tgt)
+        loss.backward()
+        return loss
+    return train_iter, cube.load_model()

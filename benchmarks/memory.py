@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # python benchmarks/memory.py as well as python -m benchmarks.memory
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._torchrun import compile_gpt  # noqa: E402
+
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 
 
@@ -142,16 +144,8 @@ def _torch_way(name: str, model, batches, device) -> _Way:
 
 
 def _cube_way(name: str, model, batches, policy, cache: str, device) -> _Way:
-    import cube
     it = iter(batches)
-
-    @cube.compile(model, it, PAS=policy, cache_dir=cache)
-    def train_iter(model, dataloader):
-        ids, tgt = next(dataloader)
-        loss = model(ids, tgt)
-        loss.backward()
-        return loss
-    gen = cube.load_model()
+    train_iter, gen = compile_gpt(model, it, policy, cache)
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
 
     def step():

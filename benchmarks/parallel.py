@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import run_rows  # noqa: E402
+from benchmarks._torchrun import compile_gpt, run_rows  # noqa: E402
 
 DEFAULTS = {"nproc": 2, "layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048,
             "steps": 10, "warmup": 2, "rounds": 3, "threads": 1}
@@ -112,16 +112,8 @@ def _torch_tp(args, model, batches, world):
 
 def _cube(args, model, batches, policy, cache):
     import torch
-    import cube
     it = iter(batches)
-
-    @cube.compile(model, it, PAS=policy, cache_dir=cache)
-    def train_iter(model, dataloader):
-        ids, tgt = next(dataloader)
-        loss = model(ids, tgt)
-        loss.backward()
-        return loss
-    gen = cube.load_model()
+    train_iter, gen = compile_gpt(model, it, policy, cache)
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
 
     def step():

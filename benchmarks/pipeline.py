@@ -63,6 +63,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # python benchmarks/pipeline.py as well as python -m benchmarks.pipeline
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._torchrun import compile_gpt  # noqa: E402
+
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 MICROS = (4, 8)
 STAGES = 2
@@ -154,18 +156,10 @@ class _Way:
 def _cube_way(cfg: dict, m: int, base, cache: str) -> _Way:
     """cube PAS1F1B with ``m`` micro-batches, and the indices of the blocks this rank's stage holds."""
     import torch
-    import cube
     full = _batches(cfg, 1 + 10000 // m)
     it = iter([tuple(t.chunk(m)[k] for t in b) for b in full for k in range(m)])
     os.environ["CUBE_MICROS"] = str(m)   # read by the policy at compile time
-
-    @cube.compile(copy.deepcopy(base), it, PAS="policies.pipeline:PAS1F1B", cache_dir=cache)
-    def train_iter(model, dataloader):
-        ids, tgt = next(dataloader)
-        loss = model(ids, tgt)
-        loss.backward()
-        return loss
-    gen = cube.load_model()
+    train_iter, gen = compile_gpt(copy.deepcopy(base), it, "policies.pipeline:PAS1F1B", cache)
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
 
     def step():

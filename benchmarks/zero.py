@@ -27,7 +27,7 @@ from typing import List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import run_rows  # noqa: E402
+from benchmarks._torchrun import compile_gpt, run_rows  # noqa: E402
 from benchmarks.parallel import DEFAULTS, QUICK, _batches, _gpt, _Runner  # noqa: E402
 
 
@@ -73,14 +73,7 @@ def _cube_zero3(args, model, batches, cache):
     import cube
     import torch
     it = iter(batches)
-
-    @cube.compile(model, it, PAS="policies.data:PASData", cache_dir=cache, zero=3)
-    def train_iter(model, dataloader):
-        ids, tgt = next(dataloader)
-        loss = model(ids, tgt)
-        loss.backward()
-        return loss
-    gen = cube.load_model()
+    train_iter, gen = compile_gpt(model, it, "policies.data:PASData", cache, zero=3)
     opt = cube.build_optimizer(gen, torch.optim.AdamW, zero=3, lr=1e-3)
     held = {}
 
