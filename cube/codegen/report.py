@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -57,7 +58,7 @@ def plan_text(graph: IRGraph, plans: Dict[int, RankPlan], actions: Optional[Dict
         out.append(f"== rank {r}")
         out.append("batch: " + ", ".join(f"{_name(t)}{_box(b, t.shape)}" for t, b in zip(p.data.outputs, p.data_boxes)))
         params = [(t, b) for t, b in p.attrs if t.kind is TensorKind.PARAM]
-        held = sum(_numel(b) for _, b in params)
+        held = sum(math.prod(e - s for s, e in b) for _, b in params)
         out.append(f"parameters ({held} elements):")
         out += [f"  {t.names[0]}{_box(b, t.shape)}" for t, b in params]
         out.append("forward:")
@@ -70,13 +71,6 @@ def plan_text(graph: IRGraph, plans: Dict[int, RankPlan], actions: Optional[Dict
         if actions and r in actions:
             out.append("schedule: " + " ".join(actions[r]))
     return "\n".join(out) + "\n"
-
-
-def _numel(box) -> int:
-    n = 1
-    for s, e in box:
-        n *= e - s
-    return n
 
 
 def _svg(width: int, height: int, body: Sequence[str]) -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 _OWNERS: Dict[int, Dict[str, int]] = {}   # id(model) -> local name -> lowest rank holding that piece
+_MASKS: Dict[Tuple[int, int], torch.Tensor] = {}   # (id(model), id(ZeRO chunk)) -> what this rank counts
 
 
 def _owners(model) -> Dict[str, int]:
@@ -36,26 +37,37 @@ def _owners(model) -> Dict[str, int]:
     return _OWNERS[key]
 
 
+def _mask(model, shard, owners: Dict[str, int]) -> torch.Tensor:
+    """0/1 per element of this rank's chunk of ``shard``: 1 where the chunk's group counts the
+    parameter (it holds the lowest rank holding that piece). Fixed by the plan, so made once."""
+    key = (id(model), id(shard))
+    if key not in _MASKS:
+        local_of = {id(p): n for n, p in model.named_parameters()}
+        grad = shard.param.grad
+        mask = torch.zeros(shard.padded, dtype=grad.dtype, device=grad.device)
+        off = 0
+        for p, shape in zip(shard.bucket.params, shard.shapes):
+            n = math.prod(shape)
+            if owners[local_of[id(p)]] in shard.ranks:
+                mask[off:off + n] = 1
+            off += n
+        lo = shard.index * shard.chunk
+        _MASKS[key] = mask[lo:lo + shard.chunk]
+    return _MASKS[key]
+
+
 def _counted(model, optimizer) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
     """(gradient, 0/1 weight per element or None for all) of what this rank counts."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     owners = _owners(model)
+    if optimizer is None:
+        optimizer = getattr(model, "_zero", None)   # a ZeRO optimizer registers itself on its model
     shards = getattr(optimizer, "shards", []) if optimizer is not None else []
     sharded = {id(p): s for s in shards for p in s.bucket.params}
     out: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
-    local_of = {id(p): n for n, p in model.named_parameters()}
     for s in shards:
-        if s.param.grad is None:
-            continue
-        mask = torch.zeros(s.padded, dtype=s.param.grad.dtype, device=s.param.grad.device)
-        off = 0
-        for p, shape in zip(s.bucket.params, s.shapes):
-            n = math.prod(shape)
-            if owners[local_of[id(p)]] in s.ranks:
-                mask[off:off + n] = 1
-            off += n
-        lo = s.index * s.chunk
-        out.append((s.param.grad, mask[lo:lo + s.chunk]))
+        if s.param.grad is not None:
+            out.append((s.param.grad, _mask(model, s, owners)))
     for name, p in model.named_parameters():
         if id(p) in sharded or p.grad is None:
             continue
@@ -90,7 +102,7 @@ def clip_grad_norm_(model, max_norm: float, optimizer=None, norm_type: float = 2
 
     The same as ``torch.nn.utils.clip_grad_norm_`` on the single-device model:
     call it on every rank after the step's backward, before ``optimizer.step()``;
-    pass the optimizer when it is a ZeRO optimizer (its gradients live in its chunks).
+    a ZeRO optimizer's chunks count too (it is found through the model; ``optimizer`` names it explicitly).
 
     Returns:
         The total norm before clipping.

@@ -278,20 +278,17 @@ _REPLACED = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatt
              "destroy_process_group"]
 
 
-def _dispatch(name: str, original: Callable) -> Callable:
-    mine = globals()[name]
-
+def _dispatch_to(mine: Callable, original: Callable) -> Callable:
+    """``mine`` in rank threads, ``original`` everywhere else."""
     def call(*args, **kwargs):
         return mine(*args, **kwargs) if _world() is not None else original(*args, **kwargs)
-    call.__name__ = getattr(original, "__name__", name)
+    call.__name__ = getattr(original, "__name__", getattr(mine, "__name__", "call"))
     call.__wrapped__ = original
     return call
 
 
-def _dispatch_to(mine: Callable, original: Callable) -> Callable:
-    def call(*args, **kwargs):
-        return mine(*args, **kwargs) if _world() is not None else original(*args, **kwargs)
-    return call
+def _dispatch(name: str, original: Callable) -> Callable:
+    return _dispatch_to(globals()[name], original)
 
 
 def _launch_env() -> dict:
