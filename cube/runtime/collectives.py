@@ -101,7 +101,8 @@ def _index(ranks: Ranks) -> int:
     return ranks.index(rank)
 
 
-def _nccl(x: torch.Tensor, grp) -> bool:
+def nccl(x: torch.Tensor, grp) -> bool:
+    """Whether ``x`` is communicated by NCCL in ``grp`` (which has the ``*_tensor`` collectives gloo lacks)."""
     return x.is_cuda and "nccl" in str(dist.get_backend(grp))
 
 
@@ -125,7 +126,7 @@ def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
 def _all_gather(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
     grp, n, x = group(ranks), len(ranks), x.contiguous()
     _index(ranks)
-    if _nccl(x, grp) and x.dim() > 0:
+    if nccl(x, grp) and x.dim() > 0:
         buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
         dist.all_gather_into_tensor(buf, x, group=grp)
         parts = buf.chunk(n)
@@ -138,7 +139,7 @@ def _all_gather(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
     grp, n, me = group(ranks), len(ranks), _index(ranks)
-    if _nccl(x, grp):
+    if nccl(x, grp):
         chunks = _split(x, n, dim)
         out = torch.empty_like(chunks[me], memory_format=torch.contiguous_format)
         dist.reduce_scatter(out, [chunks[ranks.index(r)].contiguous() for r in sorted(ranks)], group=grp)
@@ -149,7 +150,7 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
 def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) -> torch.Tensor:
     grp, n, me = group(ranks), len(ranks), _index(ranks)
     chunks = [c.contiguous() for c in _split(x, n, split_dim)]
-    if _nccl(x, grp):
+    if nccl(x, grp):
         order = sorted(ranks)   # the group's own rank order
         out = [torch.empty_like(chunks[me]) for _ in range(n)]
         dist.all_to_all(out, [chunks[ranks.index(r)] for r in order], group=grp)

@@ -149,4 +149,3 @@ def _describe(x) -> str:
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)} ({', '.join(_describe(y) for y in x)})"
     return f"a {type(x).__name__}"
-

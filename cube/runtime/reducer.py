@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cube import config
-from cube.runtime.collectives import group
+from cube.runtime.collectives import group, nccl
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024   # a small first bucket starts communication early (as DDP does)
@@ -36,8 +36,7 @@ class _Bucket:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         self.flat = _flatten_dense_tensors(grads)
         grp = group(self.ranks)
-        if self.shard is not None and not self.keep_full and self.flat.is_cuda \
-                and "nccl" in str(dist.get_backend(grp)):
+        if self.shard is not None and not self.keep_full and nccl(self.flat, grp):
             # only this rank's chunk is kept: reduce-scatter (gloo has none, so all-reduce there)
             padded = torch.zeros(self.shard.padded, dtype=self.flat.dtype, device=self.flat.device)
             padded[:self.flat.numel()].copy_(self.flat)

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime.amp import SkipOnOverflow
-from cube.runtime.collectives import group
+from cube.runtime.collectives import group, nccl
 
 
 class _Shard:
@@ -89,7 +89,7 @@ class _Shard:
                                                                    device=self.device)
         own = self.param.detach().clone()
         grp = group(self.ranks)
-        if flat.is_cuda and "nccl" in str(dist.get_backend(grp)):
+        if nccl(flat, grp):
             self.work = dist.all_gather_into_tensor(flat, own, group=grp, async_op=True)
         else:
             self.work = dist.all_gather(list(flat.split(self.chunk)), own, group=grp, async_op=True)
