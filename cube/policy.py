@@ -35,22 +35,34 @@ def load_policy(pas: Union[Callable, str]) -> Callable:
     if ":" not in pas:
         raise ValueError(f"PAS={pas!r}: write 'path/to/file.py:Name' or 'package.module:Name'")
     where, name = pas.rsplit(":", 1)
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ValueError(f"PAS={pas!r}: no policy file {where!r} (relative to {os.getcwd()})")
-        spec = importlib.util.spec_from_file_location(f"cube_policy_{abs(hash(os.path.abspath(where)))}", where)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"PAS={pas!r}: cannot import module {where!r}: {e}") from e
+    try:
+        module = load_module(where)
+    except FileNotFoundError:
+        raise ValueError(f"PAS={pas!r}: no policy file {where!r} (relative to {os.getcwd()})") from None
+    except ImportError as e:
+        raise ValueError(f"PAS={pas!r}: cannot import module {where!r}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         names = sorted(k for k, v in vars(module).items() if k.startswith("PAS") and callable(v))
         raise ValueError(f"PAS={pas!r}: {where!r} has no policy {name!r}; it has {names or 'no PAS* functions'}")
     return fn
+
+
+def load_module(where: str):
+    """The module ``where`` names: a Python file (``path/to/file.py``) or an importable module.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ImportError: the module cannot be imported.
+    """
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    if not os.path.isfile(where):
+        raise FileNotFoundError(where)
+    spec = importlib.util.spec_from_file_location(f"cube_loaded_{abs(hash(os.path.abspath(where)))}", where)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def policy_name(fn: Callable) -> str:

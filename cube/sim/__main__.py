@@ -13,13 +13,13 @@ collectives are calibrated once per world size (``--no-calibrate``: defaults).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import logging
 import os
 import sys
 
 import torch
+
+from cube.policy import load_module
 
 
 def load_spec(spec: str):
@@ -30,18 +30,15 @@ def load_spec(spec: str):
     """
     where, _, name = spec.partition(":")
     name = name or "build"
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise ValueError(f"no file {where!r}; pass a Python file or module defining {name}() -> (model, batch)")
+    if where.endswith(".py"):   # the file's own folder, so it can import its neighbours
         sys.path.insert(0, os.path.dirname(os.path.abspath(where)))
-        mod_spec = importlib.util.spec_from_file_location("cube_sim_spec", where)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(where)
-        except ImportError as e:
-            raise ValueError(f"cannot import {where!r} ({e}); pass a Python file or an importable module") from None
+    try:
+        module = load_module(where)
+    except FileNotFoundError:
+        raise ValueError(f"no file {where!r}; pass a Python file or module defining {name}() -> (model, batch)") \
+            from None
+    except ImportError as e:
+        raise ValueError(f"cannot import {where!r} ({e}); pass a Python file or an importable module") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ValueError(f"{where!r} defines no function {name}(); add `def {name}(): return model, batch` "
