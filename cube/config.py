@@ -25,6 +25,14 @@ def launch_env() -> dict:
     return {k: int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
 
 
+def backend() -> Optional[str]:
+    """``CUBE_BACKEND``: ``nccl`` or ``gloo`` to override the default (NCCL with CUDA, gloo without)."""
+    env = os.environ.get("CUBE_BACKEND", "").strip().lower()
+    if env and env not in ("nccl", "gloo"):
+        raise ValueError(f"CUBE_BACKEND must be 'nccl' or 'gloo', got {env!r}")
+    return env or None
+
+
 def bucket_bytes(default: int) -> int:
     """Gradient bucket size of the reducer: ``CUBE_BUCKET_MB`` (MiB), else ``default`` bytes."""
     env = os.environ.get("CUBE_BUCKET_MB")

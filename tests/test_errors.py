@@ -229,6 +229,9 @@ def test_bad_environment_settings(monkeypatch):
     monkeypatch.setenv("CUBE_BUCKET_MB", "lots")
     with pytest.raises(ValueError, match="CUBE_BUCKET_MB must be a number of MiB"):
         config.bucket_bytes(1)
+    monkeypatch.setenv("CUBE_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="CUBE_BACKEND must be 'nccl' or 'gloo'"):
+        config.backend()
     monkeypatch.setenv("CUBE_RECOMPUTE", "every other")
     with pytest.raises(ValueError, match="CUBE_RECOMPUTE"):
         config.recompute()

@@ -106,6 +106,15 @@ def nccl(x: torch.Tensor, grp) -> bool:
     return x.is_cuda and "nccl" in str(dist.get_backend(grp))
 
 
+def wire(device: torch.device) -> torch.device:
+    """Where a point-to-point message to or from ``device`` is buffered: ``device`` itself,
+    except CUDA memory under gloo, whose send and receive take host memory only (ranks
+    sharing a GPU in tests, ``CUBE_BACKEND=gloo``), which goes through the CPU."""
+    if device.type == "cuda" and "nccl" not in str(dist.get_backend()):
+        return torch.device("cpu")
+    return device
+
+
 def _split(x: torch.Tensor, n: int, dim: int) -> Tuple[torch.Tensor, ...]:
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split into {n} equal pieces")
@@ -155,7 +164,9 @@ def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) 
         out = [torch.empty_like(chunks[me]) for _ in range(n)]
         dist.all_to_all(out, [chunks[ranks.index(r)] for r in order], group=grp)
         return torch.cat([out[order.index(r)] for r in ranks], dim=concat_dim)
-    # gloo has no all_to_all: non-blocking sends and receives with every peer
+    # gloo has no all_to_all: non-blocking sends and receives with every peer (through the host
+    # for CUDA memory, which gloo's send and receive do not take)
+    chunks = [c.to(wire(x.device)) for c in chunks]
     received = [chunks[i] if i == me else torch.empty_like(chunks[me]) for i in range(n)]
     ops = []
     for i, peer in enumerate(ranks):
@@ -164,7 +175,7 @@ def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) 
             ops.append(dist.P2POp(dist.irecv, received[i], peer, grp))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    return torch.cat(received, dim=concat_dim)
+    return torch.cat(received, dim=concat_dim).to(x.device)
 
 
 # ---------------------------------------------------------------- autograd functions
@@ -392,14 +403,14 @@ class SendForward(Function):
     @staticmethod
     def forward(ctx, x, dst):
         ctx.dst, ctx.shape, ctx.dtype, ctx.device = dst, x.shape, x.dtype, x.device
-        dist.send(x.contiguous(), dst)
+        dist.send(x.contiguous().to(wire(x.device)), dst)
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad):
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=wire(ctx.device))
         dist.recv(grad, ctx.dst)
-        return grad, None
+        return grad.to(ctx.device), None
 
 
 class RecvForward(Function):
@@ -408,13 +419,13 @@ class RecvForward(Function):
     @staticmethod
     def forward(ctx, anchor, src, shape, dtype):
         ctx.src = src
-        y = torch.empty(shape, dtype=dtype, device=anchor.device)
+        y = torch.empty(shape, dtype=dtype, device=wire(anchor.device))
         dist.recv(y, src)
-        return y
+        return y.to(anchor.device)
 
     @staticmethod
     def backward(ctx, grad):
-        dist.send(grad.contiguous(), ctx.src)
+        dist.send(grad.contiguous().to(wire(grad.device)), ctx.src)
         return None, None, None, None
 
 

@@ -31,7 +31,8 @@ def init(backend: Optional[str] = None) -> Env:
     """Initialises the process group (once) and returns this process's ``Env``.
 
     Under torchrun (``WORLD_SIZE`` set) the backend is NCCL when CUDA is
-    available, gloo otherwise. With ``SINGLE_DEV_MODE=1`` or outside torchrun
+    available, gloo otherwise (``CUBE_BACKEND`` overrides); each rank takes
+    ``cuda:{LOCAL_RANK}``. With ``SINGLE_DEV_MODE=1`` or outside torchrun
     there is no process group and the world size is 1.
     """
     env = config.launch_env()
@@ -40,12 +41,14 @@ def init(backend: Optional[str] = None) -> Env:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return Env(0, 1, 0, device)
     local = env.get("LOCAL_RANK", 0)
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    backend = backend or config.backend() or ("nccl" if cuda else "gloo")
+    if backend == "nccl" and not cuda:
+        raise ValueError("CUBE_BACKEND=nccl needs CUDA, and torch sees no GPU here: unset it to use gloo")
+    device = _device(local, backend) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = backend or ("nccl" if cuda else "gloo")
-        kwargs = {"device_id": device} if cuda else {}
+        kwargs = {"device_id": device} if backend == "nccl" else {}
         store = _attempt_store()
         if store is not None:
             kwargs.update(store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"])
@@ -54,6 +57,20 @@ def init(backend: Optional[str] = None) -> Env:
         atexit.register(_shutdown)
         log.debug("initialised process group: backend=%s world=%d", backend, dist.get_world_size())
     return Env(dist.get_rank(), dist.get_world_size(), local, device)
+
+
+def _device(local_rank: int, backend: str) -> torch.device:
+    """``cuda:{local_rank}``; with more local ranks than GPUs, gloo ranks share them round-robin
+    (a test set-up: NCCL refuses two ranks on one GPU, so that is an error naming the fix)."""
+    count = torch.cuda.device_count()
+    if local_rank < count:
+        return torch.device("cuda", local_rank)
+    if backend != "gloo":
+        raise ValueError(f"local rank {local_rank} has no GPU of its own ({count} visible) and NCCL cannot "
+                         f"put two ranks on one GPU: start at most {count} processes per node "
+                         f"(torchrun --nproc_per_node={count}), or set CUBE_BACKEND=gloo to share GPUs in a test")
+    log.warning("cube: local rank %d shares cuda:%d (%d GPUs visible, gloo)", local_rank, local_rank % count, count)
+    return torch.device("cuda", local_rank % count)
 
 
 def _attempt_store():

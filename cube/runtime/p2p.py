@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from cube.runtime.collectives import wire
+
 _PENDING: List = []     # posted sends of this step
 _MARKERS: List[torch.Tensor] = []
 _MICRO = [0]            # the micro-batch being run: tags are offset by it
@@ -56,15 +58,15 @@ def _take(src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor
     posted = _POSTED.pop((src, tag), None)
     if posted is not None:
         posted[0].wait()
-        return posted[1]
-    y = torch.empty(tuple(shape), dtype=dtype, device=device)
+        return posted[1].to(device)
+    y = torch.empty(tuple(shape), dtype=dtype, device=wire(device))
     dist.recv(y, src, tag=tag)
-    return y
+    return y.to(device)
 
 
 def _post(src: int, tag: int, shape, dtype: torch.dtype, device) -> None:
     if (src, tag) not in _POSTED:
-        y = torch.empty(tuple(shape), dtype=dtype, device=device)
+        y = torch.empty(tuple(shape), dtype=dtype, device=wire(device))
         _POSTED[(src, tag)] = (dist.irecv(y, src, tag=tag), y)
 
 
@@ -95,7 +97,7 @@ def early_gradients():
 
 def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
     """Posts a send; ``tag`` already carries the micro-batch offset."""
-    x = x.detach().contiguous()
+    x = x.detach().contiguous().to(wire(x.device))
     _PENDING.append((dist.isend(x, dst, tag=tag), x))
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime import p2p
+from cube.runtime.collectives import wire
 
 LOSS_TAG = (1 << 30) - 1
 
@@ -38,9 +39,6 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
     if model._reducer is not None:
         model._reducer.hold()
-    if loss_from is not None:
-        loss = torch.empty((), dtype=torch.float32, device=model.device)
-        loss_work = dist.irecv(loss, loss_from, tag=LOSS_TAG)
     forwards = [int(a[1:]) for a in actions if a[0] == "F"]
     recvs = model.__dict__.get("_pipeline_recvs")   # the receives of one forward, once learned
     with p2p.early_gradients():
@@ -71,9 +69,13 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
     model.reduce_gradients()
     if loss_from is None:
         loss = torch.stack([x.detach() for x in losses]).mean()
-        works = [dist.isend(loss, dst, tag=LOSS_TAG) for dst in loss_to]
+        out = loss.to(wire(loss.device))
+        works = [dist.isend(out, dst, tag=LOSS_TAG) for dst in loss_to]
         for w in works:
             w.wait()
         return loss
-    loss_work.wait()
-    return loss
+    # received last, after every gradient from ``loss_from``: NCCL ignores tags and matches a
+    # pair's messages in the order they are posted, and the last stage sends its loss last
+    loss = torch.empty((), dtype=torch.float32, device=wire(model.device))
+    dist.recv(loss, loss_from, tag=LOSS_TAG)
+    return loss.to(model.device)

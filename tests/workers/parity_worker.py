@@ -52,11 +52,12 @@ def main():
     clip = float(os.environ.get("CUBE_PARITY_CLIP", "0"))
     # CUBE_PARITY_PRECISION=bf16|fp16: mixed precision, against the plain model under the same autocast
     precision = os.environ.get("CUBE_PARITY_PRECISION") or None
-    autocast = (lambda: torch.autocast("cpu", dtype=cube.runtime.amp.DTYPES[precision])) if precision \
-        else contextlib.nullcontext
     train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"), zero=zero, precision=precision)
     cmodel = cube.load_model()
     env = cube.init()
+    ref.to(env.device)   # the plain model runs where cube runs (CPU, or the rank's GPU)
+    autocast = (lambda: torch.autocast(env.device.type, dtype=cube.runtime.amp.DTYPES[precision])) \
+        if precision else contextlib.nullcontext
     # CUBE_PARITY_OPT=sgd: plain SGD, to tell AdamW's sensitivity near zero gradients from real errors
     cls, kw = (torch.optim.SGD, {"lr": 1e-2}) if os.environ.get("CUBE_PARITY_OPT") == "sgd" \
         else (torch.optim.AdamW, {"lr": 1e-3})
@@ -68,7 +69,8 @@ def main():
         loss = train_iter(cmodel, loader)
         # the plain model on the same batches: gradient accumulation of the mean micro-batch loss
         with autocast():
-            ref_loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+            ref_loss = torch.stack([ref(*(t.to(env.device) for t in b))
+                                    for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
         ref_loss.backward()
         if clip:
             norm = cube.clip_grad_norm_(cmodel, clip, optimizer=opt)
@@ -88,7 +90,9 @@ def main():
                 if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
                     print(f"rank {env.rank} step {i}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
                 param_err = max(param_err, err)
-    result = {"rank": env.rank, "world": env.world_size, "loss_err": loss_err, "param_err": param_err,
+    backend = str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else ""
+    result = {"rank": env.rank, "world": env.world_size, "device": str(next(cmodel.parameters()).device),
+              "backend": backend, "loss_err": loss_err, "param_err": param_err,
               "norm_err": norm_err, "clipped": bool(clip), "losses": losses,
               "param_sums": {local: float(p.detach().double().sum()) for local, p in cmodel.named_parameters()},
               "held_bytes": held, "rest_param_bytes": cube.runtime.memory.report(cmodel, opt)["params"],
