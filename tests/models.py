@@ -83,20 +83,20 @@ class HFCausalLM(nn.Module):
         return self.model(input_ids=input_ids, labels=labels).loss
 
 
-def hf_gpt2():
+def hf_gpt2(layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
-    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+    cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
     return HFCausalLM(GPT2LMHeadModel(cfg))
 
 
-def hf_llama():
+def hf_llama(layers: int = 2):
     # attn_implementation="eager": HF's sdpa path drops the causal mask (is_causal=True) in eager
     # runs but builds an explicit mask while tracing; both are right, but round differently, so
     # the parity test compares the same math on both sides.
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=64, attention_dropout=0.0, use_cache=False,
                       attn_implementation="eager")
     return HFCausalLM(LlamaForCausalLM(cfg))
@@ -107,6 +107,10 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "mlp":
         return MLP(dim=32, nlayers=4), (torch.randn(8, 32),)
+    if name == "gpt_deep":   # enough blocks for the trace to export three and repeat one
+        cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=9, n_head=4, n_embd=32, bias=False)
+        ids = torch.randint(0, 128, (4, 16))
+        return GPT(cfg), (ids, torch.roll(ids, -1, dims=1))
     if name in ("gpt", "gpt_nobias"):
         # multi-rank comparisons use gpt_nobias: the key projection's bias has a zero gradient by
         # construction (softmax ignores a shift), so AdamW turns any round-off in it into updates of

@@ -7,6 +7,8 @@ import traceback
 
 import torch
 
+from cube.trace.repeat import export_repeated
+
 
 class TraceError(ValueError):
     """The model could not be traced; the message says where and why."""
@@ -35,14 +37,17 @@ def _user_frame(exc: BaseException) -> str:
 
 
 def export(model: torch.nn.Module, args: tuple) -> "torch.export.ExportedProgram":
-    """Exports ``model(*args)`` to ATen training IR.
+    """Exports ``model(*args)`` to ATen training IR (a long stack of identical blocks is
+    exported once and repeated: ``cube.trace.repeat``).
 
     Raises:
         TraceError: export failed; the message holds the model's location, the
             line of the model it failed on and the exporter's own message.
     """
-    try:
+    def whole():
         return torch.export.export(model, tuple(args), strict=False)
+    try:
+        return export_repeated(model, whole) or whole()
     except Exception as e:  # any failure of export becomes one clear error
         where = _user_frame(e)
         first = str(e).strip().splitlines()
