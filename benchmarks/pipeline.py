@@ -1,49 +1,61 @@
-"""cube's 1F1B pipeline side by side with torch.distributed.pipelining, in one torchrun job.
+"""cube's 1F1B and interleaved 1F1B pipelines side by side with torch.distributed.pipelining, in one
+torchrun job.
 
     python -m benchmarks.pipeline [--quick] [--rounds 20] [--steps 1]
 
 Launches one torchrun job (2 ranks, gloo on CPU) in which both ranks train the
 same GPT (4 layers, d256, 8 heads, T64, vocab 2048, global batch 16, AdamW) as
-a two-stage pipeline with ``m = 4`` and ``m = 8`` micro-batches (16 / m
-sequences each), after ``warmup`` steps of each, interleaved round by round
-(each round runs ``steps`` steps of every way in turn; one by default) so
-machine noise hits all alike:
+a pipeline with ``m = 4`` and ``m = 8`` micro-batches (16 / m sequences each),
+after ``warmup`` steps of each, interleaved round by round (each round runs
+``steps`` steps of every way in turn; one by default) so machine noise hits all
+alike:
 
-- cube ``policies.pipeline:PAS1F1B`` (stages balanced by ``cube.schedule.balance``:
-  embeddings and blocks 0-1 | blocks 2-3, final norm, LM head and loss), and
-- ``torch.distributed.pipelining`` ``PipelineStage`` + ``Schedule1F1B`` over the
-  same split, written by hand as two ``nn.Module`` s (the first takes the token
-  ids, the last returns logits and the schedule's ``loss_fn`` takes the mean
-  cross entropy; ``scale_grads=True`` makes the gradients those of the mean
-  micro-batch loss, as cube's are; ``return_outputs=False``, as nothing reads
-  the logits).
+- cube ``policies.pipeline:PAS1F1B`` (two stages balanced by
+  ``cube.schedule.balance``: embeddings and blocks 0-1 | blocks 2-3, final
+  norm, LM head and loss) and ``torch.distributed.pipelining`` ``PipelineStage``
+  + ``Schedule1F1B`` over the same split, and
+- cube ``policies.pipeline:PAS1F1BInterleaved`` (four balanced stages, two per
+  rank, stage ``k`` on rank ``k % 2``: one block each, the embeddings with the
+  first, norm, head and loss with the last) and ``ScheduleInterleaved1F1B`` over
+  the same split, each rank building a ``PipelineStage`` for each of its stages.
 
-Tied weights: the GPT ties the token embedding (stage 0) and the LM head
-(stage 1). cube keeps them tied: one parameter whose gradient is summed over
-the two ranks by its reducer. For torch the last stage holds an untied copy
-(``lm_head.weight`` cloned from ``wte.weight``) and after each backward the two
-copies' gradients are summed with one ``all_reduce`` (what Megatron-LM does for
-its embedding group), so both copies stay equal and training matches the tied
-model. The first step's losses of the two are checked to agree.
+The torch stages are written by hand as ``nn.Module`` s (the first takes the
+token ids, the last returns logits and the schedule's ``loss_fn`` takes the mean
+cross entropy; ``scale_grads=True`` makes the gradients those of the mean
+micro-batch loss, as cube's are; ``return_outputs=False``, as nothing reads the
+logits). The split is read from cube's generated code (the blocks whose
+parameters each stage's method uses).
+
+Tied weights: the GPT ties the token embedding (first stage, rank 0) and the LM
+head (last stage, rank 1). cube keeps them tied: one parameter whose gradient
+is summed over the two ranks by its reducer. For torch the last stage holds an
+untied copy (``lm_head.weight`` cloned from ``wte.weight``) and after each
+backward the two copies' gradients are summed with one ``all_reduce`` (what
+Megatron-LM does for its embedding group), so both copies stay equal and
+training matches the tied model. The first step's losses of all ways are
+checked to agree.
 
 Measures, each the median over steps of the slowest rank's time:
 
 - ``ms_per_step``: a whole step (the schedule, gradient sums, AdamW step).
 - ``pipeline_ms``: the schedule alone (forward and backward of every
   micro-batch, sends, receives and the gradient sums; no optimizer).
-- ``bound_ms``: the 1F1B bound of the pipeline part,
-  ``T x (m + p - 1) / m`` with ``p = 2`` stages, where ``T`` (the ideal stage
-  time) is the larger over the two stages of the time one stage takes to run
-  forward and backward for all ``m`` micro-batches of a step back to back,
-  alone: no sends, receives or waits (its inputs and output gradients are
-  made locally), each rank timing its own stage at the same time as the other
-  (the same contention as in the pipeline), with the hand-split torch modules,
-  median over the same rounds. ``(m + p - 1) / m`` is the fill and drain of
-  1F1B when every micro-step of a stage takes ``T / m``.
+- ``bound_ms``: the bound of the pipeline part, ``T x (m + (p - 1) / v) / m``
+  with ``p = 2`` ranks and ``v`` stages per rank (1 for 1F1B, 2 interleaved),
+  where ``T`` (the ideal rank time) is the larger over the two ranks of the time
+  one rank takes to run forward and backward of its stages for all ``m``
+  micro-batches of a step back to back, alone: no sends, receives or waits (its
+  inputs and output gradients are made locally), each rank timing its stages at
+  the same time as the other (the same contention as in the pipeline), with the
+  hand-split torch modules, median over the same rounds. ``(p - 1) / v`` is the
+  fill and drain of (interleaved) 1F1B when every micro-step of a stage takes
+  ``T / (v m)``.
 - ``bound_share``: ``bound_ms / pipeline_ms`` (1.0 reaches the bound).
 
-Ratios: ``time_ratio`` = cube ms/step / torch ms/step (target <= 0.95);
-cube's bound share target is >= 0.90.
+Ratios (ms/step): ``cube / torch`` (1F1B, target <= 0.95), ``cube interleaved /
+torch interleaved`` (target <= 0.95) and ``cube interleaved / torch 1F1B``
+(below 1 when cube's interleaving beats torch's plain 1F1B). cube's bound share
+target is >= 0.90.
 """
 from __future__ import annotations
 
@@ -51,13 +63,14 @@ import argparse
 import copy
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import Dict, List, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # python benchmarks/pipeline.py as well as python -m benchmarks.pipeline
@@ -67,7 +80,9 @@ from benchmarks._torchrun import compile_gpt  # noqa: E402
 
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 MICROS = (4, 8)
-STAGES = 2
+STAGES = 2    # ranks
+VIRTUAL = {"1F1B": 1, "interleaved": 2}   # stages per rank of each kind of schedule
+POLICY = {"1F1B": "policies.pipeline:PAS1F1B", "interleaved": "policies.pipeline:PAS1F1BInterleaved"}
 
 
 def _gpt(cfg: dict):
@@ -89,41 +104,34 @@ def _batches(cfg: dict, n: int) -> list:
     return out
 
 
-def _stage_modules(gpt, cut: int):
-    """The GPT split by hand at block ``cut``: (embeddings + blocks[:cut], blocks[cut:] + norm + head).
-
-    The last stage's LM head is an untied copy of the token embedding.
-    """
+def _stage_modules(gpt, bounds: Sequence[int]) -> list:
+    """The GPT split by hand: stage ``k`` runs blocks ``bounds[k]:bounds[k + 1]``, the first stage
+    also the embeddings, the last also the final norm and the LM head (an untied copy of the token
+    embedding)."""
     import torch
     import torch.nn as nn
 
-    class First(nn.Module):
-        def __init__(self):
+    class Stage(nn.Module):
+        def __init__(self, k: int):
             super().__init__()
-            self.wte, self.wpe = gpt.wte, gpt.wpe
-            self.layers = nn.ModuleList(gpt.layers[:cut])
-
-        def forward(self, idx):
-            pos = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
-            x = self.wte(idx) + self.wpe(pos)
-            for block in self.layers:
-                x = block(x)
-            return x
-
-    class Last(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = nn.ModuleList(gpt.layers[cut:])
-            self.ln_f = gpt.ln_f
-            self.lm_head = nn.Linear(gpt.config.n_embd, gpt.config.vocab_size, bias=False)
-            self.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())   # untied copy
+            self.first, self.last = k == 0, k == len(bounds) - 2
+            if self.first:
+                self.wte, self.wpe = gpt.wte, gpt.wpe
+            self.layers = nn.ModuleList(gpt.layers[bounds[k]:bounds[k + 1]])
+            if self.last:
+                self.ln_f = gpt.ln_f
+                self.lm_head = nn.Linear(gpt.config.n_embd, gpt.config.vocab_size, bias=False)
+                self.lm_head.weight = nn.Parameter(gpt.wte.weight.detach().clone())   # untied copy
 
         def forward(self, x):
+            if self.first:
+                pos = torch.arange(0, x.size(1), dtype=torch.long, device=x.device)
+                x = self.wte(x) + self.wpe(pos)
             for block in self.layers:
                 x = block(x)
-            return self.lm_head(self.ln_f(x))
+            return self.lm_head(self.ln_f(x)) if self.last else x
 
-    return First(), Last()
+    return [Stage(k) for k in range(len(bounds) - 1)]
 
 
 def _loss_fn(logits, targets):
@@ -153,13 +161,13 @@ class _Way:
             self.whole.append(t2 - t0)
 
 
-def _cube_way(cfg: dict, m: int, base, cache: str) -> _Way:
-    """cube PAS1F1B with ``m`` micro-batches, and the indices of the blocks this rank's stage holds."""
+def _cube_way(cfg: dict, m: int, base, cache: str, kind: str):
+    """cube's ``kind`` pipeline with ``m`` micro-batches, and the blocks of each stage this rank runs."""
     import torch
     full = _batches(cfg, 1 + 10000 // m)
     it = iter([tuple(t.chunk(m)[k] for t in b) for b in full for k in range(m)])
     os.environ["CUBE_MICROS"] = str(m)   # read by the policy at compile time
-    train_iter, gen = compile_gpt(copy.deepcopy(base), it, "policies.pipeline:PAS1F1B", cache)
+    train_iter, gen = compile_gpt(copy.deepcopy(base), it, POLICY[kind], cache)
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
 
     def step():
@@ -168,20 +176,50 @@ def _cube_way(cfg: dict, m: int, base, cache: str) -> _Way:
         opt.step()
         opt.zero_grad()
         return loss, t1
-    held = {int(n.split(".")[1]) for names, _ in gen.PARAMS.values() for n in names if n.startswith("layers.")}
-    return _Way(f"cube 1F1B m={m}", m, step), held
+    return _Way(f"cube {kind} m={m}", m, step), _stage_blocks(gen)
 
 
-def _torch_way(cfg: dict, m: int, base, cut: int, rank: int) -> _Way:
+def _stage_blocks(gen) -> Dict[int, List[int]]:
+    """Stage -> the GPT blocks whose parameters this rank's generated code reads in it (a rank
+    holding one stage runs it as ``forward``; stage ``r`` on rank ``r``)."""
+    import torch.distributed as dist
+    cls = type(gen)
+    methods = {int(n[len("stage_"):]): getattr(cls, n) for n in dir(cls) if re.fullmatch(r"stage_\d+", n)}
+    out = {}
+    for k, fn in (methods or {dist.get_rank(): cls.forward}).items():
+        used = set(fn.__code__.co_names)
+        out[k] = sorted({int(n.split(".")[1]) for local, (names, _) in gen.PARAMS.items() if local in used
+                         for n in names if n.startswith("layers.")})
+    return out
+
+
+def _bounds(every: List[Dict[int, List[int]]], layers: int) -> List[int]:
+    """The first block of each stage and the block count, from every rank's ``_stage_blocks``."""
+    blocks = {k: v for mine in every for k, v in mine.items()}
+    bounds = [0]
+    for k in sorted(blocks):   # a stage without blocks (norm and head alone) ends where it starts
+        bounds.append(blocks[k][-1] + 1 if blocks[k] else bounds[-1])
+    if bounds[-1] != layers or any(blocks[k] != list(range(bounds[k], bounds[k + 1])) for k in sorted(blocks)):
+        raise RuntimeError(f"cube's stages are not consecutive runs of blocks covering all {layers}: {blocks}")
+    return bounds
+
+
+def _torch_way(cfg: dict, m: int, base, bounds: List[int], rank: int) -> _Way:
+    """torch.distributed.pipelining over the stages of ``bounds``: ``Schedule1F1B`` with one stage per
+    rank, ``ScheduleInterleaved1F1B`` with several (stage ``k`` on rank ``k % STAGES``)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    first, last = _stage_modules(copy.deepcopy(base), cut)
-    mod = first if rank == 0 else last
-    stage = PipelineStage(mod, rank, STAGES, torch.device("cpu"))
-    sched = Schedule1F1B(stage, n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
-    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
-    tied = mod.wte.weight if rank == 0 else mod.lm_head.weight
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    mods = _stage_modules(copy.deepcopy(base), bounds)
+    mine = [k for k in range(len(mods)) if k % STAGES == rank]
+    stages = [PipelineStage(mods[k], k, len(mods), torch.device("cpu")) for k in mine]
+    if len(stages) == 1:
+        kind, sched = "1F1B", Schedule1F1B(stages[0], n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
+    else:
+        kind, sched = "interleaved", ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=_loss_fn,
+                                                             scale_grads=True)
+    opt = torch.optim.AdamW([p for k in mine for p in mods[k].parameters()], lr=1e-3)
+    tied = mods[0].wte.weight if rank == 0 else mods[-1].lm_head.weight
     it = iter(_batches(cfg, 10000))
 
     def step():
@@ -198,16 +236,16 @@ def _torch_way(cfg: dict, m: int, base, cut: int, rank: int) -> _Way:
         opt.step()
         opt.zero_grad()
         return loss, t1
-    return _Way(f"torch 1F1B m={m}", m, step)
+    return _Way(f"torch {kind} m={m}", m, step)
 
 
 class _Ideal:
-    """This rank's stage alone: forward and backward of ``m`` micro-batches, no communication."""
+    """This rank's stages alone: forward and backward of ``m`` micro-batches, no communication."""
 
-    def __init__(self, cfg: dict, m: int, base, cut: int, rank: int):
+    def __init__(self, cfg: dict, m: int, base, bounds: List[int], rank: int):
         import torch
-        first, last = _stage_modules(copy.deepcopy(base), cut)
-        self.m, self.rank, self.mod = m, rank, first if rank == 0 else last
+        mods = _stage_modules(copy.deepcopy(base), bounds)
+        self.m, self.mods = m, [mods[k] for k in range(len(mods)) if k % STAGES == rank]
         mb = cfg["batch"] // m
         gen = torch.Generator().manual_seed(2)
         self.ids = torch.randint(0, cfg["vocab"], (mb, cfg["seq"]), generator=gen)
@@ -216,16 +254,17 @@ class _Ideal:
 
     def step(self, record: bool = False) -> None:
         import torch.distributed as dist
-        self.mod.zero_grad(set_to_none=True)
+        for mod in self.mods:
+            mod.zero_grad(set_to_none=True)
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(self.m):
-            if self.rank == 0:
-                out = self.mod(self.ids)
-                out.backward(self.act)
-            else:
-                x = self.act.clone().requires_grad_()
-                (_loss_fn(self.mod(x), self.ids) / self.m).backward()
+            for mod in self.mods:
+                out = mod(self.ids if mod.first else self.act.clone().requires_grad_())
+                if mod.last:
+                    (_loss_fn(out, self.ids) / self.m).backward()
+                else:
+                    out.backward(self.act)
         if record:
             self.times.append(time.perf_counter() - t0)
 
@@ -237,20 +276,20 @@ def worker(args) -> None:
     env = cube.init()
     rank, world = env.rank, env.world_size
     if world != STAGES:
-        raise ValueError(f"benchmarks/pipeline.py runs {STAGES} ranks (one per stage), got {world}")
+        raise ValueError(f"benchmarks/pipeline.py runs {STAGES} ranks, got {world}")
     torch.set_num_threads(max(1, args.threads))
     cfg = {k: getattr(args, k) for k in DEFAULTS}
     base = _gpt(cfg)
-    ways, ideals = [], {}
+    runners, ways, ideals, splits = [], [], {}, {}
     for m in MICROS:
-        cube_way, held = _cube_way(cfg, m, base, os.path.join(args.cache, "cube"))
-        cut = min(held) if rank == 1 else max(held) + 1   # cube's balanced split, in blocks
-        cuts = [None] * world
-        dist.all_gather_object(cuts, cut)
-        assert cuts[0] == cuts[1], f"stage 0 holds blocks before {cuts[0]}, stage 1 from {cuts[1]}"
-        ways += [cube_way, _torch_way(cfg, m, base, cut, rank)]
-        ideals[m] = _Ideal(cfg, m, base, cut, rank)
-    runners = [r for m in MICROS for r in (ways[2 * MICROS.index(m)], ways[2 * MICROS.index(m) + 1], ideals[m])]
+        for kind in VIRTUAL:
+            cube_way, blocks = _cube_way(cfg, m, base, os.path.join(args.cache, "cube"), kind)
+            every = [None] * world
+            dist.all_gather_object(every, blocks)
+            splits[kind] = bounds = _bounds(every, cfg["layers"])
+            ideals[(kind, m)] = _Ideal(cfg, m, base, bounds, rank)
+            ways += [cube_way, _torch_way(cfg, m, base, bounds, rank)]
+            runners += ways[-2:] + [ideals[(kind, m)]]
     for r in runners:
         for _ in range(args.warmup):
             r.step()
@@ -260,59 +299,78 @@ def worker(args) -> None:
                 r.step(record=True)
     # the slowest rank's time of each step
     mine = {w.name: (w.pipe, w.whole, w.first_loss) for w in ways}
-    mine.update({f"ideal m={m}": (ideals[m].times, None, None) for m in MICROS})
+    mine.update({f"ideal {kind} m={m}": (ideal.times, None, None) for (kind, m), ideal in ideals.items()})
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        rows = _rows(every, cut)
+        rows = _rows(every, splits)
         with open(args.out, "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _rows(every: list, cut: int) -> List[dict]:
+def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
     def slowest(name: str, k: int) -> float:
         per_step = zip(*(ranks[name][k] for ranks in every))
         return statistics.median(max(ts) for ts in per_step) * 1e3
 
     rows = []
     for m in MICROS:
-        a, b = (every[STAGES - 1][f"{who} 1F1B m={m}"][2] for who in ("cube", "torch"))
-        if not abs(a - b) <= 1e-5 * abs(b):
-            raise RuntimeError(f"m={m}: the first step's loss differs between cube ({a}) and torch ({b}): "
-                               f"the two pipelines do not train the same model")
-        ideal = max(statistics.median(ranks[f"ideal m={m}"][0]) for ranks in every) * 1e3
-        bound = ideal * (m + STAGES - 1) / m
+        first = {f"{who} {kind}": every[STAGES - 1][f"{who} {kind} m={m}"][2]
+                 for kind in VIRTUAL for who in ("cube", "torch")}
+        ref = first["torch 1F1B"]
+        if not all(abs(v - ref) <= 1e-5 * abs(ref) for v in first.values()):
+            raise RuntimeError(f"m={m}: the first step's losses differ ({first}): the pipelines do not train "
+                               f"the same model")
         got = {}
-        for who in ("cube", "torch"):
-            name = f"{who} 1F1B m={m}"
-            pipe, whole = slowest(name, 0), slowest(name, 1)
-            got[who] = whole
-            rows.append({"benchmark": "pipeline", "name": name, "micro_batches": m, "ms_per_step": whole,
-                         "pipeline_ms": pipe, "bound_ms": bound, "bound_share": bound / pipe,
-                         "first_loss": every[STAGES - 1][name][2], "cut_block": cut,
-                         **({"target": "bound_share >= 0.90"} if who == "cube" else {})})
-        rows.append({"benchmark": "pipeline", "name": f"cube / torch m={m}", "micro_batches": m,
-                     "time_ratio": got["cube"] / got["torch"], "target": "<= 0.95",
-                     "ideal_stage_ms": ideal})
+        for kind, v in VIRTUAL.items():
+            ideal = max(statistics.median(ranks[f"ideal {kind} m={m}"][0]) for ranks in every) * 1e3
+            bound = ideal * (m + (STAGES - 1) / v) / m
+            for who in ("cube", "torch"):
+                name = f"{who} {kind} m={m}"
+                pipe, whole = slowest(name, 0), slowest(name, 1)
+                got[f"{who} {kind}"] = whole
+                rows.append({"benchmark": "pipeline", "name": name, "micro_batches": m, "ms_per_step": whole,
+                             "pipeline_ms": pipe, "bound_ms": bound, "bound_share": bound / pipe,
+                             "ideal_rank_ms": ideal, "first_loss": first[f"{who} {kind}"],
+                             "stage_blocks": splits[kind],
+                             **({"target": "bound_share >= 0.90"} if who == "cube" else {})})
+        for a, b, target in (("cube 1F1B", "torch 1F1B", "<= 0.95"),
+                             ("cube interleaved", "torch interleaved", "<= 0.95"),
+                             ("cube interleaved", "torch 1F1B", "")):
+            rows.append({"benchmark": "pipeline", "name": f"{a} / {b} m={m}", "micro_batches": m,
+                         "time_ratio": got[a] / got[b], **({"target": target} if target else {})})
     return rows
+
+
+def _describe(bounds: List[int]) -> str:
+    """``[0, 2, 4]`` -> ``embeddings + blocks 0..1 | blocks 2..3 + norm + head + loss``."""
+    parts = []
+    for k in range(len(bounds) - 1):
+        a, b = bounds[k], bounds[k + 1] - 1
+        part = ["embeddings"] if k == 0 else []
+        part += [f"block {a}" if a == b else f"blocks {a}..{b}"] if b >= a else []
+        part += ["norm + head + loss"] if k == len(bounds) - 2 else []
+        parts.append(" + ".join(part))
+    return " | ".join(parts)
 
 
 def report(rows: List[dict], cfg: dict, nsteps: int) -> None:
     print(f"GPT {cfg['layers']} layers, d{cfg['dim']}, T{cfg['seq']}, vocab {cfg['vocab']}, global batch "
-          f"{cfg['batch']}, {STAGES} stages on {STAGES} ranks (gloo, CPU), median of {nsteps} steps")
-    cut = next(r["cut_block"] for r in rows if "cut_block" in r)
-    print(f"stages: embeddings + blocks 0..{cut - 1} | blocks {cut}..{cfg['layers'] - 1} + norm + head + loss")
-    print(f"{'way':<20}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'loss0':>10}")
+          f"{cfg['batch']}, {STAGES} ranks (gloo, CPU), median of {nsteps} steps")
+    for kind in VIRTUAL:
+        bounds = next(r["stage_blocks"] for r in rows if r["name"].startswith(f"cube {kind} "))
+        print(f"{kind} stages (stage k on rank k % {STAGES}): {_describe(bounds)}")
+    print(f"{'way':<26}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'loss0':>10}")
     for r in rows:
         if "ms_per_step" in r:
-            print(f"{r['name']:<20}{r['ms_per_step']:>10.1f}{r['pipeline_ms']:>10.1f}{r['bound_ms']:>9.1f}"
+            print(f"{r['name']:<26}{r['ms_per_step']:>10.1f}{r['pipeline_ms']:>10.1f}{r['bound_ms']:>9.1f}"
                   f"{r['bound_share']:>8.2f}{r['first_loss']:>10.5f}")
     for r in rows:
         if "time_ratio" in r:
-            print(f"ratio {r['name']}: {r['time_ratio']:.3f} (target <= 0.95); ideal stage "
-                  f"{r['ideal_stage_ms']:.1f} ms for {r['micro_batches']} micro-batches")
+            target = f" (target {r['target']})" if "target" in r else ""
+            print(f"ratio {r['name']}: {r['time_ratio']:.3f}{target}")
 
 
 def main(quick: bool = False, **kwargs) -> List[dict]:
@@ -330,7 +388,8 @@ def main(quick: bool = False, **kwargs) -> List[dict]:
                "--master_addr=127.0.0.1", f"--master_port={_port()}", __file__, "--worker",
                f"--cache={tmp}", f"--out={out}"] + [f"--{k}={v}" for k, v in settings.items()]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        env.pop("CUBE_MICROS", None)
+        for name in ("CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE"):   # the policies' defaults
+            env.pop(name, None)
         proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"benchmarks/pipeline.py: torchrun failed ({proc.returncode}):\n"

@@ -71,6 +71,12 @@ def micro_batches(default: int = 4) -> int:
     return _positive_int("CUBE_MICROS", default)
 
 
+def virtual_stages(default: int = 2) -> int:
+    """``CUBE_VIRTUAL``: pipeline stages per device of ``PAS1F1BInterleaved`` (``policies/pipeline.py``;
+    ``PASMegatron`` reads it with default 1)."""
+    return _positive_int("CUBE_VIRTUAL", default)
+
+
 def recompute_text() -> str:
     """The raw value of ``CUBE_RECOMPUTE`` (``""`` when unset)."""
     return os.environ.get("CUBE_RECOMPUTE", "").strip()
@@ -101,5 +107,5 @@ def recompute() -> Optional[Union[str, Tuple[int, ...]]]:
 def plan_settings() -> str:
     """The variables that change what the shipped policies plan or what codegen emits (``CUBE_PROFILE``
     adds profiling regions), for the code cache key."""
-    return " ".join(f"{k}={os.environ.get(k, '')}"
-                    for k in ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_RECOMPUTE", "CUBE_PROFILE"))
+    names = ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE", "CUBE_PROFILE")
+    return " ".join(f"{k}={os.environ.get(k, '')}" for k in names)

@@ -7,7 +7,10 @@ devices as ``PASMegatronTP`` plans it (column/row linear pairs, attention by
 heads, found from the graph's structure). Device ``k * dp * tp + i * tp + j``
 holds stage ``k``, batch part ``i`` and tensor piece ``j`` (tensor parallel
 innermost, pipeline outermost, as Megatron orders ranks). A step takes
-``CUBE_MICROS`` micro-batches (default 4) through the 1F1B schedule.
+``CUBE_MICROS`` micro-batches (default 4) through the 1F1B schedule. With
+``CUBE_VIRTUAL=v`` (default 1) the ops are cut into ``pp x v`` stages instead,
+stage ``k`` on the devices of pipeline rank ``k % pp``, run by interleaved 1F1B
+(``CUBE_MICROS`` then a multiple of ``pp``).
 
 Degrees: ``CUBE_TP`` (default 2) and ``CUBE_PP`` (default 2); ``dp = ngpus //
 (tp * pp)``. With ``pp = 1`` it is ``PASHybrid`` with gradient accumulation over
@@ -37,18 +40,22 @@ def degrees(ngpus: int, tp: int = 0, pp: int = 0) -> tuple:
     return ngpus // (tp * pp), tp, pp
 
 
-def PASMegatron(graph: IRGraph, resource, tp: int = 0, pp: int = 0, nmicros: int = 0, cost=None) -> IRGraph:
+def PASMegatron(graph: IRGraph, resource, tp: int = 0, pp: int = 0, nmicros: int = 0, cost=None,
+                nvirtual: int = 0) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` grid of ``resource.ngpus`` devices with 1F1B.
 
     Args:
         tp, pp: tensor and pipeline degrees (0: ``CUBE_TP``, ``CUBE_PP``).
         nmicros: micro-batches per step (0: ``CUBE_MICROS``).
+        nvirtual: stages per pipeline rank (0: ``CUBE_VIRTUAL``, default 1); more than one
+            runs interleaved 1F1B.
         cost: an op's forward plus backward time, for balancing the stages
             (default: the FLOPs/bytes estimate of ``cube.schedule.balance``).
     """
     dp, tp, pp = degrees(resource.ngpus, tp, pp)
     nmicros = nmicros or config.micro_batches()
-    stages = graph.staging(stage_starts(graph, pp, cost=cost))
+    nvirtual = nvirtual or config.virtual_stages(default=1)
+    stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     data_flow = batch_flow(graph, dp)
     tensor_flow = megatron_flow(graph, tp)
 
@@ -64,7 +71,10 @@ def PASMegatron(graph: IRGraph, resource, tp: int = 0, pp: int = 0, nmicros: int
             grid(k, piece, (0, 0))
     for k, stage in enumerate(stages):
         for op in stage:
-            grid(k, op, data_flow.split_of(op))
+            grid(k % pp, op, data_flow.split_of(op))
     recompute_blocks(graph)   # CUBE_RECOMPUTE
-    schedule.sched_1f1b(graph, nmicros, pp)
+    if nvirtual > 1:
+        schedule.sched_1f1b_interleaved(graph, nmicros, pp, nvirtual)
+    else:
+        schedule.sched_1f1b(graph, nmicros, pp)
     return graph

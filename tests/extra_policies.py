@@ -24,25 +24,27 @@ def PASSwap(graph, resource):
     return graph
 
 
-def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False):
-    """``nstages`` stages of about equal op count (graph.staging), each data parallel (or
-    Megatron tensor parallel) over ``ngpus // nstages`` devices, then ``schedule`` (None: one
-    batch per step, values still sent between the stages)."""
+def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False, nvirtual=1):
+    """``nstages * nvirtual`` stages of about equal op count (graph.staging), stage ``k`` on
+    pipeline rank ``k % nstages``, each data parallel (or Megatron tensor parallel) over
+    ``ngpus // nstages`` devices, then ``schedule`` (None: one batch per step, values still
+    sent between the stages)."""
     from cube import schedule as sched
     from cube.ir import IRFwOperation
     from cube.ir.follow import batch_flow, megatron_flow, place
     dp = resource.ngpus // nstages
     fw = graph.select(ntype=IRFwOperation)
-    stages = graph.staging([fw[k * len(fw) // nstages] for k in range(nstages)])
+    n = nstages * nvirtual
+    stages = graph.staging([fw[k * len(fw) // n] for k in range(n)])
     flow = megatron_flow(graph, dp) if tensor else batch_flow(graph, dp)
     for node in graph.select(ntype=IRDataOperation):
-        for k, piece in enumerate(graph.replicate(node, times=nstages)):
+        for k, piece in enumerate(graph.replicate(node, times=nstages) if nstages > 1 else [node]):
             place(graph, piece, None if tensor else (0, 0), [k * dp + i for i in range(dp)])
     for k, stage in enumerate(stages):
         for op in stage:
-            place(graph, op, flow.split_of(op), [k * dp + i for i in range(dp)])
+            place(graph, op, flow.split_of(op), [k % nstages * dp + i for i in range(dp)])
     if schedule is not None:
-        getattr(sched, schedule)(graph, nmicros, nstages)
+        getattr(sched, schedule)(graph, nmicros, *((nstages, nvirtual) if nvirtual > 1 else (nstages,)))
     return graph
 
 
@@ -64,3 +66,19 @@ def PAS1F1BData(graph, resource):
 def PAS1F1BTensor(graph, resource):
     """1F1B over two stages, each Megatron tensor parallel over half the devices."""
     return _pipeline(graph, resource, "sched_1f1b", 2, tensor=True)
+
+
+def PAS1F1BInterleaved(graph, resource):
+    """Interleaved 1F1B, two stages per device cut by op count: the cuts fall inside transformer
+    blocks, so a device's stages also hand each other values (the residual stream) directly, and
+    a block recomputed (CUBE_RECOMPUTE) may have ops in two stages of a device."""
+    from cube.ir.blocks import recompute_blocks
+    _pipeline(graph, resource, "sched_1f1b_interleaved", resource.ngpus, nvirtual=2)
+    recompute_blocks(graph)
+    return graph
+
+
+def PAS1F1BInterleavedData(graph, resource):
+    """Interleaved 1F1B over two pipeline ranks of two stages each, every stage data parallel
+    over half the devices."""
+    return _pipeline(graph, resource, "sched_1f1b_interleaved", 2, nvirtual=2)

@@ -111,12 +111,13 @@ def build(name: str):
         cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=9, n_head=4, n_embd=32, bias=False)
         ids = torch.randint(0, 128, (4, 16))
         return GPT(cfg), (ids, torch.roll(ids, -1, dims=1))
-    if name in ("gpt", "gpt_nobias"):
+    if name in ("gpt", "gpt_nobias", "gpt4_nobias"):
         # multi-rank comparisons use gpt_nobias: the key projection's bias has a zero gradient by
         # construction (softmax ignores a shift), so AdamW turns any round-off in it into updates of
         # size lr, and two correct runs that round differently drift apart in that one tensor.
-        cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=2, n_head=4, n_embd=32,
-                        bias=name == "gpt")
+        # gpt4_nobias has 4 blocks: one per stage of a 4-stage pipeline.
+        cfg = GPTConfig(vocab_size=128, block_size=16, n_layer=4 if name == "gpt4_nobias" else 2, n_head=4,
+                        n_embd=32, bias=name == "gpt")
         ids = torch.randint(0, 128, (4, 16))
         return GPT(cfg), (ids, torch.roll(ids, -1, dims=1))
     if name in ("hf_gpt2", "hf_llama"):

@@ -63,6 +63,35 @@ def test_two_stage_pipeline_matches_the_analytic_bubble(schedule, m):
         assert 1 - s.compute / res.step_time == pytest.approx((p - 1) / (m + p - 1))
 
 
+@pytest.mark.parametrize("nvirtual", [1, 2])
+def test_interleaved_pipeline_shrinks_the_bubble_by_its_virtual_stages(nvirtual):
+    """Four linears on 2 ranks, as 2 stages of two linears (1F1B) or 4 stages of one (interleaved,
+    stage k on rank k % 2): each rank computes m (2F + 2B) either way, and the bubble
+    (p - 1)(2F + 2B) shrinks by the number of stages per rank."""
+    from cube.ir import IRDataOperation
+    from cube.schedule import sched_1f1b, sched_1f1b_interleaved
+    p, m = 2, 4
+
+    def policy(graph, resource):
+        stages = graph.staging(graph.select(name="linear")[::2 // nvirtual])
+        for node in graph.select(ntype=IRDataOperation):
+            for dev, piece in enumerate(graph.replicate(node, times=p)):
+                graph.assign(piece, dev)
+        for k, stage in enumerate(stages):
+            graph.assign(stage, k % p)
+        if nvirtual > 1:
+            sched_1f1b_interleaved(graph, m, p, nvirtual)
+        else:
+            sched_1f1b(graph, m, p)
+        return graph
+
+    torch.manual_seed(0)
+    graph, _ = trace_and_plan(FourLinears(), (torch.randn(8, 8),), "tensor", policy, p)
+    res = simulate(graph, p, costs=LINEARS, comm=_free_comm())
+    assert [s.compute for s in res.ranks.values()] == pytest.approx([m * 2 * (F + B)] * p)
+    assert res.step_time == pytest.approx(m * 2 * (F + B) + (p - 1) * 2 * (F + B) / nvirtual)
+
+
 def test_pipeline_pays_for_its_messages():
     # a p2p message of the 8x8 float activation (256 bytes) costs 256 * beta each way
     beta = 1e-3

@@ -4,7 +4,9 @@ The module holds a ``GenModel`` (an ``nn.Module`` owning this rank's pieces of
 the parameters and buffers, with a straight-line forward that frees values
 after their last use, comments each line with the model source it came from,
 and moves values between ranks with ``runtime.collectives``) and
-``train_step(model, dataloader)``.
+``train_step(model, dataloader)``. A rank holding several pipeline stages gets
+one such method per stage (``stage_2``) and a forward that runs the stage it is
+given (``cube.codegen.stages``).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 from cube.codegen.local import local_call
 from cube.codegen.names import Namer
 from cube.codegen.recompute import Run, check_recompute, find_runs, gather_transfers
+from cube.codegen.stages import held_stages, stage_calls, stages_of
 from cube.ir.graph import IRGraph
 from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
@@ -65,6 +68,8 @@ def _splits(box: Box, shape) -> List[Tuple[int, int, int]]:
 class _Emitter:
     def __init__(self, graph: IRGraph, plan: RankPlan, groups, actions: Optional[List[str]] = None):
         self.actions = actions
+        held = stages_of(actions)
+        self.stages = stage_calls(graph, plan, held) if held else None   # stage -> its calls, when several
         self.graph = graph
         self.plan = plan
         self.groups = groups
@@ -73,7 +78,7 @@ class _Emitter:
         self.subst: Dict[int, IRTensor] = {}
         self.counts: Dict[int, IRTensor] = {}   # call id -> value counting a mean loss's targets
         self.profiling = profile.mode() is not None
-        self.methods: List[str] = []   # recompute runs' methods, after forward
+        self.methods: List[str] = []   # recompute runs' methods, after forward and the stages
 
     # ------------------------------------------------------------------ values
     def value(self, v) -> str:
@@ -114,6 +119,11 @@ class _Emitter:
 
     def step_call(self, call: Call) -> str:
         s = call.step
+        if s.kind == "unstash":
+            return f"runtime.p2p.unstash(tag={s.tag}, requires_grad={s.grad != 'none'})"
+        if s.kind == "stash":
+            grad = ", grad=False" if s.grad == "none" else ""
+            return f"runtime.p2p.stash({self.value(call.inputs[0])}, tag={s.tag}{grad})"
         if s.kind == "recv":
             out = call.outputs[0]
             grad = out.requires_grad and s.grad != "none"
@@ -203,21 +213,42 @@ class _Emitter:
         return sorted(self.plan.reduce, key=lambda e: -first_use.get(id(e[0]), -1))
 
     def forward(self) -> List[str]:
+        """The forward: the rank's calls, or, on a rank holding several pipeline stages, a forward
+        running the stage it is given and one method per stage."""
+        if self.stages is None:
+            return self._calls_method(None, self.plan.calls)
+        inputs = ", ".join(self.value(t) for t in self.plan.data.outputs)
+        lines = [f"    def forward(self, stage, {inputs}):",
+                 f'        """Pipeline stage ``stage`` on one micro-batch (this rank holds stages '
+                 f'{", ".join(map(str, self.stages))})."""',
+                 f'        return getattr(self, f"stage_{{stage}}")({inputs})']
+        for k, calls in self.stages.items():
+            lines += [""] + self._calls_method(k, calls)
+        return lines
+
+    def _calls_method(self, stage: Optional[int], calls: List[Call]) -> List[str]:
+        """A method running ``calls`` straight through: ``forward``, or ``stage_<k>`` for stage ``k``."""
         plan = self.plan
         inputs = [self.value(t) for t in plan.data.outputs]
-        lines = [f"    def forward(self, {', '.join(inputs)}):"]
-        lines += self.batch_intake()
+        if stage is None:
+            lines = [f"    def forward(self, {', '.join(inputs)}):"]
+        else:
+            lines = [f"    def stage_{stage}(self, {', '.join(inputs)}):",
+                     f'        """Pipeline stage {stage}: this rank\'s part of it, on one micro-batch."""']
+        lines += self.batch_intake(calls)
         if self._zero3():
             lines.append("        self.zero_begin()   # ZeRO-3: start gathering the sharded parameters")
         waited: set = set()
-        plan.calls = gather_transfers(plan.calls)   # sends/recvs out of recompute runs
-        last_use = _last_uses(plan.calls, plan.loss)
-        runs = {r.start: r for r in find_runs(plan.calls, plan.loss, lambda t: id(t) in self.attr_names,
-                                              self.counts)}
+        calls = gather_transfers(calls)   # sends/recvs out of recompute runs
+        last_use = _last_uses(calls, plan.loss)
+        runs = {r.start: r for r in find_runs(calls, plan.loss, lambda t: id(t) in self.attr_names, self.counts)}
+        if stage is not None:   # a recompute group may have runs in several stages
+            for r in runs.values():
+                r.name += f"_s{stage}"
         head, run = lines, None   # inside a recompute run, `lines` is the body of its method
         in_no_grad = False
         last_comment = None
-        for i, call in enumerate(plan.calls):
+        for i, call in enumerate(calls):
             if i in runs:
                 run = runs[i]
                 head += self._run_call(run)
@@ -264,7 +295,9 @@ class _Emitter:
                 lines, run, in_no_grad, last_comment = head, None, False, None
         if self.profiling:
             lines.append("        runtime.profile.region(None)")
-        if plan.loss_from is not None:
+        makes_loss = plan.loss_from is None and (stage is None or any(t is plan.loss for c in calls
+                                                                       for t in c.outputs))
+        if not makes_loss:
             lines.append("        return None   # the loss is made on the last stage")
         elif getattr(self.graph, "precision", None) == "fp16":
             lines.append(f"        return runtime.amp.scale_loss_grad({self.value(plan.loss)}, self)   "
@@ -311,15 +344,16 @@ class _Emitter:
         waited.update(id(t) for t in new)
         return [f"{ind}self.zero_wait({', '.join(self.value(t) for t in new)})"]
 
-    def batch_intake(self) -> List[str]:
-        """Counts what mean losses average over on the whole batch, then keeps this rank's part."""
+    def batch_intake(self, calls: List[Call]) -> List[str]:
+        """Counts what the mean losses of ``calls`` average over on the whole batch, then keeps this
+        rank's part."""
         plan = self.plan
         lines = []
         parts = [(t, _splits(box, t.shape)) for t, box in zip(plan.data.outputs, plan.data_boxes)]
         if not any(p for _, p in parts):
             return lines
         lines.append("        # the whole batch comes in; this rank keeps its part")
-        for call in plan.calls:
+        for call in calls:
             if call.count_of is None:
                 continue
             op = call.op
@@ -449,33 +483,16 @@ def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequen
 
 
 def _schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, List[str]]:
-    """Each device's actions in the schedule: the actions of the one stage its ops belong to.
+    """Each device's actions in the schedule: those of its pipeline rank, naming the stage
+    (``F0.s2``) when a pipeline rank holds several.
 
     Raises:
-        ValueError: no stages, a device holding ops of several stages (virtual
-            stages are planned but not executed yet), or stage counts that differ.
+        ValueError: the stages do not fit the schedule (see ``cube.codegen.stages.held_stages``).
     """
     sched = graph.schedule
-    if not graph.stages:
-        raise ValueError(f"the policy set a {sched.name} schedule but no stages: call graph.staging([...]) "
-                         f"and assign each stage to its devices before cube.schedule.{sched.name}")
-    if len(graph.stages) != sched.nstages:
-        raise ValueError(f"the {sched.name} schedule has {sched.nstages} stages but graph.staging made "
-                         f"{len(graph.stages)}; pass nstages={len(graph.stages)}")
-    if sched.nstages != sched.nranks:
-        raise ValueError(f"the {sched.name} schedule puts several stages on a pipeline rank (virtual stages); "
-                         f"cube validates such schedules but runs only one stage per device so far")
-    stage_of = {id(op.origin or op): k for k, st in enumerate(graph.stages) for op in st}
-    out = {}
-    for r, plan in plans.items():
-        stages = {stage_of.get(id(c.op.origin or c.op)) for c in plan.calls if c.op is not None}
-        stages.discard(None)
-        if len(stages) != 1:
-            raise ValueError(f"device {r} runs ops of stages {sorted(stages)}; with a schedule each device runs "
-                             f"the ops of exactly one stage: assign every op of a stage to that stage's devices")
-        (k,) = stages
-        out[r] = [f"{a.kind}{a.micro}" for a in sched.ranks[k]]
-    return out
+    virtual = sched.nstages > sched.nranks
+    return {r: [a.label(virtual) for a in sched.ranks[stages[0]]]   # stages[0] is the pipeline rank
+            for r, stages in held_stages(graph, plans).items()}
 
 
 def generate(graph: IRGraph, rank: int, world: int, policy: str, timings: Optional[dict] = None) -> str:

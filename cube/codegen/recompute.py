@@ -29,6 +29,9 @@ What a run holds, and why:
   possible, :func:`gather_transfers` first moves a receive that would cut a run
   up before it and a send down after it, past local ops only: the rank's
   communication keeps its order, so no wait is added.
+- No stash or unstash (a value handed between two pipeline stages of one
+  rank, ``cube.codegen.stages``): they sit at the edges of a stage and cut runs
+  like a send or receive.
 - No op that must not run twice (in-place writes, running statistics):
   ``graph.recompute`` rejects those (``cube.ir.blocks.rerun_hazard``).
 """
@@ -42,7 +45,7 @@ from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
 from cube.passes.plan import Call
 
-_P2P = ("send", "recv")
+_P2P = ("send", "recv", "stash", "unstash")   # stash: to a later pipeline stage of the rank
 _COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")   # in forward
 
 

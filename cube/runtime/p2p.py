@@ -15,6 +15,11 @@ data lands while this rank computes: :func:`post` for a later micro-batch's
 forward inputs (the receives a forward makes are listed by :func:`recorded`),
 and, under :func:`early_gradients`, each send's gradient receive as soon as the
 send is made. A receive finds its posted twin by source and tag.
+
+A rank running several pipeline stages hands a value from one of its stages to
+a later one with :func:`stash` and :func:`unstash` (same ``tag``): no message,
+but the same autograd cut as a send, so each stage's backward runs through its
+own graph once; the gradient waits in memory until the earlier stage's backward.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ TAG_STRIDE = 1 << 16
 _POSTED: Dict[Tuple[int, int], Tuple[object, torch.Tensor]] = {}   # (src, tag) -> posted irecv and its buffer
 _RECVS: List[tuple] = []   # (src, tag, shape, dtype, device) of the receives made since the last ``recorded``
 _EARLY = [False]           # post each send's gradient receive when the send is made
+_STASHED: Dict[Tuple[int, str], torch.Tensor] = {}   # (tag, "value" or "grad") -> what waits for a later stage
 
 
 def set_micro(i: int) -> None:
@@ -129,6 +135,49 @@ class _Recv(Function):
         return None, None, None, None, None
 
 
+class _Stash(Function):
+    @staticmethod
+    def forward(ctx, x, tag):
+        ctx.tag = tag
+        _STASHED[(tag, "value")] = x.detach()
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad):
+        return _STASHED.pop((ctx.tag, "grad"), None), None
+
+
+class _Unstash(Function):
+    @staticmethod
+    def forward(ctx, anchor, tag):
+        ctx.tag = tag
+        return _STASHED.pop((tag, "value"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        _STASHED[(ctx.tag, "grad")] = grad
+        return None, None
+
+
+def stash(x: torch.Tensor, tag: int, grad: bool = True) -> None:
+    """Keeps ``x`` for a later pipeline stage of this rank (:func:`unstash` with the same ``tag``);
+    with ``grad`` and when ``x`` needs one, its gradient comes back in backward, like a send's."""
+    if grad and torch.is_grad_enabled() and x.requires_grad:
+        _MARKERS.append(_Stash.apply(x, _tag(tag)))
+    else:
+        _STASHED[(_tag(tag), "value")] = x.detach()
+
+
+def unstash(tag: int, requires_grad: bool) -> torch.Tensor:
+    """The value an earlier stage of this rank stashed; with ``requires_grad`` its gradient goes
+    back to that stage (a new leaf of autograd, as a received value is)."""
+    key = (_tag(tag), "value")
+    if requires_grad and torch.is_grad_enabled():
+        anchor = torch.empty(0, device=_STASHED[key].device, requires_grad=True)
+        return _Unstash.apply(anchor, key[0])
+    return _STASHED.pop(key)
+
+
 def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None) -> None:
     """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward.
 
@@ -179,6 +228,7 @@ def finish() -> None:
     _RECVS.clear()
 
 
-def untaken() -> List[Tuple[int, int]]:
-    """``(src, tag)`` of the receives posted ahead and not taken yet."""
-    return list(_POSTED)
+def untaken() -> List[Tuple[object, int]]:
+    """``(src, tag)`` of the receives posted ahead and not taken yet, and ``("stash", tag)`` of
+    stashed values and gradients nobody took."""
+    return list(_POSTED) + [("stash", tag) for tag, _ in _STASHED]

@@ -8,15 +8,27 @@ last stage, from its loss divided by the number of micro-batches, so the
 gradients are those of the mean loss (gradient accumulation). Parameter
 gradients are summed over ranks once, after the last micro-step.
 
+A rank holding several stages (virtual stages, interleaved 1F1B) has one
+generated method per stage; its actions name the stage (``F3.s2``), a forward
+runs ``model(stage, *batch)`` and a backward starts from the markers (and loss)
+of that micro-batch's forward of that stage only. Its stages hand values to
+each other with ``p2p.stash``, which cuts autograd like a send, so no backward
+runs through another stage's graph.
+
 Receives are posted ahead (``irecv``) so their data lands while this rank
 computes: before each forward, its own inputs' and the next forward's (the
-receives a forward makes are learned from the first one and kept on the
-model); each send's gradient receive when the send is made; the loss's at the
-start.
+receives a stage's forward makes are learned from its first one and kept on
+the model); each send's gradient receive when the send is made. Over gloo,
+tags match the messages, so posting ahead is safe in any order. NCCL matches a
+pair's messages in the order they are posted instead: with one stage per rank
+each direction's messages are posted in the same order on both sides, but with
+virtual stages the order in which a rank posts receives from a neighbour
+(inputs of one stage, gradients of another, each posted ahead) is not
+guaranteed to be the order in which the neighbour sends them.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,45 +38,51 @@ from cube.runtime.collectives import wire
 
 LOSS_TAG = (1 << 30) - 1
 
+Step = Tuple[str, int, Optional[int]]   # (kind "F"/"B", micro-batch, stage or None: the rank's only stage)
+
+
+def parse_action(action: str) -> Step:
+    """``"F3"`` -> ``("F", 3, None)``; ``"B0.s2"`` -> ``("B", 0, 2)``."""
+    micro, _, stage = action[1:].partition(".s")
+    return action[0], int(micro), int(stage) if stage else None
+
 
 def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str],
         loss_from: Optional[int] = None, loss_to: Sequence[int] = ()) -> torch.Tensor:
-    """Runs ``actions`` (``"F3"``, ``"B0"``, ...) over ``batches`` (one per micro-batch).
+    """Runs ``actions`` (``"F3"``, ``"B0"``, or ``"F3.s2"`` on a rank holding several stages) over
+    ``batches`` (one per micro-batch).
 
     Returns:
         The mean over micro-batches of the loss, on every rank.
     """
     nmicros = len(batches)
-    markers: List[List[torch.Tensor]] = [[] for _ in range(nmicros)]
+    steps = [parse_action(a) for a in actions]
+    forwards = [(i, s) for kind, i, s in steps if kind == "F"]
+    roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
     if model._reducer is not None:
         model._reducer.hold()
-    forwards = [int(a[1:]) for a in actions if a[0] == "F"]
-    recvs = model.__dict__.get("_pipeline_recvs")   # the receives of one forward, once learned
+    recvs = model.__dict__.setdefault("_pipeline_recvs", {})   # stage -> the receives of its forward, once learned
+    nforward = 0
     with p2p.early_gradients():
-        for act in actions:
-            kind, i = act[0], int(act[1:])
+        for kind, i, s in steps:
             p2p.set_micro(i)
             if kind == "F":
-                if recvs is not None:
-                    p2p.post(recvs, i)
-                    k = forwards.index(i) + 1
-                    if k < len(forwards):
-                        p2p.post(recvs, forwards[k])
+                _post_ahead(recvs, forwards[nforward:nforward + 2])
+                nforward += 1
                 p2p.recorded()
-                out = model(*batches[i])
-                if recvs is None:
-                    recvs = model.__dict__["_pipeline_recvs"] = p2p.recorded()
-                markers[i] = p2p.take_markers()
-                if loss_from is None:
+                out = model(*batches[i]) if s is None else model(s, *batches[i])
+                recvs.setdefault(s, p2p.recorded())
+                roots[(i, s)] = (out, p2p.take_markers())
+                if out is not None:   # the stage making the loss
                     losses[i] = out
             else:
-                p2p.backward(losses[i], markers[i], scale=1.0 / nmicros)
-                markers[i] = []
+                out, markers = roots.pop((i, s))
+                p2p.backward(out, markers, scale=1.0 / nmicros)
     p2p.set_micro(0)
     p2p.finish()
-    if p2p.untaken():   # a receive posted for a forward or backward that did not run: a cube bug
-        raise RuntimeError(f"pipeline step ended with receives posted but not taken (src, tag): "
+    if p2p.untaken():   # posted for a forward or backward that did not run, or stashed for nobody: a cube bug
+        raise RuntimeError(f"pipeline step ended with receives posted or values stashed but not taken: "
                            f"{p2p.untaken()}; actions {list(actions)}")
     model.reduce_gradients()
     if loss_from is None:
@@ -79,3 +97,10 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
     loss = torch.empty((), dtype=torch.float32, device=wire(model.device))
     dist.recv(loss, loss_from, tag=LOSS_TAG)
     return loss.to(model.device)
+
+
+def _post_ahead(recvs: Dict[Optional[int], list], forwards: List[Tuple[int, Optional[int]]]) -> None:
+    """Posts the receives of the forwards ``(micro, stage)`` whose stage's receives are learned."""
+    for i, s in forwards:
+        if s in recvs:
+            p2p.post(recvs[s], i)

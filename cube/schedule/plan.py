@@ -204,7 +204,9 @@ def sched_1f1b_interleaved(graph, nmicros: int, nranks: int, nvirtual: int) -> S
     nstages = nranks * nvirtual
     _check_args(nmicros, nstages, nranks)
     if nmicros % nranks:
-        raise ValueError(f"interleaved 1F1B needs nmicros ({nmicros}) to be a multiple of nranks ({nranks})")
+        raise ValueError(f"interleaved 1F1B needs nmicros ({nmicros}) to be a multiple of nranks ({nranks}): "
+                         f"micro-batches go through a rank's stages in groups of nranks; use a multiple of "
+                         f"{nranks} micro-batches (CUBE_MICROS for the shipped policies)")
     total = nmicros * nvirtual
 
     def chunk(k: int, forward: bool) -> int:   # the virtual stage of the k-th action of its kind

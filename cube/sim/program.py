@@ -4,7 +4,8 @@ A rank's program follows its generated code: the forward calls (after the same
 ``gather_transfers`` and recompute runs as codegen), then backward in reverse
 order, with each communication step replaced by its adjoint (all-gather <->
 reduce-scatter, identity <-> all-reduce, send <-> receive); under a pipeline
-schedule, one forward or backward per action and micro-batch. Gradient
+schedule, one forward or backward per action and micro-batch (of one stage,
+on a rank holding several: its calls split as codegen splits them). Gradient
 buckets launch on the communication stream as soon as their last gradient is
 made (not during a schedule: the reducer is held until the end), the step
 waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
@@ -17,10 +18,12 @@ from typing import Dict, Hashable, List, Optional
 
 from cube.codegen.emit import _last_uses
 from cube.codegen.recompute import find_runs, gather_transfers
+from cube.codegen.stages import stage_calls, stages_of
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.plan import Call, RankPlan
+from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, _nbytes
@@ -37,7 +40,8 @@ class Builder(Writer, StepEnd):
         costs: the compute cost model (``op_cost``, ``optimizer_cost``, ``copy_cost``).
         comm: the communication model (``cost(kind, nbytes, n)``).
         zero: the ZeRO stage (0-3).
-        actions: the rank's pipeline actions (``["F0", "B0", ...]``), or None.
+        actions: the rank's pipeline actions (``["F0", "B0", ...]``, ``"F0.s2"`` with several
+            stages), or None.
     """
 
     def __init__(self, graph: IRGraph, plan: RankPlan, costs, comm, zero: int = 0,
@@ -47,10 +51,12 @@ class Builder(Writer, StepEnd):
         self.actions = actions
         self.backend = getattr(comm, "backend", "gloo")
         self.buckets = make_buckets(graph, plan)
-        self.calls = gather_transfers(plan.calls)
         self.attrs = {id(t): t for t, _ in plan.attrs}
         self.attr_bytes = {id(t): _nbytes(box_shape(b), t.dtype) for t, b in plan.attrs}
-        self.runs = find_runs(self.calls, plan.loss, lambda t: id(t) in self.attrs)
+        self.calls: List[Call] = []
+        self.spans: Dict[Optional[int], range] = {}   # stage (None: the only one) -> its calls in self.calls
+        self.runs = []
+        self._lay_out(stages_of(actions))
         self.run_of = {i: r for r in self.runs for i in range(r.start, r.stop)}
         self.last_use = _last_uses(self.calls, plan.loss)
         self.first_read: Dict[int, int] = {}
@@ -66,6 +72,18 @@ class Builder(Writer, StepEnd):
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
 
+    def _lay_out(self, stages: List[int]) -> None:
+        """The calls of each stage (``stages``: those this rank holds, none for its only one) one after
+        the other, as codegen prints them, with their recompute runs."""
+        plan = self.plan
+        for stage, calls in (stage_calls(self.graph, plan, stages) if stages else {None: plan.calls}).items():
+            calls, start = gather_transfers(calls), len(self.calls)
+            for run in find_runs(calls, plan.loss, self.is_attr):
+                run.start, run.stop = run.start + start, run.stop + start
+                self.runs.append(run)
+            self.calls += calls
+            self.spans[stage] = range(start, len(self.calls))
+
     # ------------------------------------------------------------------ values
     def vkey(self, t: IRTensor, micro: int):
         tag = self.tag if id(t) in self.re_made else ""
@@ -80,7 +98,7 @@ class Builder(Writer, StepEnd):
         return id(t) in self.attrs
 
     # ------------------------------------------------------------------ forward
-    def forward(self, micro: int, cat: str = "forward") -> None:
+    def forward(self, micro: int, stage: Optional[int] = None, cat: str = "forward") -> None:
         if self.zero == 3 and not self.gathers and self.sharded:
             for idx in reversed(range(len(self.sharded))):   # zero_begin: every bucket, forward order
                 b = self.sharded[idx]
@@ -90,7 +108,8 @@ class Builder(Writer, StepEnd):
         for t in self.plan.data.outputs:
             self.mem.alloc(self.vkey(t, micro), _nbytes(t.shape, t.dtype))
         waited = set()
-        for i, call in enumerate(self.calls):
+        for i in self.spans[stage]:
+            call = self.calls[i]
             run = self.run_of.get(i)
             if run is not None and i == run.start:
                 for t in run.inputs:
@@ -139,6 +158,8 @@ class Builder(Writer, StepEnd):
     def fw_step(self, call: Call, micro: int, cat: str) -> None:
         s = call.step
         out = call.outputs[0] if call.outputs else None
+        if s.kind in ("stash", "unstash"):   # the value stays where it is, for a later stage
+            return
         if s.kind == "send":
             self.send((s.ranks, s.tag, micro, "f"), _nbytes(box_shape(s.box), call.inputs[0].dtype), cat)
         elif s.kind == "recv":
@@ -159,8 +180,8 @@ class Builder(Writer, StepEnd):
             self.mem.alloc(self.vkey(out, micro), _nbytes(out.shape, out.dtype))
 
     # ------------------------------------------------------------------ backward
-    def backward(self, micro: int) -> None:
-        for i in reversed(range(len(self.calls))):
+    def backward(self, micro: int, stage: Optional[int] = None) -> None:
+        for i in reversed(self.spans[stage]):
             run = self.run_of.get(i)
             if run is not None and i == run.stop - 1:
                 self.recompute(run, micro)
@@ -193,6 +214,8 @@ class Builder(Writer, StepEnd):
 
     def bw_step(self, call: Call, micro: int) -> None:
         s = call.step
+        if s.kind in ("stash", "unstash"):
+            return
         if s.kind == "send":
             if s.grad != "none" and call.inputs[0].requires_grad:
                 self.recv((s.ranks, s.tag, micro, "b"), "backward")
@@ -250,8 +273,8 @@ class Builder(Writer, StepEnd):
             self.reduce_gradients()
             self.wait(loss_key, "loss sum")
         else:
-            for act in self.actions:
-                (self.forward if act[0] == "F" else self.backward)(int(act[1:]))
+            for kind, micro, stage in map(parse_action, self.actions):
+                (self.forward if kind == "F" else self.backward)(micro, stage)
             self.emit("flush", label="p2p.finish", cat="wait")
             self.reduce_gradients()
             if plan.loss_from is None:
@@ -261,7 +284,8 @@ class Builder(Writer, StepEnd):
                     self.emit("flush", label="loss sent", cat="wait")
             else:
                 self.recv(("loss", plan.loss_from, plan.rank), "loss")
-        for micro in range(len(self.actions) // 2 if self.actions else 1):   # the step returns the losses
+        micros = {micro for _, micro, _ in map(parse_action, self.actions)} if self.actions else {0}
+        for micro in micros:   # the step returns the losses
             self.mem.release(self.vkey(plan.loss, micro))
         self.settle()
         if optimizer:
