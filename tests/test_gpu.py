@@ -39,22 +39,24 @@ def test_nccl_world_size_one_equals_plain_model_on_the_gpu(policy, zero, precisi
 
 
 SHARED_CASES = [
-    # (policy, ranks, zero, micro-batches, env); gloo ranks sharing cuda:0
-    ("policies.data:PASData", 2, 2, 1, {}),
-    ("policies.data:PASData", 2, 3, 1, {}),
-    ("policies.hybrid:PASHybrid", 4, 0, 1, {"CUBE_TP": "2"}),
-    ("policies.megatron:PASMegatronTP", 2, 0, 1, {}),
-    ("tests/extra_policies.py:PAS1F1B", 2, 0, 4, {}),
-    ("policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),
+    # (model, policy, ranks, zero, micro-batches, env); gloo ranks sharing cuda:0
+    ("gpt_nobias", "policies.data:PASData", 2, 2, 1, {}),
+    ("gpt_nobias", "policies.data:PASData", 2, 3, 1, {}),
+    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 0, 1, {"CUBE_TP": "2"}),
+    ("gpt_nobias", "policies.megatron:PASMegatronTP", 2, 0, 1, {}),
+    ("gpt_nobias", "tests/extra_policies.py:PAS1F1B", 2, 0, 4, {}),
+    ("gpt_nobias", "policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),
+    ("gpt4_nobias", "policies.pipeline:PAS1F1BInterleaved", 2, 0, 4, {}),
+    ("gpt_deep", "policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),   # repeated trace
 ]
 
 
-@pytest.mark.parametrize("policy,nproc,zero,nmicros,env", SHARED_CASES,
-                         ids=[f"{p.split(':')[1]}-{n}-zero{z}" for p, n, z, *_ in SHARED_CASES])
-def test_gloo_ranks_sharing_the_gpu_equal_plain_model(policy, nproc, zero, nmicros, env, tmp_path):
+@pytest.mark.parametrize("model,policy,nproc,zero,nmicros,env", SHARED_CASES,
+                         ids=[f"{m}-{p.split(':')[1]}-{n}-zero{z}" for m, p, n, z, *_ in SHARED_CASES])
+def test_gloo_ranks_sharing_the_gpu_equal_plain_model(model, policy, nproc, zero, nmicros, env, tmp_path):
     # SGD: on the GPU, split matrix products round differently from whole ones, and AdamW turns
     # that round-off on near-zero gradients into full-size updates (seen: 2e-5 under pp2 x tp2)
-    results = parity_across_ranks("gpt_nobias", policy, nproc, tmp_path, steps=3, nmicros=nmicros, zero=zero,
+    results = parity_across_ranks(model, policy, nproc, tmp_path, steps=3, nmicros=nmicros, zero=zero,
                                   optimizer="sgd", env={**GPU, "CUBE_BACKEND": "gloo", **env})
     for r in results:
         assert r["device"] == "cuda:0" and r["backend"] == "gloo", r
