@@ -57,6 +57,13 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
     """
     nmicros = len(batches)
     steps = [parse_action(a) for a in actions]
+    if steps and steps[0][2] is not None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
+        # see the module docstring: posted out of order, two same-shaped activations could swap silently
+        raise NotImplementedError(
+            "cube runs virtual pipeline stages (interleaved 1F1B) over gloo only so far: NCCL matches a pair's "
+            "messages in the order they are posted, and with several stages per rank cube does not yet post "
+            "them in the same order on both sides. Use one stage per rank (PAS1F1B, or PASMegatron without "
+            "CUBE_VIRTUAL) with NCCL, or CUBE_BACKEND=gloo.")
     forwards = [(i, s) for kind, i, s in steps if kind == "F"]
     roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
