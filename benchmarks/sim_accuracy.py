@@ -11,8 +11,8 @@ sharing this host's cores), then measured in one torchrun job per world size
 (plans interleaved round by round; a step is the compiled step, the optimizer
 step and a barrier; median of the timed steps).
 
-The host may be shared: while measuring, the other programs competing for the
-cores are counted (``cube.sim.host.Sampler``), and each plan is predicted twice,
+The host may be shared: while measuring, the CPU time other programs take is
+measured and turned into competing programs (``cube.sim.host.Sampler``), and each plan is predicted twice,
 for an idle host and for the host as it was during its steps. Printed per plan:
 both predictions, the measured time, the busiest rank's predicted compute and
 its measured CPU time (which other programs do not inflate); then the mean
@@ -199,7 +199,7 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
             job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            sampler = Sampler([job.pid])
+            sampler = Sampler([job.pid], ranks=world)
             sampler.start()
             stdout, stderr = job.communicate()
             sampler.stop()
@@ -282,7 +282,7 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
               f"{r['error_pct']:>7.1f}%{r['background']:>8.2f}{r['compute_ms']:>9.1f}{r['cpu_ms']:>8.1f}"
               f"{r['peak_mib']:>10.1f}")
     print("(ms per step. idle host: predicted with the cores to the ranks; as loaded: sharing them with the "
-          "other programs competing while it was measured ('others', sampled); error: as loaded vs measured; "
+          "other programs competing while it was measured ('others', from their CPU time); error: as loaded vs measured; "
           "compute: predicted compute of the busiest rank; CPU: its main thread's measured CPU time)")
     cmape = statistics.mean(abs(r["compute_ms"] - r["cpu_ms"]) / r["cpu_ms"] for r in rows)
     print(f"compute vs CPU time: MAPE {cmape * 100:.1f}% (the op costs, whatever else runs on the host)")

@@ -345,3 +345,28 @@ def test_auto_plan_is_part_of_the_code_cache_key(tmp_path, monkeypatch):
         path.write_text(json.dumps({"dp": dp, "tp": 1, "pp": 3 - dp}))
         sources.append(policy_source(PASAuto))
     assert "{'config': {'dp': 2" in sources[0] and "{'config': {'dp': 1" in sources[1]
+
+
+def test_background_from_the_cpu_time_other_programs_take():
+    from cube.sim.host import background_of
+    # 2 ranks and one CPU-bound program on 2 saturated cores: fair shares of 2/3 core each
+    assert abs(background_of(2 / 3, 4 / 3, ranks=2, cores=2.0) - 1.0) < 1e-9
+    assert background_of(0.1, 1.0, ranks=2, cores=4.0) == 0.1   # cores to spare: it takes what it uses
+    assert background_of(0.0, 2.0, ranks=2, cores=2.0) == 0.0
+
+
+def test_sampler_sees_a_busy_program_during_its_span():
+    import subprocess
+    import sys
+    import time
+    from cube.sim.host import Sampler
+    sampler = Sampler([], interval=0.1, ranks=1)
+    sampler.start()
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    time.sleep(0.5)
+    t0 = time.time()
+    busy.wait()
+    t1 = time.time()
+    time.sleep(0.2)
+    assert sampler.during([(t0, t1)]) > 0.5   # a program spinning on a core (and whatever else runs)
+    assert sampler.mean() > 0
