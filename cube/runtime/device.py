@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 from datetime import timedelta
@@ -101,3 +102,12 @@ def _shutdown() -> None:
             dist.destroy_process_group()
     except Exception as e:  # exiting anyway: say why the shutdown was not clean
         log.warning("cube: process group shutdown at exit failed: %s", e)
+    # Drop every reference cube keeps to process groups, posted work and the store, and collect
+    # them now: left to the interpreter's teardown, a group's C++ destructor (which joins its
+    # communication threads, and frees tensors held by finished work) can run after Python is half
+    # gone and abort the process ("terminate called without an active exception").
+    from cube.runtime.collectives import GROUPS
+    GROUPS.clear()
+    p2p.forget()
+    failfast.forget()
+    gc.collect()

@@ -100,6 +100,11 @@ def _watch() -> None:
         os._exit(1)
 
 
+def forget() -> None:
+    """Drops the store (at exit, after the process group is gone and the watcher stopped)."""
+    _state["store"] = None
+
+
 def uninstall() -> None:
     """Stops watching and waits for the watcher (normal shutdown, before the process group and its
     store go away: a thread still inside a store call then would crash the exiting process)."""

@@ -228,6 +228,16 @@ def finish() -> None:
     _RECVS.clear()
 
 
+def forget() -> None:
+    """Drops every posted receive, pending send and stashed value (at exit, after the process
+    group is gone)."""
+    _POSTED.clear()
+    _PENDING.clear()
+    _STASHED.clear()
+    _MARKERS.clear()
+    _RECVS.clear()
+
+
 def untaken() -> List[Tuple[object, int]]:
     """``(src, tag)`` of the receives posted ahead and not taken yet, and ``("stash", tag)`` of
     stashed values and gradients nobody took."""
