@@ -257,7 +257,9 @@ def load(world: int = 2, calibrate_missing: bool = False, cache=None) -> CommMod
     """The calibrated model for this machine, backend and ``world`` from the cache; measured now when
     missing and ``calibrate_missing``, else the backend's defaults."""
     store = JsonStore(cache or default_path("comm"))
-    key = f"{default_backend()}/{socket.gethostname()}/world{world}/torch{torch.__version__}/idle2"
+    # idle3: the host's load is measured from other programs' CPU time (calibrations corrected with
+    # the earlier count of runnable programs are not reused)
+    key = f"{default_backend()}/{socket.gethostname()}/world{world}/torch{torch.__version__}/idle3"
     hit = store.get(key)
     if hit is not None:
         return CommModel.from_json(hit)
