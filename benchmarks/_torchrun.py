@@ -59,3 +59,18 @@ def compile_gpt(model, loader, policy, cache: str, **options):
         loss.backward()
         return loss
     return train_iter, cube.load_model()
+
+
+def adamw_step(model, batches, policy, cache: str):
+    """A training step through cube (``compile_gpt`` over ``batches``, then AdamW at lr 1e-3):
+    ``(step, generated model of this rank)``; ``step()`` runs one."""
+    import torch
+    it = iter(batches)
+    train_iter, gen = compile_gpt(model, it, policy, cache)
+    opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
+
+    def step():
+        train_iter(gen, it)
+        opt.step()
+        opt.zero_grad()
+    return step, gen

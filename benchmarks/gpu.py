@@ -24,6 +24,8 @@ from typing import List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._torchrun import compile_gpt  # noqa: E402
+
 FULL = {"layers": 12, "dim": 1024, "heads": 16, "batch": 8, "seq": 1024, "vocab": 50304, "steps": 10, "rounds": 3}
 QUICK = {"layers": 4, "seq": 512, "steps": 5, "rounds": 2}
 
@@ -70,14 +72,8 @@ def main(quick: bool = False, **settings) -> List[dict]:
 
     loader = iter(lambda: batch, None)
     with tempfile.TemporaryDirectory() as cache:
-        @cube.compile(copy.deepcopy(base).to(dev), loader, PAS="policies.single:PASSingle", cache_dir=cache,
-                      precision="bf16")
-        def train_iter(model, dataloader):
-            data = next(dataloader)
-            loss = model(*data)
-            loss.backward()
-            return loss
-        model = cube.load_model()
+        train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "policies.single:PASSingle", cache,
+                                        precision="bf16")
         opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
 
         def cube_step():

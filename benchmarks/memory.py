@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # python benchmarks/memory.py as well as python -m benchmarks.memory
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import compile_gpt  # noqa: E402
+from benchmarks._torchrun import adamw_step  # noqa: E402
 
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 
@@ -144,14 +144,7 @@ def _torch_way(name: str, model, batches, device) -> _Way:
 
 
 def _cube_way(name: str, model, batches, policy, cache: str, device) -> _Way:
-    it = iter(batches)
-    train_iter, gen = compile_gpt(model, it, policy, cache)
-    opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
-
-    def step():
-        train_iter(gen, it)
-        opt.step()
-        opt.zero_grad()
+    step, gen = adamw_step(model, batches, policy, cache)
     return _Way(name, gen, lambda: gen(*batches[0]), step, device)
 
 

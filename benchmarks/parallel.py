@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import compile_gpt, run_rows  # noqa: E402
+from benchmarks._torchrun import adamw_step, run_rows  # noqa: E402
 
 DEFAULTS = {"nproc": 2, "layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048,
             "steps": 10, "warmup": 2, "rounds": 3, "threads": 1}
@@ -110,17 +110,6 @@ def _torch_tp(args, model, batches, world):
     return step
 
 
-def _cube(args, model, batches, policy, cache):
-    import torch
-    it = iter(batches)
-    train_iter, gen = compile_gpt(model, it, policy, cache)
-    opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
-
-    def step():
-        train_iter(gen, it)
-        opt.step()
-        opt.zero_grad()
-    return step
 
 
 def worker(args):
@@ -135,11 +124,11 @@ def worker(args):
     base = _gpt(args)
     runners = [
         ("DDP", _Runner(_torch_ddp(args, copy.deepcopy(base), _batches(args, total), rank, world))),
-        ("cube PASData", _Runner(_cube(args, copy.deepcopy(base), _batches(args, total + 1),
-                                       "policies.data:PASData", cache))),
+        ("cube PASData", _Runner(adamw_step(copy.deepcopy(base), _batches(args, total + 1),
+                                            "policies.data:PASData", cache)[0])),
         ("DTensor TP", _Runner(_torch_tp(args, copy.deepcopy(base), _batches(args, total), world))),
-        ("cube PASMegatronTP", _Runner(_cube(args, copy.deepcopy(base), _batches(args, total + 1),
-                                             "policies.megatron:PASMegatronTP", cache))),
+        ("cube PASMegatronTP", _Runner(adamw_step(copy.deepcopy(base), _batches(args, total + 1),
+                                                  "policies.megatron:PASMegatronTP", cache)[0])),
     ]
     for _ in range(args.rounds):
         for _, r in runners:

@@ -76,7 +76,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:   # python benchmarks/pipeline.py as well as python -m benchmarks.pipeline
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import compile_gpt  # noqa: E402
+from benchmarks._torchrun import compile_gpt, port  # noqa: E402
 
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 MICROS = (4, 8)
@@ -385,7 +385,7 @@ def main(quick: bool = False, **kwargs) -> List[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={STAGES}",
-               "--master_addr=127.0.0.1", f"--master_port={_port()}", __file__, "--worker",
+               "--master_addr=127.0.0.1", f"--master_port={port()}", __file__, "--worker",
                f"--cache={tmp}", f"--out={out}"] + [f"--{k}={v}" for k, v in settings.items()]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         for name in ("CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE"):   # the policies' defaults
@@ -399,12 +399,6 @@ def main(quick: bool = False, **kwargs) -> List[dict]:
     report(rows, {k: settings[k] for k in DEFAULTS}, settings["steps"] * settings["rounds"])
     return rows
 
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cli() -> None:

@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks._torchrun import compile_gpt, port  # noqa: E402
 from cube.sim.host import Sampler  # noqa: E402
 
 BATCH, SEQ, VOCAB = 16, 64, 2048
@@ -147,13 +148,7 @@ def _worker(args) -> None:
                 yield from batches
         it = endless()
         with _env(m, rc):
-            @cube.compile(model, it, PAS=policy, cache_dir=args.cache, zero=3 if zero == 3 else 0)
-            def train_iter(model, dataloader):
-                data = next(dataloader)
-                loss = model(*data)
-                loss.backward()
-                return loss
-        gen = cube.load_model()
+            train_iter, gen = compile_gpt(model, it, policy, args.cache, zero=3 if zero == 3 else 0)
         opt = cube.build_optimizer(gen, torch.optim.AdamW, zero=zero, lr=1e-4)
 
         def step(train_iter=train_iter, gen=gen, opt=opt, it=it):
@@ -193,7 +188,7 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
             names = "|".join(p[0] for p in plans if p[1] == world)
             result = os.path.join(tmp, f"w{world}.json")
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
-                   "--master_addr=127.0.0.1", f"--master_port={_port()}", __file__, "--worker", "--names", names,
+                   "--master_addr=127.0.0.1", f"--master_port={port()}", __file__, "--worker", "--names", names,
                    "--out", result, "--cache", os.path.join(tmp, "cache"), "--steps", str(steps),
                    "--rounds", str(rounds), "--warmup", str(warmup)]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -210,12 +205,6 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
     keys = [f"{p[0]} w{p[1]}" for p in plans]
     return [out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys]
 
-
-def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spearman(xs, ys) -> float:
