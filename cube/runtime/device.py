@@ -44,7 +44,8 @@ def init(backend: Optional[str] = None) -> Env:
     local = env.get("LOCAL_RANK", 0)
     backend = backend or config.backend() or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not cuda:
-        raise ValueError("CUBE_BACKEND=nccl needs CUDA, and torch sees no GPU here: unset it to use gloo")
+        raise ValueError("the NCCL backend (CUBE_BACKEND=nccl, or init(backend='nccl')) needs CUDA, and torch "
+                         "sees no GPU here: leave the backend unset to use gloo")
     device = _device(local, backend) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -29,7 +29,7 @@ import os
 import re
 from collections import OrderedDict
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.fx
@@ -159,7 +159,7 @@ def _block_of_path(path: str, prefix: str) -> Optional[int]:
 
 def _node_block(node: torch.fx.Node, prefix: str) -> Optional[int]:
     """The block of the stack a call node was made in (None outside the stack)."""
-    for key, (path, _) in (node.meta.get("nn_module_stack") or {}).items():
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
         b = _block_of_path(path, prefix)
         if b is not None:
             return b
@@ -187,7 +187,7 @@ def _repeat(ep, path: str, n: int) -> _Program:
         raise _NoRepeat("the forward updates buffers")
 
     # template block of every node: placeholders by their target, calls by their module path
-    block: Dict[torch.fx.Node, Optional[int]] = {}
+    block: Dict[torch.fx.Node, Union[int, str, None]] = {}   # template block, "post" after the last, None outside
     segments: List[List[torch.fx.Node]] = [[], [], []]
     pre, post = [], []
     current = None
@@ -285,8 +285,7 @@ def _repeat(ep, path: str, n: int) -> _Program:
         new = graph.node_copy(node, lambda a: lookup(a, template, real))
         if template != real:
             stack = node.meta.get("nn_module_stack") or {}
-            new.meta["nn_module_stack"] = {_rename_path(k, "L__self__" + prefix, template, real)
-                                           if k.startswith("L__self__") else k:
+            new.meta["nn_module_stack"] = {_rename_path(k, "L__self__" + prefix, template, real):
                                            (_rename_path(p, prefix, template, real), cls)
                                            for k, (p, cls) in stack.items()}
         out.append(new)
