@@ -102,6 +102,36 @@ def hf_llama(layers: int = 2):
     return HFCausalLM(LlamaForCausalLM(cfg))
 
 
+class HFSeq2SeqLM(nn.Module):
+    """Wraps a Hugging Face encoder-decoder LM so forward returns the scalar loss; the model
+    builds the decoder's inputs from the labels (shifted right)."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def hf_t5(layers: int = 2):
+    from transformers import T5Config, T5ForConditionalGeneration
+    cfg = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_decoder_layers=layers,
+                   num_heads=4, dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
+                   decoder_start_token_id=0, attn_implementation="eager")
+    return HFSeq2SeqLM(T5ForConditionalGeneration(cfg))
+
+
+def hf_bart(layers: int = 2):
+    from transformers import BartConfig, BartForConditionalGeneration
+    cfg = BartConfig(vocab_size=128, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                     decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                     activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0,
+                     eos_token_id=2, decoder_start_token_id=2, attn_implementation="eager")
+    return HFSeq2SeqLM(BartForConditionalGeneration(cfg))
+
+
 def build(name: str):
     """Returns (model, sample batch) for a model name used in the tests."""
     torch.manual_seed(0)
@@ -124,6 +154,10 @@ def build(name: str):
         model = hf_gpt2() if name == "hf_gpt2" else hf_llama()
         ids = torch.randint(0, 128, (4, 16))
         return model, (ids, ids.clone())
+    if name in ("hf_t5", "hf_bart"):
+        model = hf_t5() if name == "hf_t5" else hf_bart()
+        ids = torch.randint(0, 128, (4, 16))
+        return model, (ids, torch.randint(0, 128, (4, 16)))
     if name == "vit":
         return PatchViT(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     if name == "cnn":
