@@ -129,7 +129,13 @@ def hf_bart(layers: int = 2):
                      decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                      activation_dropout=0.0, use_cache=False, pad_token_id=1, bos_token_id=0,
                      eos_token_id=2, decoder_start_token_id=2, attn_implementation="eager")
-    return HFSeq2SeqLM(BartForConditionalGeneration(cfg))
+    model = BartForConditionalGeneration(cfg)
+    # as gpt_nobias: a key projection's bias has a zero gradient by construction (softmax ignores a
+    # shift), and AdamW turns round-off in it into updates of size lr; drop it so multi-rank runs compare
+    for m in model.modules():
+        if hasattr(m, "k_proj") and m.k_proj.bias is not None:
+            m.k_proj.bias = None
+    return HFSeq2SeqLM(model)
 
 
 def build(name: str):
