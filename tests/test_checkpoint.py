@@ -5,8 +5,11 @@ A trains under dp x tp on 4 ranks and saves; B loads A into a 2-rank 1F1B pipeli
 (4 micro-batches a step) and saves again; C loads B under Megatron TP on 2 ranks;
 Z loads A under data parallel with ZeRO-2 and saves.
 Each run's losses must equal the single-device model's, loaded from the merged
-checkpoint and trained on the same batches. The unit tests save a one-process
-plan and break the checkpoint in every way a loader must refuse.
+checkpoint and trained on the same batches. The Hugging Face Llama (non-persistent
+rotary buffers) trains under Megatron TP, ZeRO-3 and a 1F1B pipeline, 2 ranks in
+one process each (``cube.debug.run``), and is merged from the path alone, into
+state dicts and into sharded safetensors for ``from_pretrained``. The unit tests
+save a one-process plan and break the checkpoint in every way a loader must refuse.
 """
 import copy
 import hashlib
@@ -15,15 +18,17 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import cube
+import cube.debug
 from cube.runtime.checkpoint import merge_checkpoint
 from examples.mlp.linears import MLP
 from policies.single import PASSingle
 from tests.launch import ROOT, torchrun
-from tests.models import build
+from tests.models import HFCausalLM, build
 from tests.parity import compile_step
-from tests.workers.checkpoint_worker import LR, batch_stream
+from tests.workers.checkpoint_worker import LR, batch_stream, train
 
 LOSS_RTOL = 1e-6   # one or two steps after loading: observed 1e-7 (dp x tp) and 0 (pipeline)
 RTOL = 1e-5        # parameters and AdamW state (see tests/workers/parity_worker.py on AdamW near zero)
@@ -78,7 +83,8 @@ def runs(tmp_path_factory):
 @pytest.mark.multirank
 def test_round_trip_continues_like_the_distributed_run(runs):
     d, a, _, _, _ = runs
-    assert sorted(p.name for p in (d / "ckpt_a").iterdir()) == ["meta.json"] + [f"rank{r}.pt" for r in range(4)]
+    assert sorted(p.name for p in (d / "ckpt_a").iterdir()) == ["meta.json"] + [
+        f"rank{r}.{k}" for r in range(4) for k in ("pt", "safetensors")]
     assert all(r["losses"] == a[0]["losses"] for r in a)
     _, sample = build("gpt_nobias")
     batches = batch_stream(sample, 4)
@@ -147,6 +153,88 @@ def test_merge_without_the_model_orders_parameters_as_the_model_does(runs):
         assert opt_state["param_groups"] == with_model[1]["param_groups"]
         for i, st in with_model[1]["state"].items():
             assert all(torch.equal(v, opt_state["state"][i][k]) for k, v in st.items()), (ckpt, i)
+
+
+# ---------------------------------------------------------------------- Hugging Face Llama, path alone
+HF_PLANS = {   # tag: (policy, ZeRO stage, micro-batches a step)
+    "tp": ("policies.megatron:PASMegatronTP", 0, 1),
+    "zero3": ("policies.data:PASData", 3, 1),
+    "pipeline": ("policies.pipeline:PAS1F1B", 0, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory):
+    """Each plan on 2 ranks in one process: a step, save, a step, save."""
+    d = tmp_path_factory.mktemp("hf")
+    runs = {}
+    for tag, (policy, zero, nmicros) in HF_PLANS.items():
+        saves = {1: d / tag / "step1", 2: d / tag / "step2"}
+        runs[tag] = cube.debug.run(lambda: train("hf_llama", policy, d / "cache", saves=saves, steps=2,
+                                                 nmicros=nmicros, zero=zero), 2)
+    return d, runs
+
+
+def hf_continue(tag, model, opt):
+    """The second step of ``HF_PLANS[tag]``'s run, on the single-device model."""
+    nmicros = HF_PLANS[tag][2]
+    _, sample = build("hf_llama")
+    return single_step(model, opt, batch_stream(sample, 2 * nmicros)[nmicros:])
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("tag", list(HF_PLANS))
+def test_merge_from_the_path_alone_loads_into_the_original_model(hf_runs, tag):
+    d, runs = hf_runs
+    assert all(r["losses"] == runs[tag][0]["losses"] for r in runs[tag])
+    model, _ = build("hf_llama")
+    state, opt_state = merge_checkpoint(d / tag / "step1")   # no model=: the saved layout
+    assert list(state) == list(model.state_dict())   # the rotary inv_freq buffers are non-persistent
+    model.load_state_dict(state)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt.load_state_dict(opt_state)
+    loss = hf_continue(tag, model, opt)
+    assert rel(torch.tensor(loss), torch.tensor(runs[tag][0]["losses"][1])) <= LOSS_RTOL, (loss, runs[tag][0])
+
+    state, opt_state = merge_checkpoint(d / tag / "step2")   # the distributed run after that step
+    for name, p in model.state_dict().items():
+        assert rel(state[name], p) <= RTOL, (tag, name)
+    ref = opt.state_dict()
+    assert opt_state["param_groups"] == ref["param_groups"]
+    for i, st in ref["state"].items():
+        assert float(opt_state["state"][i]["step"]) == float(st["step"]) == 2
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert rel(opt_state["state"][i][key], st[key]) <= RTOL, (tag, i, key)
+
+
+@pytest.mark.multirank
+def test_merge_into_sharded_safetensors_loads_with_from_pretrained(hf_runs, tmp_path):
+    from transformers import LlamaForCausalLM
+    d, runs = hf_runs
+    out = tmp_path / "hf"
+    index = merge_checkpoint(d / "tp" / "step1", out=out, strip_prefix="model.", max_shard_size="40KB")
+    state, opt_state = merge_checkpoint(d / "tp" / "step1")
+    model, _ = build("hf_llama")
+    model.model.config.save_pretrained(out)
+    meta = json.loads(index.read_text())
+    files = sorted(set(meta["weight_map"].values()))
+    assert index == out / "model.safetensors.index.json" and len(files) > 1
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert sorted(meta["weight_map"]) == sorted(n[len("model."):] for n in state)   # no inv_freq
+    assert meta["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+
+    hf = LlamaForCausalLM.from_pretrained(out, attn_implementation="eager")
+    assert hf.dtype == torch.float32
+    for name, p in hf.state_dict().items():
+        assert torch.equal(p, state["model." + name]), name
+    wrapped = HFCausalLM(hf)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=LR)
+    opt.load_state_dict(opt_state)
+    loss = hf_continue("tp", wrapped, opt)
+    assert rel(torch.tensor(loss), torch.tensor(runs["tp"][0]["losses"][1])) <= LOSS_RTOL, (loss, runs["tp"][0])
+    after, _ = merge_checkpoint(d / "tp" / "step2")
+    for name, p in wrapped.state_dict().items():
+        assert rel(after[name], p) <= RTOL, name
 
 
 # ---------------------------------------------------------------------- one process
@@ -251,20 +339,80 @@ def test_optimizer_state_missing(saved, tmp_path):
         cube.load_checkpoint(saved[0] / "ckpt", fresh, torch.optim.AdamW(two))
 
 
-def test_tensor_held_by_no_rank_fails_merge(saved, tmp_path):
-    """Two rank files, rows 0:8 and 16:32 of one weight: rows 8:16 are nobody's."""
-    rec = torch.load(saved[0] / "ckpt" / "rank0.pt", weights_only=True)
-    ckpt = tmp_path / "gap"
+def _write_format1(ckpt, records):
+    """Rank files and meta.json of format 1 (every tensor inside ``rank{r}.pt``, no layout)."""
     ckpt.mkdir()
     files = {}
+    for r, rec in enumerate(records):
+        torch.save(rec, ckpt / f"rank{r}.pt")
+        data = (ckpt / f"rank{r}.pt").read_bytes()
+        files[f"rank{r}.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (ckpt / "meta.json").write_text(json.dumps({"format": 1, "model": "MLP", "world_size": len(records),
+                                                "files": files}))
+
+
+def _format1_record(folder):
+    """Rank 0's record of a one-process checkpoint, rewritten as format 1."""
+    rec = torch.load(folder / "rank0.pt", weights_only=True)
+    data = load_file(folder / "rank0.safetensors")
+    rec.update(format=1)
+    del rec["layout"]
+    for local, t in rec["tensors"].items():
+        t["tensor"] = data[local]
+    for st in rec["optimizer"]["state"].values():
+        st["pieces"] = {key: data[k] for key, k in st["pieces"].items()}
+    return rec
+
+
+def test_checkpoints_of_format_1_still_merge_and_load(saved, tmp_path):
+    d, step, gen, opt, user = saved
+    _write_format1(tmp_path / "old", [_format1_record(d / "ckpt")])
+    state, opt_state = merge_checkpoint(tmp_path / "old")
+    new_state, new_opt_state = merge_checkpoint(d / "ckpt")
+    assert state.keys() == new_state.keys() and all(torch.equal(state[k], new_state[k]) for k in state)
+    for i, st in new_opt_state["state"].items():
+        assert all(torch.equal(v, opt_state["state"][i][k]) for k, v in st.items())
+    fresh = step.load_model()
+    assert cube.load_checkpoint(tmp_path / "old", fresh) == {"step": 2}
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), gen.parameters()))
+
+
+def test_tensor_held_by_no_rank_fails_merge(saved, tmp_path):
+    """Two rank files, rows 0:8 and 16:32 of one weight: rows 8:16 are nobody's."""
+    rec = _format1_record(saved[0] / "ckpt")
+    parts = []
     for r, (start, stop) in enumerate(((0, 8), (16, 32))):
         part = copy.deepcopy(rec)
         part.update(rank=r, world_size=2, optimizer=None)
         t = part["tensors"]["layers_0_weight"]
         t["splits"], t["tensor"] = [(0, start, stop)], t["tensor"][start:stop].clone()
-        torch.save(part, ckpt / f"rank{r}.pt")
-        data = (ckpt / f"rank{r}.pt").read_bytes()
-        files[f"rank{r}.pt"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    (ckpt / "meta.json").write_text(json.dumps({"format": 1, "model": "MLP", "world_size": 2, "files": files}))
+        parts.append(part)
+    _write_format1(tmp_path / "gap", parts)
     with pytest.raises(ValueError, match=r"256 of 1024 elements of 'layers\.0\.weight' are held by no rank"):
-        merge_checkpoint(ckpt)
+        merge_checkpoint(tmp_path / "gap")
+
+
+def test_merge_into_safetensors_in_one_process(saved, tmp_path):
+    d, _, _, _, user = saved
+    state, _ = merge_checkpoint(d / "ckpt")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00009.safetensors").write_bytes(b"stale")   # an earlier merge's shard
+    index = merge_checkpoint(d / "ckpt", out=out, strip_prefix="layers.", max_shard_size=5000)
+    meta = json.loads(index.read_text())
+    written = {}
+    for f in sorted(set(meta["weight_map"].values())):
+        part = load_file(out / f)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 5000 or len(part) == 1
+        written.update(part)
+    assert written.keys() == meta["weight_map"].keys() == {n[len("layers."):] for n in state}
+    assert all(torch.equal(written[n[len("layers."):]], t) for n, t in state.items())
+    assert not (out / "model-00001-of-00009.safetensors").exists()
+
+    with pytest.raises(ValueError, match=r"'layers\.0\.weight' does not start with strip_prefix='m\.'"):
+        merge_checkpoint(d / "ckpt", out=out, strip_prefix="m.")
+    with pytest.raises(ValueError, match="max_shard_size='2 parsecs' is not a size"):
+        merge_checkpoint(d / "ckpt", out=out, max_shard_size="2 parsecs")
+    (out / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="from_pretrained would read it instead"):
+        merge_checkpoint(d / "ckpt", out=out)

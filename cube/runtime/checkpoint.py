@@ -1,18 +1,26 @@
-"""Checkpoints of generated modules: one file per rank, merged or resharded when read.
+"""Checkpoints of generated modules: files per rank, merged or resharded when read.
 
-A checkpoint is a directory holding ``rank{r}.pt`` for every rank of the plan
-that saved it and ``meta.json``, which rank 0 writes last (world size, files and
-a sha256 per file). Every file is written atomically (temporary file, fsync,
-rename). A directory without ``meta.json``, or whose files do not match it, is
-incomplete or corrupt, and every reader refuses it.
+A checkpoint is a directory holding, for every rank of the plan that saved it,
+``rank{r}.safetensors`` (the rank's tensors: its pieces of parameters and
+buffers, and the optimizer state shaped like them) and ``rank{r}.pt`` (the
+small rest: names, pieces, optimizer hyperparameters and scalars, ``extra``,
+the user model's layout), and ``meta.json``, which rank 0 writes last (world
+size, files and a sha256 per file). Every file is written atomically (temporary
+file, fsync, rename). A directory without ``meta.json``, or whose files do not
+match it, is incomplete or corrupt, and every reader refuses it.
 
-Each rank file holds, per local parameter and buffer, the user's names for it,
-its piece of the full tensor (``[(dim, start, stop)]``, as in ``PARAMS``) and
-the piece itself; and, per parameter, the optimizer state: tensors shaped like
-the parameter's piece are pieces with the same splits, anything else (AdamW's
-``step``) is kept as is. Readers assemble full tensors from the pieces of all
-files, so a checkpoint can be merged for the single-device model or loaded
-under another plan (other world size, other policy).
+Each rank's record holds, per local parameter and buffer, the user's names for
+it and its piece of the full tensor (``[(dim, start, stop)]``, as in
+``PARAMS``); per parameter, the optimizer state: tensors shaped like the
+parameter's piece are pieces with the same splits, anything else (AdamW's
+``step``) is kept as is; and the layout of the user's model (its ``state_dict()``
+names, which leave out non-persistent buffers, and its ``parameters()`` order),
+so a checkpoint merges for the single-device model and its optimizer from the
+path alone. Readers assemble full tensors one at a time from the pieces of all
+files, reading each piece from its file at its offset, so a checkpoint can be
+merged (also into Hugging Face sharded safetensors) or loaded under another plan
+(other world size, other policy) without holding the whole model. Checkpoints
+of format 1 (every tensor inside ``rank{r}.pt``, no layout) are still read.
 """
 from __future__ import annotations
 
@@ -23,30 +31,37 @@ import io
 import json
 import os
 import pickle
+import re
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
+from cube.runtime import safetensors_file as sfile
 from cube.runtime.module import CubeModule, piece
 from cube.runtime.utils import atomic_write
 from cube.runtime.zero import whole_parameters
 
-FORMAT = 1
+FORMAT = 2
+READABLE = (1, 2)
 META = "meta.json"
+INDEX = "model.safetensors.index.json"
 PathLike = Union[str, os.PathLike]
+Source = Union[torch.Tensor, sfile.Slot]   # a piece in memory (format 1, small values) or in a file
 
 
 # ---------------------------------------------------------------------- save
 def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: Any = None) -> None:
     """Saves this rank's pieces of the model and optimizer state under directory ``path``.
 
-    Call it on every rank. Each rank writes ``path/rank{r}.pt``; after all have
-    written (the ranks exchange their files' checksums when torch.distributed is
-    initialized), rank 0 writes ``path/meta.json``, which marks the checkpoint
-    complete. An optimizer with ``consolidated_state()`` (a ZeRO optimizer) is
-    asked for the state a plain optimizer would hold; that call may be collective.
+    Call it on every rank. Each rank writes ``path/rank{r}.safetensors`` and
+    ``path/rank{r}.pt``; after all have written (the ranks exchange their files'
+    checksums when torch.distributed is initialized), rank 0 writes
+    ``path/meta.json``, which marks the checkpoint complete. An optimizer with
+    ``consolidated_state()`` (a ZeRO optimizer) is asked for the state a plain
+    optimizer would hold; that call may be collective.
 
     Args:
         path: the checkpoint directory (created if needed; an older checkpoint
@@ -67,36 +82,47 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
     if rank == 0:
         with contextlib.suppress(FileNotFoundError):
             (folder / META).unlink()   # the directory is incomplete until the new meta.json
+    data, name = f"rank{rank}.safetensors", f"rank{rank}.pt"
     with whole_parameters(model):   # ZeRO-3 holds only chunks at rest
-        record = {"format": FORMAT, "model": _model_name(type(model)), "rank": rank, "world_size": world,
-                  "full_shapes": getattr(type(model), "FULL_SHAPES", None), "tensors": _tensor_records(model),
-                  "optimizer": None if optimizer is None else _optimizer_record(model, optimizer),
-                  "extra": extra}
-    name = f"rank{rank}.pt"
+        tensors, entries = _tensor_records(model)
+        opt = None
+        if optimizer is not None:
+            opt, opt_entries = _optimizer_record(model, optimizer)
+            entries += opt_entries
+        atomic_write(folder / data, lambda f: sfile.write(f, entries))   # one tensor at a time
+    record = {"format": FORMAT, "model": _model_name(type(model)), "rank": rank, "world_size": world,
+              "full_shapes": getattr(type(model), "FULL_SHAPES", None), "tensors": tensors, "optimizer": opt,
+              "layout": _user_layout(model), "extra": extra}
     atomic_write(folder / name, lambda f: torch.save(record, f))
-    entry = (name, _sha256(folder / name), (folder / name).stat().st_size)
-    entries = [entry]
-    if dist.is_initialized() and world > 1:   # also the barrier: every rank has written its file
-        entries = [None] * world
-        dist.all_gather_object(entries, entry)
+    mine = [(n, _sha256(folder / n), (folder / n).stat().st_size) for n in (data, name)]
+    every = [mine]
+    if dist.is_initialized() and world > 1:   # also the barrier: every rank has written its files
+        every = [None] * world
+        dist.all_gather_object(every, mine)
     if rank == 0:
         meta = {"format": FORMAT, "model": record["model"], "world_size": world,
-                "files": {n: {"sha256": h, "bytes": b} for n, h, b in entries}}
+                "files": {n: {"sha256": h, "bytes": b} for files in every for n, h, b in files}}
         atomic_write(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
 
 
-def _tensor_records(model: CubeModule) -> Dict[str, dict]:
+def _entry(key: str, t: torch.Tensor) -> sfile.Entry:
+    return sfile.Entry(key, t.dtype, tuple(t.shape), lambda: t)
+
+
+def _tensor_records(model: CubeModule) -> Tuple[Dict[str, dict], List[sfile.Entry]]:
+    """Each local tensor's kind, names and piece; its data goes to the rank's safetensors under its local name."""
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    out = {}
+    out, entries = {}, []
     for kind, table, held in (("param", model.PARAMS, params), ("buffer", model.BUFFERS, buffers)):
         for local, (names, splits) in table.items():
-            out[local] = {"kind": kind, "names": list(names), "splits": [tuple(s) for s in splits],
-                          "tensor": _portable(held[local])}
-    return out
+            out[local] = {"kind": kind, "names": list(names), "splits": [tuple(s) for s in splits]}
+            entries.append(_entry(local, held[local]))
+    return out, entries
 
 
-def _optimizer_record(model: CubeModule, optimizer) -> dict:
-    """Hyperparameters per group, the group of every parameter, and the state by local name."""
+def _optimizer_record(model: CubeModule, optimizer) -> Tuple[dict, List[sfile.Entry]]:
+    """Hyperparameters per group, the group of every parameter, and the state by local name
+    (pieces go to the rank's safetensors as ``{local}/{key}``)."""
     if hasattr(optimizer, "consolidated_state"):
         state, groups = optimizer.consolidated_state()
     else:
@@ -108,46 +134,88 @@ def _optimizer_record(model: CubeModule, optimizer) -> dict:
             group_of[_local(local_of, p, "save_checkpoint")] = i
     if not any("params" in g for g in groups):   # hyperparameters only: one group over every parameter
         group_of = {k: 0 for k in local_of.values()}
-    out = {}
+    out, entries = {}, []
     for p, st in state.items():
+        local = _local(local_of, p, "save_checkpoint")
         pieces, values = {}, {}
         for key, v in st.items():
             if torch.is_tensor(v) and v.shape == p.shape:
-                pieces[key] = _portable(v)
+                pieces[key] = f"{local}/{key}"
+                entries.append(_entry(pieces[key], v))
             else:
                 values[key] = _portable(v) if torch.is_tensor(v) else v
-        out[_local(local_of, p, "save_checkpoint")] = {"pieces": pieces, "values": values}
+        out[local] = {"pieces": pieces, "values": values}
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    return {"groups": hyper, "group_of": group_of, "state": out}
+    return {"groups": hyper, "group_of": group_of, "state": out}, entries
+
+
+def _user_layout(model: CubeModule) -> Optional[dict]:
+    """The user model's ``state_dict()`` names and ``parameters()`` order, for merging without it.
+
+    The generated module does not know its user model; the compiled step that
+    made it does. The latest compile (``cube.load_model()``'s default) is used
+    when ``model`` comes from its plan: an instance of its generated class, or of
+    another rank's class of the same plan (``python -m cube.debug`` runs every
+    rank in one process; the plan's key names the generated modules). None
+    otherwise: then ``merge_checkpoint`` needs ``model=`` to leave out
+    non-persistent buffers.
+    """
+    from cube import compiler   # the compiler imports the runtime
+    for step in compiler._last_step:
+        if isinstance(model, step.module.GenModel) or \
+                type(model).__module__.startswith(f"cube_gen_{step.key[:16]}_rank"):
+            return _layout_of(step.user_model)
+    return None
+
+
+def _layout_of(user: torch.nn.Module) -> dict:
+    """``state_dict``: the names ``user.state_dict()`` has, in its order (each module's parameters, then
+    its buffers but those in its ``_non_persistent_buffers_set``, then its children); ``parameters``:
+    ``user.named_parameters()`` names (one per tensor), the order a plain optimizer indexes."""
+    state = []
+    for prefix, mod in user.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        state += [dot + n for n, t in mod._parameters.items() if t is not None]
+        state += [dot + n for n, t in mod._buffers.items() if t is not None and n not in mod._non_persistent_buffers_set]
+    return {"state_dict": state, "parameters": [n for n, _ in user.named_parameters()]}
 
 
 # ---------------------------------------------------------------------- read
 class _Checkpoint:
-    """A verified checkpoint directory, indexed by the user's tensor names."""
+    """A verified checkpoint directory, indexed by the user's tensor names (no tensor data is read)."""
 
     def __init__(self, path: PathLike):
         self.folder = Path(path)
-        self.meta, self.records = _read(self.folder)
+        self.meta, self.records, slots = _read(self.folder)
         self.world_size = self.meta["world_size"]
         self.model = self.meta.get("model", "?")
         self.alias: Dict[str, str] = {}       # every user name -> the canonical one (names[0])
         self.kind: Dict[str, str] = {}
         self.names: Dict[str, List[str]] = {}
-        self.pieces: Dict[str, list] = {}     # canonical -> [(splits, tensor)]
+        self.pieces: Dict[str, List[Tuple[list, Source]]] = {}     # canonical -> [(splits, source)]
         self.orders: List[List[str]] = []     # canonical parameter names, per rank in PARAMS order
         self.opt_pieces: Dict[str, Dict[str, list]] = {}
         self.opt_values: Dict[str, dict] = {}
         self.group_of: Dict[str, int] = {}
         self.has_optimizer = any(r["optimizer"] is not None for r in self.records)
         self.groups = next((r["optimizer"]["groups"] for r in self.records if r["optimizer"]), [])
-        self._full: Dict[Tuple[str, Optional[str]], torch.Tensor] = {}
-        for rec in self.records:
-            self._index(rec)
+        self.layout = next((r["layout"] for r in self.records if r.get("layout")), None)
+        for rec, slot in zip(self.records, slots):
+            self._index(rec, slot)
         given = next((r["full_shapes"] for r in self.records if r.get("full_shapes")), None) or {}
         self.shapes = {c: tuple(given[c]) if c in given else _full_shape(
             [(s, tuple(t.shape)) for s, t in ps]) for c, ps in self.pieces.items()}
 
-    def _index(self, rec: dict) -> None:
+    def _index(self, rec: dict, slots: Optional[Dict[str, sfile.Slot]]) -> None:
+        def source(key: str, inline) -> Source:
+            if slots is None:   # format 1: the tensor is in the record
+                return inline
+            if key not in slots:
+                r = rec["rank"]
+                raise ValueError(f"checkpoint file {str(self.folder / f'rank{r}.safetensors')!r} has no tensor "
+                                 f"{key!r} that rank{r}.pt lists; save the checkpoint again")
+            return slots[key]
+
         order = []
         for local, t in rec["tensors"].items():
             canon = self.alias.setdefault(t["names"][0], t["names"][0])
@@ -155,7 +223,7 @@ class _Checkpoint:
                 self.alias.setdefault(n, canon)
             self.kind.setdefault(canon, t["kind"])
             self.names.setdefault(canon, list(t["names"]))
-            self.pieces.setdefault(canon, []).append((t["splits"], t["tensor"]))
+            self.pieces.setdefault(canon, []).append((t["splits"], source(local, t.get("tensor"))))
             if t["kind"] == "param":
                 order.append(canon)
         self.orders.append(order)
@@ -168,17 +236,18 @@ class _Checkpoint:
             t = rec["tensors"][local]
             canon = self.alias[t["names"][0]]
             for key, v in st["pieces"].items():
-                self.opt_pieces.setdefault(canon, {}).setdefault(key, []).append((t["splits"], v))
+                self.opt_pieces.setdefault(canon, {}).setdefault(key, []).append((t["splits"], source(v, v)))
             for key, v in st["values"].items():
                 self.opt_values.setdefault(canon, {}).setdefault(key, v)
 
+    def dtype(self, canon: str) -> torch.dtype:
+        return self.pieces[canon][0][1].dtype
+
     def full(self, canon: str, key: Optional[str] = None) -> torch.Tensor:
-        """The full tensor (``key``: that optimizer state of the parameter), assembled once."""
-        if (canon, key) not in self._full:
-            pieces = self.pieces[canon] if key is None else self.opt_pieces[canon][key]
-            what = f"{canon!r}" if key is None else f"optimizer state {key!r} of {canon!r}"
-            self._full[(canon, key)] = _assemble(pieces, self.shapes[canon], what, self.folder)
-        return self._full[(canon, key)]
+        """The full tensor (``key``: that optimizer state of the parameter), read from the files now."""
+        pieces = self.pieces[canon] if key is None else self.opt_pieces[canon][key]
+        what = f"{canon!r}" if key is None else f"optimizer state {key!r} of {canon!r}"
+        return _assemble(pieces, self.shapes[canon], what, self.folder)
 
     def optimizer_state(self, canon: str) -> dict:
         """The parameter's full optimizer state (empty when it has none)."""
@@ -191,8 +260,9 @@ class _Checkpoint:
         return _merge_orders(self.orders)
 
 
-def _read(folder: Path) -> Tuple[dict, List[dict]]:
-    """Reads ``meta.json`` and every rank file, checking sizes and checksums."""
+def _read(folder: Path) -> Tuple[dict, List[dict], List[Optional[Dict[str, sfile.Slot]]]]:
+    """Reads ``meta.json``, every rank's record and the headers of its tensor file, checking sizes and
+    checksums (tensor files in blocks: their data is not kept)."""
     if not folder.is_dir():
         raise ValueError(f"checkpoint directory {str(folder)!r} does not exist; pass the directory that "
                          f"cube.save_checkpoint wrote")
@@ -205,91 +275,162 @@ def _read(folder: Path) -> Tuple[dict, List[dict]]:
         files, world = meta["files"], int(meta["world_size"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"checkpoint file {str(meta_path)!r} is corrupt ({e}); save the checkpoint again") from None
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"checkpoint {str(folder)!r} has format {meta.get('format')!r}, this cube reads format "
-                         f"{FORMAT}; save it again with this version")
-    if sorted(files) != sorted(f"rank{r}.pt" for r in range(world)):
+    fmt = meta.get("format")
+    if fmt not in READABLE:
+        raise ValueError(f"checkpoint {str(folder)!r} has format {fmt!r}, this cube reads formats "
+                         f"{list(READABLE)}; save it again with this version")
+    kinds = ("pt",) if fmt == 1 else ("pt", "safetensors")
+    if sorted(files) != sorted(f"rank{r}.{k}" for r in range(world) for k in kinds):
         raise ValueError(f"checkpoint file {str(meta_path)!r} is corrupt: it lists {sorted(files)} for world size "
                          f"{world}; save the checkpoint again")
-    records = []
+    records, slots = [], []
     for r in range(world):
         f = folder / f"rank{r}.pt"
-        if not f.is_file():
-            raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {f.name} is missing; save it again")
-        data = f.read_bytes()
-        if len(data) != files[f.name]["bytes"] or hashlib.sha256(data).hexdigest() != files[f.name]["sha256"]:
-            raise ValueError(f"checkpoint file {str(f)!r} is corrupt: its size or sha256 differs from {META} "
-                             f"(changed or cut short after the save); save the checkpoint again")
+        data = _checked(folder, f, files, read=True)
         try:
             rec = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except (pickle.UnpicklingError, RuntimeError) as e:
             raise ValueError(f"checkpoint file {str(f)!r} cannot be read ({str(e).splitlines()[0]}); its extra "
                              f"must hold only tensors and plain Python values") from None
-        if rec.get("format") != FORMAT or rec.get("rank") != r or rec.get("world_size") != world:
+        if rec.get("format") != fmt or rec.get("rank") != r or rec.get("world_size") != world:
             raise ValueError(f"checkpoint file {str(f)!r} does not belong to this checkpoint (rank "
                              f"{rec.get('rank')!r} of {rec.get('world_size')!r}); save the checkpoint again")
         records.append(rec)
-    return meta, records
+        if fmt == 1:
+            slots.append(None)
+            continue
+        f = folder / f"rank{r}.safetensors"
+        _checked(folder, f, files, read=False)
+        slots.append(sfile.read_header(f)[0])
+    return meta, records, slots
 
 
-def _assemble(pieces: list, shape: tuple, what: str, folder: Path) -> torch.Tensor:
-    """The full tensor from its pieces; every element must be covered (overlaps: the last wins)."""
+def _checked(folder: Path, f: Path, files: dict, read: bool) -> Optional[bytes]:
+    """Checks one file's size and sha256 against ``meta.json``; its bytes when ``read``."""
+    if not f.is_file():
+        raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {f.name} is missing; save it again")
+    data = f.read_bytes() if read else None
+    size = len(data) if read else f.stat().st_size
+    digest = hashlib.sha256(data).hexdigest() if read else _sha256(f)
+    if size != files[f.name]["bytes"] or digest != files[f.name]["sha256"]:
+        raise ValueError(f"checkpoint file {str(f)!r} is corrupt: its size or sha256 differs from {META} "
+                         f"(changed or cut short after the save); save the checkpoint again")
+    return data
+
+
+def _assemble(pieces: List[Tuple[list, Source]], shape: tuple, what: str, folder: Path) -> torch.Tensor:
+    """The full tensor from its pieces; every element must be covered. A piece several ranks hold
+    (a replica) is read once; overlapping different pieces: the last wins."""
     full = torch.empty(shape, dtype=pieces[0][1].dtype)
-    covered = torch.zeros(shape, dtype=torch.bool)
-    for splits, t in pieces:
+    boxes: Dict[tuple, Tuple[list, Source]] = {}
+    for splits, src in pieces:
+        boxes.setdefault(_box(splits, tuple(src.shape)), (splits, src))
+    for splits, src in boxes.values():
         try:
             dst = piece(full, splits)
         except (RuntimeError, IndexError):
             dst = None
-        if dst is None or dst.shape != t.shape:
+        if dst is None or tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"checkpoint {str(folder)!r}: a piece {list(splits)} of {what} (shape "
-                             f"{list(t.shape)}) does not fit the full shape {list(shape)}; the checkpoint is "
+                             f"{list(src.shape)}) does not fit the full shape {list(shape)}; the checkpoint is "
                              f"corrupt, save it again")
-        dst.copy_(t)
-        piece(covered, splits).fill_(True)
-    if not bool(covered.all()):
-        missing = int((~covered).sum())
-        raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {missing} of {covered.numel()} elements of "
+        if isinstance(src, torch.Tensor):
+            dst.copy_(src)
+        else:
+            src.read_into(dst)
+    missing = _uncovered(list(boxes), shape)
+    if missing:
+        raise ValueError(f"checkpoint {str(folder)!r} is incomplete: {missing} of {full.numel()} elements of "
                          f"{what} are held by no rank; save it from a plan whose ranks together hold every tensor")
     return full
 
 
+def _box(splits: Sequence[Tuple[int, int, int]], shape: tuple) -> tuple:
+    """The piece's ``(start, stop)`` per dim in the full tensor (nested narrows of one dim add up)."""
+    start = [0] * len(shape)
+    for dim, s, _ in splits:
+        start[dim] += s
+    return tuple((a, a + n) for a, n in zip(start, shape))
+
+
+def _uncovered(boxes: List[tuple], shape: tuple) -> int:
+    """How many elements of ``shape`` no box covers: by volumes when the boxes are disjoint (the
+    plans' pieces are), else with a mask."""
+    def volume(box):
+        n = 1
+        for a, b in box:
+            n *= max(0, b - a)
+        return n
+
+    def meet(x, y):
+        return all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(x, y))
+
+    total = volume(tuple((0, s) for s in shape))
+    if not any(meet(x, y) for i, x in enumerate(boxes) for y in boxes[i + 1:]):
+        return total - sum(volume(b) for b in boxes)
+    covered = torch.zeros(shape, dtype=torch.bool)
+    for box in boxes:
+        covered[tuple(slice(a, b) for a, b in box)] = True
+    return int((~covered).sum())
+
+
 # ---------------------------------------------------------------------- merge
-def merge_checkpoint(path: PathLike, model: Optional[torch.nn.Module] = None) -> Tuple[dict, Optional[dict]]:
-    """Assembles a checkpoint into state dicts of the single-device model (one process).
+def merge_checkpoint(path: PathLike, model: Optional[torch.nn.Module] = None, *, out: Optional[PathLike] = None,
+                     strip_prefix: str = "", max_shard_size: Union[int, str] = "2GB"):
+    """Assembles a checkpoint for the single-device model (one process).
 
     Args:
         path: the checkpoint directory.
-        model: the original single-device model (optional). With it, the state
-            dict is checked against ``model.state_dict()`` (names, shapes; its
-            non-persistent buffers are left out) and the optimizer state is indexed
-            in ``model.parameters()`` order. Without it, parameters are ordered as
-            the generated modules list them (first appearance, rank 0 first),
-            which follows the model's order of definition for the plans cube
-            generates; pass ``model`` when in doubt.
+        model: the original single-device model (optional). With it, the names
+            and shapes are checked against ``model.state_dict()`` and the
+            optimizer state is indexed in ``model.parameters()`` order. Without
+            it, the layout saved with the checkpoint gives both (its state dict
+            names, without non-persistent buffers, and its parameter order); a
+            checkpoint saved without a layout (format 1, or a module whose
+            compile was not the latest) returns every buffer, with a warning, and
+            orders parameters as the generated modules list them.
+        out: a directory to write the merged weights to as Hugging Face sharded
+            safetensors (``model-00001-of-0000K.safetensors`` and
+            ``model.safetensors.index.json``) instead of returning them. Tensors
+            are assembled, written and freed one at a time, so the peak memory is
+            about the largest tensor. The optimizer state is not written.
+        strip_prefix: with ``out``, dropped from the front of every name (``"m."``
+            when the compiled module wraps the Hugging Face model as ``self.m``).
+        max_shard_size: with ``out``, the largest shard: bytes or a string such
+            as ``"2GB"`` (a larger tensor gets a shard of its own).
 
     Returns:
-        ``(model_state_dict, optimizer_state_dict)``: the first has every user name
-        (every name of a tied parameter); the second (None when the checkpoint
-        holds no optimizer state) is what a plain torch optimizer over
-        ``model.parameters()`` loads, one parameter group per saved group.
+        Without ``out``: ``(model_state_dict, optimizer_state_dict)``; the first
+        has every state dict name (every name of a tied parameter); the second
+        (None when the checkpoint holds no optimizer state) is what a plain torch
+        optimizer over ``model.parameters()`` loads, one parameter group per saved
+        group. With ``out``: the path of the index file written.
 
     Raises:
         ValueError: a missing, incomplete or corrupt checkpoint, a tensor some
-            element of which no rank held, or a ``model`` the checkpoint is not of.
+            element of which no rank held, a ``model`` the checkpoint is not of, a
+            name without ``strip_prefix``, or an ``out`` holding a
+            ``model.safetensors`` that would shadow the index.
     """
     ckpt = _Checkpoint(path)
-    state = {n: ckpt.full(c) for c, names in ckpt.names.items() for n in names}
-    if model is not None:
-        state = _match_model(state, model, ckpt)
-        order = []
-        for n, _ in model.named_parameters():
-            if ckpt.alias[n] not in order:
-                order.append(ckpt.alias[n])
-    else:
-        order = ckpt.param_order()
+    names = _state_names(ckpt, model)
+    if out is not None:
+        return _write_hf(ckpt, names, Path(out), strip_prefix, sfile.parse_size(max_shard_size))
+    assembled: Dict[str, torch.Tensor] = {}
+    state = {}
+    for n in names:
+        c = ckpt.alias[n]
+        if c not in assembled:
+            assembled[c] = ckpt.full(c)
+        state[n] = assembled[c]
     if not ckpt.has_optimizer:
         return state, None
+    if model is not None:
+        order = _dedup(ckpt.alias[n] for n, _ in model.named_parameters())
+    elif ckpt.layout is not None:
+        order = _dedup(ckpt.alias[n] for n in ckpt.layout["parameters"])
+    else:
+        order = ckpt.param_order()
     index = {c: i for i, c in enumerate(order)}
     opt_state = {index[c]: s for c in order for s in [ckpt.optimizer_state(c)] if s}
     groups = [{**h, "params": sorted(index[c] for c, g in ckpt.group_of.items() if g == i and c in index)}
@@ -297,22 +438,80 @@ def merge_checkpoint(path: PathLike, model: Optional[torch.nn.Module] = None) ->
     return state, {"state": opt_state, "param_groups": groups}
 
 
-def _match_model(state: dict, model: torch.nn.Module, ckpt: _Checkpoint) -> dict:
-    """``state`` in ``model.state_dict()`` order, checked against it."""
+def _dedup(names) -> List[str]:
+    return list(dict.fromkeys(names))
+
+
+def _state_names(ckpt: _Checkpoint, model: Optional[torch.nn.Module]) -> List[str]:
+    """The state dict names to merge, in the model's order, checked against the checkpoint."""
+    where = f"checkpoint {str(ckpt.folder)!r} (model {ckpt.model})"
+    if model is not None:
+        return _match_model(model, ckpt)
+    if ckpt.layout is None:
+        if any(k == "buffer" for k in ckpt.kind.values()):
+            warnings.warn(f"{where} was saved without its model's layout (by an older cube, or from a module "
+                          f"whose compile was not the latest): which buffers are persistent is unknown, so all "
+                          f"are merged; pass model= to leave out its non-persistent buffers", stacklevel=3)
+        return [n for names in ckpt.names.values() for n in names]
+    missing = [n for n in ckpt.layout["state_dict"] if n not in ckpt.alias]
+    if missing:
+        raise ValueError(f"{where} holds no piece of {missing[:5]} ({len(missing)} tensor(s) of the model's state "
+                         f"dict): no rank of the plan held them (a tensor the step never reads?); merge with "
+                         f"model= and strict=False loading, or save from a plan that holds them")
+    return list(ckpt.layout["state_dict"])
+
+
+def _match_model(model: torch.nn.Module, ckpt: _Checkpoint) -> List[str]:
+    """``model.state_dict()`` names, checked against the checkpoint's names and shapes."""
     expected = model.state_dict()
     for name, t in expected.items():
-        if name not in state:
+        if name not in ckpt.alias:
             raise ValueError(f"checkpoint {str(ckpt.folder)!r} (model {ckpt.model}) has no tensor {name!r} that "
                              f"{type(model).__name__} has: it was saved from another model")
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"{name!r} has shape {list(state[name].shape)} in checkpoint {str(ckpt.folder)!r} but "
+        shape = ckpt.shapes[ckpt.alias[name]]
+        if shape != tuple(t.shape):
+            raise ValueError(f"{name!r} has shape {list(shape)} in checkpoint {str(ckpt.folder)!r} but "
                              f"{list(t.shape)} in {type(model).__name__}: it was saved from another model")
     transient = {n for n, _ in model.named_buffers(remove_duplicate=False)} - set(expected)
-    for name in state:
+    for name in ckpt.alias:
         if name not in expected and name not in transient:
             raise ValueError(f"checkpoint {str(ckpt.folder)!r} holds {name!r}, which {type(model).__name__} does not "
                              f"have: it was saved from another model")
-    return {name: state[name] for name in expected}
+    return list(expected)
+
+
+def _write_hf(ckpt: _Checkpoint, names: List[str], out: Path, strip_prefix: str, max_bytes: int) -> Path:
+    """Writes ``names`` as Hugging Face sharded safetensors under ``out``; returns the index path.
+
+    Every shard is written by ``safetensors_file.write``, which takes each
+    tensor from ``ckpt.full`` only when it reaches it, writes its bytes and drops
+    it (the ``safetensors`` package would need a whole shard in memory).
+    """
+    entries = []
+    for n in names:
+        if not n.startswith(strip_prefix) or n == strip_prefix:
+            raise ValueError(f"tensor {n!r} does not start with strip_prefix={strip_prefix!r}; pass the prefix "
+                             f"every state dict name starts with (e.g. 'model.' for a wrapper's self.model), or ''")
+        c = ckpt.alias[n]
+        entries.append(sfile.Entry(n[len(strip_prefix):], ckpt.dtype(c), ckpt.shapes[c],
+                                   lambda c=c: ckpt.full(c)))
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "model.safetensors").exists():
+        raise ValueError(f"{str(out / 'model.safetensors')!r} exists, and from_pretrained would read it instead of "
+                         f"{INDEX}; remove it or merge into another directory")
+    shards = sfile.plan_shards(entries, max_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(files, shards):
+        atomic_write(out / fname, lambda f, shard=shard: sfile.write(f, shard, {"format": "pt"}))
+        weight_map.update({e.name: fname for e in shard})
+    index = {"metadata": {"total_size": sum(e.nbytes for e in entries)},
+             "weight_map": dict(sorted(weight_map.items()))}
+    atomic_write(out / INDEX, lambda f: f.write(json.dumps(index, indent=2).encode()))
+    for stale in out.iterdir():   # shards of an earlier merge into this directory
+        if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", stale.name) and stale.name not in files:
+            stale.unlink()
+    return out / INDEX
 
 
 def _merge_orders(orders: Sequence[List[str]]) -> List[str]:
