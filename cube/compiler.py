@@ -19,6 +19,7 @@ from cube.codegen import generate, generate_all
 from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import device as rt_device
+from cube.runtime import materialize
 from cube.runtime import profile as rt_profile
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
@@ -189,11 +190,15 @@ class CompiledStep:
         atomic_write(self.path, lambda f: f.write(source.encode()))
 
     # ------------------------------------------------------------------ public
-    def load_model(self) -> torch.nn.Module:
-        """This rank's generated module, holding its pieces of the model's current values."""
-        model = self.module.GenModel(self.env.device)
-        model.load_from(self.user_model, self.consts)
-        return model
+    def load_model(self, init: Optional[Callable] = None, weights=None, rename: Optional[Callable] = None,
+                   strict: bool = True) -> torch.nn.Module:
+        """This rank's generated module, holding its pieces of the model (see ``cube.load_model``)."""
+        if init is None and weights is None and not _holds_meta(self.user_model):
+            model = self.module.GenModel(self.env.device)
+            model.load_from(self.user_model, self.consts)
+            return model
+        return materialize.load(lambda: self.module.GenModel(self.env.device), self.user_model, self.consts,
+                                init=init, weights=weights, rename=rename, strict=strict)
 
     def __call__(self, model, dataloader):
         if not isinstance(model, self.module.GenModel):
@@ -207,6 +212,10 @@ class CompiledStep:
     @property
     def source(self) -> str:
         return self.path.read_text()
+
+
+def _holds_meta(model: torch.nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
 
 
 def _plan_summary(cls, path: Path) -> str:
@@ -325,11 +334,39 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
     return decorator
 
 
-def load_model(step: Optional[CompiledStep] = None) -> torch.nn.Module:
-    """This rank's generated module for ``step`` (default: the latest compile)."""
+def load_model(step: Optional[CompiledStep] = None, *, init: Optional[Callable] = None,
+               weights: Optional[Union[str, os.PathLike]] = None, rename: Optional[Callable] = None,
+               strict: bool = True) -> torch.nn.Module:
+    """This rank's generated module for ``step`` (default: the latest compile), holding only its pieces.
+
+    Without ``init`` and ``weights`` the pieces are copied from the compiled
+    model's current values. For a model built on the meta device (or to replace
+    its values) see ``cube.runtime.materialize``: no rank ever holds more than
+    one module of the full model at a time, and every rank raises the same error.
+
+    Args:
+        step: a compiled step (default: the latest ``cube.compile``).
+        init: called on every module in ``model.apply`` order after its own
+            parameters and buffers are made at full size on CPU; the result
+            equals ``model.to_empty(device="cpu"); model.apply(init)`` on one
+            device from the same random state. It may touch only the module's own
+            tensors. Without it, meta tensors of modules with ``reset_parameters()``
+            are initialized by that.
+        weights: a safetensors file, a directory of sharded safetensors with its
+            ``*.index.json`` (Hugging Face layout), a ``torch.save``d state dict or
+            a cube checkpoint directory; names are the compiled model's
+            ``state_dict()`` names. Tensors it lacks (non-persistent buffers) come
+            from ``init``, which then runs only on modules holding such tensors.
+        rename: maps a name in the weights file to the model's name (None skips it).
+        strict: False allows tensors missing from or unexpected in the file.
+
+    Raises:
+        ValueError: missing, unexpected or mis-shaped tensors in ``weights``; a meta
+            tensor nothing gives a value; ``init`` touched another module's tensors.
+    """
     if step is None:
         if not _last_step:
             raise ValueError("cube.load_model(): nothing was compiled yet; decorate the training step "
                              "with @cube.compile(model, dataloader, PAS=...) first")
         step = _last_step[0]
-    return step.load_model()
+    return step.load_model(init=init, weights=weights, rename=rename, strict=strict)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 
@@ -36,18 +38,60 @@ def _user_frame(exc: BaseException) -> str:
     return found
 
 
+@contextmanager
+def _on_one_device(model: torch.nn.Module, args: tuple) -> Iterator[tuple]:
+    """Gives ``args`` on the model's device for tracing, whatever device the batch is on.
+
+    A model holding meta tensors (built under ``torch.device("meta")``) is traced
+    on the meta device: the batch becomes meta tensors of the same shapes, and a
+    model holding some meta and some real tensors has the real ones swapped for
+    meta stand-ins while it is exported (restored afterwards). Tracing only needs
+    shapes and dtypes, so no storage is allocated for the model.
+    """
+    tensors = [(m, store, k, t) for m in model.modules() for store in (m._parameters, m._buffers)
+               for k, t in store.items() if t is not None]
+    devices = {t.device for *_, t in tensors}
+    if not devices:
+        yield args
+        return
+    if any(d.type == "meta" for d in devices):
+        stand_in = {}
+        for _, store, k, t in tensors:
+            if t.device.type != "meta":
+                if id(t) not in stand_in:
+                    meta = torch.empty_like(t, device="meta")
+                    if isinstance(t, torch.nn.Parameter):
+                        meta = torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+                    stand_in[id(t)] = meta
+                store[k] = stand_in[id(t)]
+        try:
+            yield tuple(torch.empty_like(a, device="meta") if isinstance(a, torch.Tensor) else a for a in args)
+        finally:
+            for _, store, k, t in tensors:
+                store[k] = t
+        return
+    device = next(iter(devices))
+    if len(devices) == 1:
+        args = tuple(a.to(device) if isinstance(a, torch.Tensor) and a.device != device else a for a in args)
+    yield args
+
+
 def export(model: torch.nn.Module, args: tuple) -> "torch.export.ExportedProgram":
     """Exports ``model(*args)`` to ATen training IR (a long stack of identical blocks is
     exported once and repeated: ``cube.trace.repeat``).
+
+    A model on the meta device is traced on it, whatever device ``args`` are on
+    (``_on_one_device``); a batch on another device than a real model's is moved there.
 
     Raises:
         TraceError: export failed; the message holds the model's location, the
             line of the model it failed on and the exporter's own message.
     """
-    def whole():
-        return torch.export.export(model, tuple(args), strict=False)
     try:
-        return export_repeated(model, whole) or whole()
+        with _on_one_device(model, tuple(args)) as traced_args:
+            def whole():
+                return torch.export.export(model, traced_args, strict=False)
+            return export_repeated(model, whole) or whole()
     except Exception as e:  # any failure of export becomes one clear error
         where = _user_frame(e)
         first = str(e).strip().splitlines()

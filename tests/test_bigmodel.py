@@ -1,0 +1,205 @@
+"""Models that do not fit one device: compile on the meta device, ``load_model(init=, weights=)``.
+
+Every case compares with the single-device procedure: ``model.to_empty(device="cpu");
+model.apply(init)`` from the same seed (exactly, piece by piece, right after
+loading), then AdamW steps (losses and parameters within 1e-5).
+"""
+import functools
+
+import pytest
+import safetensors.torch
+import torch
+import torch.nn as nn
+
+import cube
+import cube.debug
+from cube.runtime import piece
+from policies.data import PASData
+from tests.launch import ROOT, torchrun
+from tests.models import build, hf_llama
+from tests.workers import bigmodel_worker as worker
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(nmicros: int, seed: int = worker.SEED) -> dict:
+    return worker.reference(nmicros, seed)
+
+
+def _check(results, nranks):
+    assert len(results) == nranks
+    for r in results:
+        assert r["unequal_after_load"] == [], r
+        assert r["materialized"] == [], r   # the user's model stays on the meta device
+        assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+
+
+def _save_hf(state: dict, folder) -> None:
+    model = hf_llama()
+    model.load_state_dict(state)
+    model.model.save_pretrained(folder, max_shard_size="20KB")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("bigmodel_cache"))
+
+
+# ---------------------------------------------------------------------- parity on 4 ranks
+@pytest.mark.parametrize("policy", ["megatron", "hybrid"])
+def test_init_equals_single_device_init_and_training(policy, cache):
+    ref = _reference(worker.policy(policy)[1])
+    _check(cube.debug.run(lambda: worker.rank_run(policy, "init", ref, cache), 4), 4)
+
+
+def test_weights_from_hf_sharded_directory(tmp_path, cache):
+    ref = _reference(worker.policy("megatron")[1], seed=11)   # not the seed load_model's init runs from
+    _save_hf(ref["state"], tmp_path / "hf")
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) >= 2
+    assert list((tmp_path / "hf").glob("*.index.json"))
+    source = str(tmp_path / "hf")
+    _check(cube.debug.run(lambda: worker.rank_run("megatron", source, ref, cache), 4), 4)
+
+
+def test_weights_from_torch_save_file(tmp_path, cache):
+    ref = _reference(worker.policy("hybrid")[1], seed=11)
+    torch.save(ref["state"], tmp_path / "state.pt")
+    source = str(tmp_path / "state.pt")
+    _check(cube.debug.run(lambda: worker.rank_run("hybrid", source, ref, cache), 4), 4)
+
+
+@pytest.mark.multirank
+def test_init_under_torchrun(tmp_path):
+    import json
+    torchrun(ROOT / "tests" / "workers" / "bigmodel_worker.py", 4, ["hybrid", "init", tmp_path])
+    _check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)], 4)
+
+
+# ---------------------------------------------------------------------- one rank: sources and errors
+def _meta_llama():
+    with torch.device("meta"):
+        return hf_llama()
+
+
+def _compile(model, cache, batch=None):
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = batch or (ids, ids.clone())
+
+    @cube.compile(model, iter([batch]), PAS=PASData, cache_dir=cache)
+    def train_iter(model, dataloader):
+        data = next(dataloader)
+        loss = model(*data)
+        loss.backward()
+        return loss
+    return train_iter
+
+
+def _pieces_equal(gen, full: dict) -> list:
+    tables = {**gen.PARAMS, **gen.BUFFERS}
+    return [tables[k][0][0] for k, t in list(gen.named_parameters()) + list(gen.named_buffers())
+            if not torch.equal(t, piece(full[tables[k][0][0]], tables[k][1]))]
+
+
+def test_compile_of_a_meta_model_traces_a_cpu_batch_without_storage(cache):
+    model, (ids, labels) = build("gpt_nobias")
+    with torch.device("meta"):
+        meta, _ = build("gpt_nobias")
+    step = _compile(meta, cache, (ids, labels))
+    assert all(p.is_meta for p in meta.parameters())
+    assert step.module.GenModel.PARAMS.keys() == _compile(model, cache, (ids, labels)).module.GenModel.PARAMS.keys()
+
+
+def test_plain_torch_module_default_reset_parameters_and_init(cache):
+    """A meta model of torch modules: reset_parameters() by default; init= as apply(init)."""
+    with torch.device("meta"):
+        meta, (x,) = build("mlp")
+    _, (x,) = build("mlp")
+    step = _compile(meta, cache, (x,))
+    for init in (None, lambda m: [nn.init.uniform_(p, -0.1, 0.3) for p in m.parameters(recurse=False)]):
+        with torch.device("meta"):
+            ref, _ = build("mlp")
+        ref.to_empty(device="cpu")
+        torch.manual_seed(5)
+        ref.apply(init or (lambda m: m.reset_parameters() if hasattr(m, "reset_parameters") else None))
+        torch.manual_seed(5)
+        gen = cube.load_model(step, init=init)
+        assert _pieces_equal(gen, dict(ref.named_parameters())) == []
+
+
+def test_weights_safetensors_file_and_cube_checkpoint(tmp_path, cache):
+    step = _compile(_meta_llama(), cache)
+    ref = _reference(1, seed=11)
+    safetensors.torch.save_file(ref["state"], str(tmp_path / "w.safetensors"))
+    gen = cube.load_model(step, weights=tmp_path / "w.safetensors", init=step.user_model.model._init_weights)
+    assert _pieces_equal(gen, ref["initial"]) == []
+    cube.save_checkpoint(tmp_path / "ckpt", gen)
+    again = cube.load_model(step, weights=tmp_path / "ckpt")
+    assert _pieces_equal(again, ref["initial"]) == []
+
+
+def test_init_touching_another_modules_tensor_is_an_error(cache):
+    model = _meta_llama()
+    step = _compile(model, cache)
+
+    def init(m):
+        model.model._init_weights(m)
+        if type(m).__name__ == "LlamaRMSNorm":
+            nn.init.zeros_(model.model.lm_head.weight)
+
+    with pytest.raises(ValueError, match=r"init\(model.model.layers.0.input_layernorm \(LlamaRMSNorm\)\) touched "
+                                         r"model.lm_head.weight, a tensor of another module \(aten.zero_"):
+        cube.load_model(step, init=init)
+    assert all(p.is_meta for p in model.parameters())   # the model is left as it was
+
+    def assigns(m):
+        model.model._init_weights(m)
+        if type(m).__name__ == "LlamaRotaryEmbedding":
+            model.model.lm_head.weight = nn.Parameter(torch.zeros(128, 32))
+
+    with pytest.raises(ValueError, match=r"init\(model.model.rotary_emb \(LlamaRotaryEmbedding\)\) touched "
+                                         r"Linear.weight.*assigned"):
+        cube.load_model(step, init=assigns)
+
+
+def test_weights_file_problems_are_one_error_listing_them(tmp_path, cache):
+    step = _compile(_meta_llama(), cache)
+    state = dict(_reference(1)["state"])
+    state.pop("model.lm_head.weight")
+    state["model.model.norm.weight"] = torch.ones(7)
+    state["model.extra"] = torch.ones(2)
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(ValueError) as err:
+        cube.load_model(step, weights=tmp_path / "bad.pt", init=step.user_model.model._init_weights)
+    msg = str(err.value)
+    assert "missing from the file (1): model.lm_head.weight" in msg
+    assert "not in the model (1): model.extra" in msg
+    assert "shapes differ (1): model.model.norm.weight (file [7], model [32])" in msg
+    state["model.model.norm.weight"] = torch.ones(32)
+    torch.save(state, tmp_path / "partial.pt")
+    gen = cube.load_model(step, weights=tmp_path / "partial.pt", init=step.user_model.model._init_weights,
+                          strict=False)   # lm_head.weight comes from init
+    assert torch.equal(gen.state_dict()[next(k for k, v in gen.PARAMS.items() if v[0][0].endswith("norm.weight")
+                                             and v[0][0].startswith("model.model.norm"))], torch.ones(32))
+
+
+def test_meta_model_without_init_or_weights_names_the_tensors(cache):
+    step = _compile(_meta_llama(), cache)
+    with pytest.raises(ValueError, match=r"on the meta device and nothing gives them values: "
+                                         r"model.model.layers.0.input_layernorm.weight \(in .*LlamaRMSNorm\).*"
+                                         r"model.model.rotary_emb.inv_freq.*Fix: pass init=fn"):
+        cube.load_model(step)
+
+
+def test_errors_are_the_same_on_every_rank(tmp_path, cache):
+    torch.save({"model.extra": torch.ones(2)}, tmp_path / "bad.pt")
+
+    def rank():
+        step = _compile(_meta_llama(), cache)
+        try:
+            cube.load_model(step, weights=tmp_path / "bad.pt")
+        except ValueError as e:
+            return str(e)
+        return None
+
+    messages = cube.debug.run(rank, 2)
+    assert messages[0] and messages[0] == messages[1] and "missing from the file (" in messages[0]
