@@ -2,6 +2,7 @@
 
     python -m tests.fuzz --plans 2000 [--models mlp gpt_nobias ...] [--seed S] [--jobs J]
     python -m tests.fuzz --repro MODEL:SEED      # one plan, in this process, printed in full
+    python -m tests.fuzz --shrink MODEL:SEED     # the smallest plan failing the same way, as a literal
 
 Plans are spread over the models in turn (model ``k`` of ``m`` gets seeds
 ``S + k``, ``S + k + m``, ...), each run by a worker process under a time
@@ -35,7 +36,10 @@ def main(argv=None) -> int:
     parser.add_argument("--limit", type=float, default=240.0, help="seconds per plan before it is a hang")
     parser.add_argument("--json", type=Path, help="write every result to this file")
     parser.add_argument("--repro", help="MODEL:SEED: run one plan here and print it")
+    parser.add_argument("--shrink", help="MODEL:SEED: shrink a failing plan, print the smallest as a literal")
     args = parser.parse_args(argv)
+    if args.shrink:
+        return _shrink(args.shrink, args.limit)
     if args.repro:
         from tests.fuzz.oracle import run
         model, seed = args.repro.rsplit(":", 1)
@@ -62,6 +66,26 @@ def main(argv=None) -> int:
     if bad:
         print("\nwrong / crash / hang (rerun each with the command below it):\n" + bad)
     return int(bool(bad))
+
+
+def _shrink(spec: str, limit: float) -> int:
+    from tests.fuzz.plan import parse
+    from tests.fuzz.pool import Worker
+    from tests.fuzz.shrink import shrink
+    model, seed = spec.rsplit(":", 1)
+    worker = Worker()
+    first = worker.ask({"model": model, "seed": int(seed)}, limit)
+    worker.stop()
+    if first["outcome"] not in FAILURES or not first.get("literal"):
+        print(f"{spec}: {first['outcome']} [{first['category']}]; nothing to shrink")
+        return 0
+    plan = shrink(model, parse(first["literal"]), first["outcome"], limit, log=print)
+    worker = Worker()
+    last = worker.ask({"model": model, "plan": plan.literal()}, limit)
+    worker.stop()
+    print(f"\n{spec}: {first['outcome']} [{first['category']}] shrinks to:\n{plan.literal()}\n\n{last['plan']}"
+          f"\n\n{last['detail']}")
+    return 1
 
 
 if __name__ == "__main__":

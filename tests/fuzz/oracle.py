@@ -62,6 +62,7 @@ class Result:
     detail: str = ""
     plan: str = ""
     seconds: float = 0.0
+    literal: str = ""   # Plan.literal() of the plan run ("" when it was never drawn)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +109,7 @@ def run(model_name: str, seed: Optional[int] = None, plan: Optional[Plan] = None
     policy = FuzzPolicy(model_name, 0 if seed is None else seed, plan)
     res = _judge(model_name, policy)
     res.seed, res.plan = seed, policy.text or policy.plan.describe()
+    res.literal = policy.plan.literal() if policy.filled else ""
     res.seconds = round(time.perf_counter() - start, 2)
     return res
 

@@ -162,3 +162,8 @@ def apply(plan: Plan, graph) -> None:
     elif plan.schedule is not None:
         raise AssertionError(f"plan error: unknown schedule {plan.schedule!r}")
 
+
+
+def parse(source: str) -> Plan:
+    """The plan that ``Plan.literal()`` wrote as ``source``."""
+    return eval(source, {"__builtins__": {}}, {"Plan": Plan, "Place": Place})   # our own literal only

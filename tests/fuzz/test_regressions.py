@@ -1,0 +1,65 @@
+"""Every wrong, crash or hang the plan fuzzer found, kept as a named test.
+
+Each test runs one plan, from (model, seed) or an explicit shrunk plan
+(``python -m tests.fuzz --shrink MODEL:SEED`` prints it), in a worker process
+under a time limit, and asserts it trains exactly like the plain model. Bugs
+in cube not fixed yet are strict xfails naming the bug: a fix turns them into
+unexpected passes, and then the mark (and the entry in ``tests.fuzz.known``)
+goes.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests.fuzz.known import KNOWN, PER_STAGE_REPLICATION, THREADWORLD_P2POP
+from tests.fuzz.plan import Place, Plan
+from tests.fuzz.pool import Worker
+
+LIMIT = 180.0
+
+# mlp seed 33 shrunk: stage 0 on device 0, stage 1 replicated on devices 1..3
+REPLICATED_LATER_STAGE = Plan(
+    ndev=4, schedule="1f1b", nmicros=1, groups=((0,), (1, 2, 3)), cuts=(0, 2), base=("rep", "rep"),
+    data=(Place((0,)), Place((1, 2, 3), ((None, None, 3),))))
+
+# mlp seed 1036 shrunk: the square split by features, the sum by batch (all-to-all between them)
+SPLIT_DIM_CHANGE = Plan(
+    ndev=2, groups=((1, 0),), base=("rep",), data=(Place((0, 1), ((None, None, 2),)),),
+    ops={4: Place((0, 1), ((0, 1, 2),)), 5: Place((0, 1), ((0, 0, 2),))})
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = Worker()
+    yield w
+    w.stop()
+
+
+def _exact(worker: Worker, model: str, seed=None, plan: Plan = None) -> None:
+    req = {"model": model, "seed": seed} if plan is None else {"model": model, "plan": plan.literal()}
+    res = worker.ask(req, LIMIT)
+    assert res["outcome"] == "exact", f"{res['outcome']} [{res['category']}]\n{res['plan']}\n{res['detail']}"
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=PER_STAGE_REPLICATION)
+def test_replicated_later_stage_keeps_earlier_stage_gradients(worker):
+    _exact(worker, "mlp", plan=REPLICATED_LATER_STAGE)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 33)])
+def test_mlp_seed_33(worker):
+    _exact(worker, "mlp", seed=33)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
+def test_split_dim_change_runs_in_the_in_process_world(worker):
+    _exact(worker, "mlp", plan=SPLIT_DIM_CHANGE)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
+def test_mlp_seed_1036(worker):
+    _exact(worker, "mlp", seed=1036)
