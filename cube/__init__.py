@@ -5,6 +5,7 @@ functions ``save_checkpoint``/``merge_checkpoint``/``load_checkpoint``, and the
 ``ir``, ``runtime`` and ``schedule`` subpackages a policy or training script uses.
 """
 from cube import ir, runtime, schedule
+import cube.runtime.data  # noqa: F401  (cube.runtime.data: a rank's part of the batch)
 from cube.compiler import CompiledStep, compile, load_model
 from cube.runtime.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from cube.codegen.report import explain

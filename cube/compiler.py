@@ -18,6 +18,7 @@ from cube import config
 from cube.codegen import generate, generate_all
 from cube.passes import check_graph
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
+from cube.runtime import data as rt_data
 from cube.runtime import device as rt_device
 from cube.runtime import materialize
 from cube.runtime import profile as rt_profile
@@ -157,6 +158,9 @@ class CompiledStep:
             self._compile(sample)
         with _phase("load", self.timings):
             self.module = _load_source(self.path, f"cube_gen_{self.key[:16]}_rank{self.env.rank}")
+        self.part = rt_data.read_part(self.path)
+        # a rank whose ops read no batch tensor takes no batches after compile's first read
+        self._placeholders = None if self.part.reads else rt_data.Placeholders(sample, self.structure)
         if self.env.rank == 0:
             log.info("cube: %s plan %s for %s (world %d): %s", "reused" if self.cache_hit else "compiled",
                      self.key[:12], type(model).__name__, self.env.world_size, _format_phases(self.timings))
@@ -206,8 +210,13 @@ class CompiledStep:
                             f"{type(model).__name__}: call `model = cube.load_model()` after compiling "
                             f"and pass that model to the step")
         step, self.steps_run = self.steps_run, self.steps_run + 1
+        if self._placeholders is not None:
+            self.batches.pending = False   # compile's batch is not needed on this rank either
+            batches = self._placeholders
+        else:
+            batches = self.batches.take(dataloader)
         with rt_profile.record(self.env.rank, step):   # CUBE_PROFILE: a trace file of this step
-            return self.module.train_step(model, self.batches.take(dataloader))
+            return self.module.train_step(model, batches)
 
     @property
     def source(self) -> str:

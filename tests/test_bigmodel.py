@@ -25,9 +25,13 @@ def _reference(nmicros: int, seed: int = worker.SEED) -> dict:
     return worker.reference(nmicros, seed)
 
 
-def _check(results, nranks):
+def _check(results, nranks, policy=None):
     assert len(results) == nranks
     for r in results:
+        if policy == "hybrid":   # dp2 x tp2: device 2i + j holds batch part i
+            assert r["part"] == [True, r["rank"] // 2, 2, 1], r
+        elif policy == "megatron":   # tp2 x pp2: every rank reads a batch tensor, 2 micro-batches
+            assert r["part"] == [True, 0, 1, 2], r
         assert r["unequal_after_load"] == [], r
         assert r["materialized"] == [], r   # the user's model stays on the meta device
         assert r["loss_err"] <= 1e-5 and r["param_err"] <= 1e-5, r
@@ -49,7 +53,7 @@ def cache(tmp_path_factory):
 @pytest.mark.parametrize("policy", ["megatron", "hybrid"])
 def test_init_equals_single_device_init_and_training(policy, cache):
     ref = _reference(worker.policy(policy)[1])
-    _check(cube.debug.run(lambda: worker.rank_run(policy, "init", ref, cache), 4), 4)
+    _check(cube.debug.run(lambda: worker.rank_run(policy, "init", ref, cache), 4), 4, policy)
 
 
 def test_weights_from_hf_sharded_directory(tmp_path, cache):
@@ -72,7 +76,7 @@ def test_weights_from_torch_save_file(tmp_path, cache):
 def test_init_under_torchrun(tmp_path):
     import json
     torchrun(ROOT / "tests" / "workers" / "bigmodel_worker.py", 4, ["hybrid", "init", tmp_path])
-    _check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)], 4)
+    _check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)], 4, "hybrid")
 
 
 # ---------------------------------------------------------------------- one rank: sources and errors
@@ -203,3 +207,50 @@ def test_errors_are_the_same_on_every_rank(tmp_path, cache):
 
     messages = cube.debug.run(rank, 2)
     assert messages[0] and messages[0] == messages[1] and "missing from the file (" in messages[0]
+
+
+# ---------------------------------------------------------------------- ranks read only their data
+class _Counting:
+    """An iterator of batches that counts the calls of next()."""
+
+    def __init__(self, items):
+        self.items, self.calls = iter(items), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.calls += 1
+        return next(self.items)
+
+
+def test_middle_pipeline_stages_never_take_a_batch(cache):
+    from policies.megatron3d import PASMegatron
+    gen = torch.Generator().manual_seed(1)
+    data = []
+    for _ in range(6):
+        ids = torch.randint(0, 128, (4, 16), generator=gen)
+        data.append((ids, torch.roll(ids, -1, dims=1)))
+    model, _ = build("gpt4_nobias")
+    ref = [torch.stack([model(*b) for b in data[2 * i:2 * i + 2]]).mean().item() for i in range(3)]
+
+    def rank():
+        model, _ = build("gpt4_nobias")
+        loader = _Counting(data)
+
+        @cube.compile(model, loader, PAS=functools.partial(PASMegatron, tp=1, pp=4, nmicros=2), cache_dir=cache)
+        def train_iter(model, dataloader):
+            batch = next(dataloader)
+            loss = model(*batch)
+            loss.backward()
+            return loss
+        cmodel = cube.load_model()
+        losses = [train_iter(cmodel, loader).item() for _ in range(3)]
+        return loader.calls, losses, cube.runtime.data.part()
+
+    out = cube.debug.run(rank, 4)
+    assert [calls for calls, _, _ in out] == [6, 1, 1, 6]   # stages 1 and 2 only had compile's read
+    assert [p.reads for _, _, p in out] == [True, False, False, True]
+    assert out[0][2].items == ([], None) and out[3][2].items == (None, [])   # ids first, targets last
+    for _, losses, _ in out:
+        assert losses == pytest.approx(ref, rel=1e-6)

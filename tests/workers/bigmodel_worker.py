@@ -115,7 +115,9 @@ def rank_run(policy_name: str, source: str, ref: dict, cache_dir: str) -> dict:
         param_err = max(param_err, rel(p, piece(ref["final"][names[0]], splits)))
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
     env = cube.init()
+    part = cube.runtime.data.part()
     return {"rank": env.rank, "world": env.world_size, "unequal_after_load": unequal, "materialized": still_meta,
+            "part": [part.reads, part.dp_rank, part.dp_size, part.nmicros],
             "held": len(tables), "loss_err": loss_err, "param_err": param_err, "losses": losses}
 
 

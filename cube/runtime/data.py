@@ -1,0 +1,106 @@
+"""Which part of the global batch a rank consumes: ``cube.runtime.data.part()``.
+
+The answer is read from the rank's generated program (the data of the plan,
+the same whether it was just compiled or came from the cache): the batch
+tensors its ops read, the piece of each that its forward keeps
+(``runtime.piece(x, [(dim, start, stop)])``), and the micro-batches a step takes.
+
+A rank none of whose ops reads a batch tensor (a middle pipeline stage) needs
+no data: after compile's first read the compiled step never calls ``next()``
+on its dataloader, and feeds the schedule placeholders of the traced shapes.
+"""
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchPart:
+    """This rank's part of each global batch.
+
+    Attributes:
+        reads: whether any op of this rank reads a batch tensor; when False the
+            compiled step never takes a batch from the dataloader.
+        items: per batch tensor, the piece this rank keeps as ``[(dim, start, stop)]``
+            (``[]``: all of it), or None when the rank does not read it.
+        shapes: the global shape of each batch tensor.
+        dp_rank, dp_size: this rank's slice of the batch dim: the global batch
+            is cut into ``dp_size`` equal parts along dim 0 and the rank reads
+            part ``dp_rank`` (0 and 1 when it reads the whole batch or none).
+        nmicros: batches one call of the compiled step takes.
+    """
+    reads: bool
+    items: Tuple[Optional[list], ...]
+    shapes: Tuple[tuple, ...]
+    dp_rank: int
+    dp_size: int
+    nmicros: int
+
+
+def part(step=None) -> BatchPart:
+    """This rank's part of the global batch under ``step`` (default: the latest ``cube.compile``).
+
+    Raises:
+        ValueError: nothing was compiled yet.
+    """
+    if step is None:
+        from cube.compiler import _last_step
+        if not _last_step:
+            raise ValueError("cube.runtime.data.part(): nothing was compiled yet; decorate the training step "
+                             "with @cube.compile(model, dataloader, PAS=...) first")
+        step = _last_step[0]
+    return read_part(Path(step.path))
+
+
+def read_part(path: Path) -> BatchPart:
+    """The ``BatchPart`` of the generated program at ``path``."""
+    tree = ast.parse(Path(path).read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenModel")
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    names = [a.arg for a in methods["forward"].args.args if a.arg not in ("self", "stage")]
+    bodies = [f for n, f in methods.items() if n.startswith("stage_")] or [methods["forward"]]
+    used = {n.id for f in bodies for n in ast.walk(f) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    pieces = {}
+    for f in bodies:
+        for node in ast.walk(f):
+            call = node.value if isinstance(node, ast.Assign) else None
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "piece"
+                    and call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in names):
+                pieces[call.args[0].id] = [tuple(s) for s in ast.literal_eval(call.args[1])]
+    step_fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    shapes, nmicros = (), 1
+    for node in ast.walk(step_fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "next_batch":
+            shapes = tuple(tuple(s) for s in ast.literal_eval(node.args[2]))
+        if isinstance(node, ast.comprehension) and isinstance(node.iter, ast.Call) and \
+                getattr(node.iter.func, "id", None) == "range":
+            nmicros = ast.literal_eval(node.iter.args[0])
+    items = tuple(pieces.get(n, []) if n in used else None for n in names)
+    dp_rank, dp_size = 0, 1
+    for item, shape in zip(items, shapes):
+        cut = [s for s in (item or []) if s[0] == 0]
+        if cut:
+            _, start, stop = cut[0]
+            dp_size, dp_rank = shape[0] // (stop - start), start // (stop - start)
+            break
+    return BatchPart(any(i is not None for i in items), items, shapes, dp_rank, dp_size, nmicros)
+
+
+class Placeholders:
+    """Endless batches of zeros of the traced shapes and dtypes: what a rank that reads no batch
+    tensor hands its schedule instead of taking batches from the dataloader."""
+
+    def __init__(self, sample: Sequence[torch.Tensor], structure: str):
+        self.batch: List[torch.Tensor] = [torch.zeros(t.shape, dtype=t.dtype) for t in sample]
+        self.structure = structure
+
+    def __iter__(self) -> Iterator:
+        return self
+
+    def __next__(self):
+        return self.batch[0] if self.structure == "tensor" else tuple(self.batch)
