@@ -307,6 +307,15 @@ def test_corrupt_file_is_named(saved, tmp_path):
     (ckpt / "rank0.pt").write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"rank0\.pt' is corrupt"):
         cube.load_checkpoint(ckpt, gen)
+    shutil.rmtree(ckpt)
+    ckpt = _copy(saved, tmp_path)
+    with open(ckpt / "rank0.safetensors", "r+b") as f:   # a tensor's byte: read only when merged, but checked
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    with pytest.raises(ValueError, match=r"rank0\.safetensors' is corrupt"):
+        merge_checkpoint(ckpt, out=tmp_path / "hf")
     (ckpt / "meta.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"meta\.json' is corrupt"):
         merge_checkpoint(ckpt)
