@@ -176,7 +176,8 @@ def _layout_of(user: torch.nn.Module) -> dict:
     for prefix, mod in user.named_modules(remove_duplicate=False):
         dot = prefix + "." if prefix else ""
         state += [dot + n for n, t in mod._parameters.items() if t is not None]
-        state += [dot + n for n, t in mod._buffers.items() if t is not None and n not in mod._non_persistent_buffers_set]
+        state += [dot + n for n, t in mod._buffers.items()
+                  if t is not None and n not in mod._non_persistent_buffers_set]
     return {"state_dict": state, "parameters": [n for n, _ in user.named_parameters()]}
 
 
