@@ -119,7 +119,15 @@ def test_plain_torch_module_default_reset_parameters_and_init(cache):
         meta, (x,) = build("mlp")
     _, (x,) = build("mlp")
     step = _compile(meta, cache, (x,))
-    for init in (None, lambda m: [nn.init.uniform_(p, -0.1, 0.3) for p in m.parameters(recurse=False)]):
+    beyond = []   # tensors materialized while init ran on a module that does not own them
+
+    def uniform(m):
+        own = {id(p) for p in m.parameters(recurse=False)}
+        beyond.extend(n for n, p in meta.named_parameters() if not p.is_meta and id(p) not in own)
+        for p in m.parameters(recurse=False):
+            nn.init.uniform_(p, -0.1, 0.3)
+
+    for init in (None, uniform):
         with torch.device("meta"):
             ref, _ = build("mlp")
         ref.to_empty(device="cpu")
@@ -128,6 +136,7 @@ def test_plain_torch_module_default_reset_parameters_and_init(cache):
         torch.manual_seed(5)
         gen = cube.load_model(step, init=init)
         assert _pieces_equal(gen, dict(ref.named_parameters())) == []
+    assert beyond == []   # the peak is one module
 
 
 def test_weights_safetensors_file_and_cube_checkpoint(tmp_path, cache):

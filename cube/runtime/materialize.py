@@ -205,10 +205,11 @@ def _visit(model: torch.nn.Module, tensors: Dict[int, _Tensor], fn: Callable, wh
 
         hooks = [nn_module.register_module_parameter_registration_hook(registered),
                  nn_module.register_module_buffer_registration_hook(registered)]
+        stand_of = {(id(store), k): (stand, orig) for store, k, stand, orig in entries}
         try:
             for path, m in visit_order(model):
                 if which(m):
-                    _visit_one(path, m, fn, tensors, guard, entries)
+                    _visit_one(path, m, fn, tensors, guard, stand_of)
         finally:
             for h in hooks:
                 h.remove()
@@ -219,8 +220,8 @@ def _visit(model: torch.nn.Module, tensors: Dict[int, _Tensor], fn: Callable, wh
 
 
 def _visit_one(path: str, m: torch.nn.Module, fn: Callable, tensors: Dict[int, _Tensor], guard: _Guard,
-               entries: list) -> None:
-    stand_of = {(id(store), k): (stand, orig) for store, k, stand, orig in entries}
+               stand_of: dict) -> None:
+    """Materializes ``m``'s own tensors, calls ``fn(m)``, keeps this rank's pieces, frees the rest."""
     own = [(store, k) + stand_of[(id(store), k)] for store, k, _ in _own(m)]
     fresh: Dict[int, torch.Tensor] = {}
     for store, k, stand, _ in own:   # to_empty: fresh storage on CPU, the same Parameter-ness
