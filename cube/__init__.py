@@ -3,6 +3,9 @@
 Public API: ``compile``, ``load_model``, ``init``, ``register_op``, the checkpoint
 functions ``save_checkpoint``/``merge_checkpoint``/``load_checkpoint``, and the
 ``ir``, ``runtime`` and ``schedule`` subpackages a policy or training script uses.
+A model built on the meta device compiles as it is and gets its values from
+``load_model(init=..., weights=...)`` (``cube.runtime.materialize``);
+``cube.runtime.data.part()`` tells a rank which part of the global batch it reads.
 """
 from cube import ir, runtime, schedule
 import cube.runtime.data  # noqa: F401  (cube.runtime.data: a rank's part of the batch)
