@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="worker processes running plans at once")
     parser.add_argument("--limit", type=float, default=240.0, help="seconds per plan before it is a hang")
-    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--json", type=Path, help="write every result to this file, one JSON line each as it comes")
     parser.add_argument("--repro", help="MODEL:SEED: run one plan here and print it")
     parser.add_argument("--shrink", help="MODEL:SEED: shrink a failing plan, print the smallest as a literal")
     args = parser.parse_args(argv)
@@ -50,16 +50,20 @@ def main(argv=None) -> int:
     start = time.monotonic()
     done = [0]
 
+    if args.json:
+        args.json.write_text("")
+
     def progress(res: dict) -> None:
         done[0] += 1
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps(res) + "\n")
         if res["outcome"] in FAILURES or done[0] % 25 == 0:
             print(f"[{done[0]}/{args.plans} {time.monotonic() - start:.0f}s] {res['model']} seed {res['seed']}: "
                   f"{res['outcome']} {res['category']}", flush=True)
 
     results = run_all(requests(args.models, args.plans, args.seed), jobs=args.jobs, limit=args.limit,
                       on_result=progress)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     print(f"\n{len(results)} plans in {time.monotonic() - start:.0f}s\n")
     print(table(results))
     bad = failures(results)

@@ -11,6 +11,10 @@ PER_STAGE_REPLICATION = ("a stage replicated on several devices after a stage on
                          "stage's parameter gradients come out wrong (the replicas' gradients of the value "
                          "sent back are summed instead of counted once)")
 
+REPLICA_GROUP_MISMATCH = ("a value made by an op replicated on some devices and read by ops replicated on more "
+                          "devices (no schedule): the producer's parameter gradients come out wrong on the device "
+                          "that sends the value to the extra reader (its gradient sent back is added on top)")
+
 THREADWORLD_P2POP = ("cube.debug's in-process world: collectives._all_to_all builds dist.P2POp(dist.isend, ...), "
                      "and torch's P2POp rejects the in-process isend (threadworld installs different wrappers "
                      "in torch.distributed and distributed_c10d, so `op in (isend, irecv)` fails): "
@@ -18,5 +22,8 @@ THREADWORLD_P2POP = ("cube.debug's in-process world: collectives._all_to_all bui
 
 KNOWN = {
     ("mlp", 33): PER_STAGE_REPLICATION,
+    ("mlp", 65): PER_STAGE_REPLICATION,
+    ("mlp", 69): REPLICA_GROUP_MISMATCH,
     ("mlp", 1036): THREADWORLD_P2POP,
+    ("gpt_nobias", 10): THREADWORLD_P2POP,
 }

@@ -17,20 +17,35 @@ from tests.fuzz.pool import Worker, run_all
 from tests.fuzz.report import FAILURES, failures, table
 
 FAST = [("mlp", s) for s in range(80)] + [("gpt_nobias", s) for s in range(30)]
+SLOW = [("hf_llama", s) for s in range(12)] + [("hf_t5", s) for s in range(12)]
 LIMIT = 120.0   # seconds per plan before it counts as a hang
 
 
-@pytest.mark.fuzz
-def test_fast_tier():
-    results = run_all([{"model": m, "seed": s} for m, s in FAST], jobs=2, limit=LIMIT)
+def _no_new_failures(plans, limit: float) -> list:
+    """Runs ``plans`` on two workers; fails on a wrong, crash or hang not in ``KNOWN``."""
+    results = run_all([{"model": m, "seed": s} for m, s in plans], jobs=2, limit=limit)
     print("\n" + table(results))
     known = [r for r in results if r["outcome"] in FAILURES and (r["model"], r["seed"]) in KNOWN]
     new = [r for r in results if r["outcome"] in FAILURES and (r["model"], r["seed"]) not in KNOWN]
     if known:
         print("known failures (strict xfail in test_regressions.py):\n" + failures(known))
-    assert len(results) == len(FAST) >= 100
-    assert sum(r["outcome"] == "exact" for r in results) >= len(FAST) // 4, table(results)
+    assert len(results) == len(plans)
     assert not new, "\n" + failures(new) + "\n\n" + "\n\n".join(r["plan"] + "\n" + r["detail"] for r in new)
+    return results
+
+
+@pytest.mark.fuzz
+def test_fast_tier():
+    results = _no_new_failures(FAST, LIMIT)
+    assert len(results) >= 100
+    assert sum(r["outcome"] == "exact" for r in results) >= len(FAST) // 4, table(results)
+
+
+@pytest.mark.fuzz
+@pytest.mark.fuzz_slow
+def test_hugging_face_models():
+    results = _no_new_failures(SLOW, 2 * LIMIT)
+    assert sum(r["outcome"] == "exact" for r in results) >= 1, table(results)
 
 
 def test_a_plan_is_a_function_of_model_and_seed():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fuzz.known import KNOWN, PER_STAGE_REPLICATION, THREADWORLD_P2POP
+from tests.fuzz.known import KNOWN, PER_STAGE_REPLICATION, REPLICA_GROUP_MISMATCH, THREADWORLD_P2POP
 from tests.fuzz.plan import Place, Plan
 from tests.fuzz.pool import Worker
 
@@ -21,6 +21,16 @@ LIMIT = 180.0
 REPLICATED_LATER_STAGE = Plan(
     ndev=4, schedule="1f1b", nmicros=1, groups=((0,), (1, 2, 3)), cuts=(0, 2), base=("rep", "rep"),
     data=(Place((0,)), Place((1, 2, 3), ((None, None, 3),))))
+
+# mlp seed 65 shrunk: three GPipe stages on [3], [0] and [2, 1] (the last replicated)
+REPLICATED_LAST_OF_THREE = Plan(
+    ndev=4, schedule="gpipe", nmicros=1, groups=((3,), (0,), (2, 1)), cuts=(0, 3, 5), base=("rep", "rep", "rep"),
+    data=(Place((3,)), Place((0,)), Place((1, 2), ((None, None, 2),))))
+
+# mlp seed 69 shrunk: no schedule; the first linear replicated on devices 1..3, the rest on all four
+NARROWER_PRODUCER = Plan(
+    ndev=4, groups=((0, 1, 2, 3),), base=("rep",), data=(Place((0, 1, 2, 3), ((None, None, 4),)),),
+    ops={0: Place((1, 2, 3), ((None, None, 3),))})
 
 # mlp seed 1036 shrunk: the square split by features, the sum by batch (all-to-all between them)
 SPLIT_DIM_CHANGE = Plan(
@@ -63,3 +73,33 @@ def test_split_dim_change_runs_in_the_in_process_world(worker):
 @pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
 def test_mlp_seed_1036(worker):
     _exact(worker, "mlp", seed=1036)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=PER_STAGE_REPLICATION)
+def test_replicated_last_of_three_gpipe_stages_keeps_earlier_gradients(worker):
+    _exact(worker, "mlp", plan=REPLICATED_LAST_OF_THREE)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 65)])
+def test_mlp_seed_65(worker):
+    _exact(worker, "mlp", seed=65)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=REPLICA_GROUP_MISMATCH)
+def test_value_replicated_on_fewer_devices_than_its_readers(worker):
+    _exact(worker, "mlp", plan=NARROWER_PRODUCER)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 69)])
+def test_mlp_seed_69(worker):
+    _exact(worker, "mlp", seed=69)
+
+
+@pytest.mark.fuzz
+@pytest.mark.xfail(strict=True, reason=KNOWN[("gpt_nobias", 10)])
+def test_gpt_nobias_seed_10(worker):
+    _exact(worker, "gpt_nobias", seed=10)
