@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fuzz.known import KNOWN, PER_STAGE_REPLICATION, REPLICA_GROUP_MISMATCH, THREADWORLD_P2POP
+from tests.fuzz.known import (KNOWN, PER_STAGE_REPLICATION, REPLICA_GROUP_MISMATCH, T5_DATA_PARALLEL,
+                              THREADWORLD_P2POP)
 from tests.fuzz.plan import Place, Plan
 from tests.fuzz.pool import Worker
 
@@ -31,6 +32,9 @@ REPLICATED_LAST_OF_THREE = Plan(
 NARROWER_PRODUCER = Plan(
     ndev=4, groups=((0, 1, 2, 3),), base=("rep",), data=(Place((0, 1, 2, 3), ((None, None, 4),)),),
     ops={0: Place((1, 2, 3), ((None, None, 3),))})
+
+# hf_t5 seed 1115 shrunk (and without its one-stage GPipe schedule): plain data parallel on two devices
+T5_BATCH_SPLIT = Plan(ndev=2, groups=((0, 1),), base=("dp",), data=(Place((0, 1), ((0, 0, 2),)),))
 
 # mlp seed 1036 shrunk: the square split by features, the sum by batch (all-to-all between them)
 SPLIT_DIM_CHANGE = Plan(
@@ -58,21 +62,9 @@ def test_replicated_later_stage_keeps_earlier_stage_gradients(worker):
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 33)])
-def test_mlp_seed_33(worker):
-    _exact(worker, "mlp", seed=33)
-
-
-@pytest.mark.fuzz
 @pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
 def test_split_dim_change_runs_in_the_in_process_world(worker):
     _exact(worker, "mlp", plan=SPLIT_DIM_CHANGE)
-
-
-@pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
-def test_mlp_seed_1036(worker):
-    _exact(worker, "mlp", seed=1036)
 
 
 @pytest.mark.fuzz
@@ -82,24 +74,25 @@ def test_replicated_last_of_three_gpipe_stages_keeps_earlier_gradients(worker):
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 65)])
-def test_mlp_seed_65(worker):
-    _exact(worker, "mlp", seed=65)
-
-
-@pytest.mark.fuzz
 @pytest.mark.xfail(strict=True, reason=REPLICA_GROUP_MISMATCH)
 def test_value_replicated_on_fewer_devices_than_its_readers(worker):
     _exact(worker, "mlp", plan=NARROWER_PRODUCER)
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=KNOWN[("mlp", 69)])
-def test_mlp_seed_69(worker):
-    _exact(worker, "mlp", seed=69)
+@pytest.mark.xfail(strict=True, reason=T5_DATA_PARALLEL)
+def test_t5_split_along_the_batch(worker):
+    _exact(worker, "hf_t5", plan=T5_BATCH_SPLIT)
 
 
-@pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=KNOWN[("gpt_nobias", 10)])
-def test_gpt_nobias_seed_10(worker):
-    _exact(worker, "gpt_nobias", seed=10)
+def _found(model: str, seed: int):
+    marks = [pytest.mark.fuzz, pytest.mark.xfail(strict=True, reason=KNOWN[(model, seed)])]
+    if model.startswith("hf_"):
+        marks.append(pytest.mark.fuzz_slow)
+    return pytest.param(model, seed, marks=marks, id=f"{model}-{seed}")
+
+
+@pytest.mark.parametrize("model,seed", [_found(m, s) for m, s in sorted(KNOWN)])
+def test_fuzzed_plan(worker, model, seed):
+    """Each plan the fuzzer found failing, from (model, seed) (``tests.fuzz.known`` says why)."""
+    _exact(worker, model, seed=seed)
