@@ -72,6 +72,34 @@ class SmallCNN(nn.Module):
         return F.cross_entropy(logits, labels)
 
 
+class WritesIntoViews(nn.Module):
+    """Tensors made with the batch's shape, then written through views of them: the decoder
+    input built the way encoder-decoder models shift labels right (``new_zeros`` then
+    slice and select writes), a float tensor written through slice, select and transposed
+    views (gradients flow through the writes), and an in-place add."""
+
+    def __init__(self, vocab=32, dim=16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.proj = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids, labels):
+        dec = labels.new_zeros(labels.shape)
+        dec[:, 1:] = labels[:, :-1].clone()
+        dec[:, 0] = 3
+        dec.masked_fill_(dec == -100, 0)
+        h = self.proj(self.emb(dec))
+        out = h.new_zeros(h.shape)
+        out[:, 1:] = h[:, :-1]
+        out[:, :, 0] += 1.0
+        t = out.transpose(1, 2)
+        t[:, 1] = t[:, 1] * 2.0
+        out.add_(self.emb(ids))
+        logits = self.head(torch.tanh(out))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
 class HFCausalLM(nn.Module):
     """Wraps a Hugging Face causal LM so forward returns the scalar loss."""
 
@@ -164,6 +192,8 @@ def build(name: str):
         model = hf_t5() if name == "hf_t5" else hf_bart()
         ids = torch.randint(0, 128, (4, 16))
         return model, (ids, torch.randint(0, 128, (4, 16)))
+    if name == "views":
+        return WritesIntoViews(), (torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8)))
     if name == "vit":
         return PatchViT(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     if name == "cnn":

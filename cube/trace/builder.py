@@ -12,6 +12,7 @@ import torch.fx
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
+from cube.trace import inplace
 from cube.trace.rules import REGISTRY, Registry
 
 # ops that only check metadata or do nothing at run time: not IR ops
@@ -76,6 +77,11 @@ class _Builder:
         self.attrs: List[IRTensor] = []
         self.batch_structure = batch_structure
         self.consts: Dict[str, torch.Tensor] = {}
+        # in-place writes made functional (cube.trace.inplace): which values are views of
+        # which, and how many times each memory owner was written
+        self.views: Dict[torch.fx.Node, inplace.View] = {}
+        self.versions: Dict[torch.fx.Node, int] = {}
+        self.grad_enabled = True
 
     # -------------------------------------------------------------- placeholders
     def placeholders(self) -> IRDataOperation:
@@ -118,7 +124,7 @@ class _Builder:
     # ----------------------------------------------------------------- call ops
     def _map(self, a):
         if isinstance(a, torch.fx.Node):
-            return self.env[a]
+            return self._value(a)
         if isinstance(a, (list, tuple)):
             return type(a)(self._map(x) for x in a)
         if isinstance(a, dict):
@@ -126,13 +132,19 @@ class _Builder:
         return a
 
     def run(self, graph: torch.fx.Graph, grad_enabled: bool = True, args: Optional[list] = None):
-        """Builds IR ops for ``graph``; ``args`` bind a subgraph's placeholders."""
+        """Builds IR ops for ``graph``; ``args`` (fx nodes of the enclosing graph, or
+        values) bind a subgraph's placeholders."""
         result = None
         it = iter(args or [])
+        outer = self.grad_enabled
+        self.grad_enabled = grad_enabled
         for node in graph.nodes:
             if node.op == "placeholder":
                 if args is not None:
-                    self.env[node] = next(it)
+                    a = next(it)
+                    self.env[node] = self._map(a)
+                    if isinstance(a, torch.fx.Node):   # a write inside the subgraph reaches the caller's value
+                        self._alias(node, a)
             elif node.op == "get_attr":
                 self.env[node] = getattr(self.ep.graph_module, node.target)
             elif node.op == "call_function":
@@ -141,12 +153,132 @@ class _Builder:
                 result = self._map(node.args[0])
             else:
                 raise TypeError(f"unexpected fx node {node.format_node()}")
+        self.grad_enabled = outer
         return result
+
+    # ------------------------------------------------------- in-place writes
+    def _value(self, node: torch.fx.Node):
+        """The current value of ``node``; a view of a tensor written after the view was made
+        is made again from the written tensor."""
+        view = self.views.get(node)
+        if view is not None and view.version != self.versions.get(view.root, 0):
+            if view.index is not None:
+                self.env[node] = self._value(view.parent)[view.index]
+            elif view.node is None:
+                self.env[node] = self._value(view.parent)
+            else:
+                made = view.node
+                old = self.env[node]
+                like = list(old) if isinstance(old, (list, tuple)) else [old]
+                args, kwargs = self._map(made.args), self._map(made.kwargs)
+                outs = self._op(made, made.target, args, kwargs, [_like(t, made.name) for t in like]).outputs
+                self.env[node] = tuple(outs) if isinstance(old, (list, tuple)) else outs[0]
+            view.version = self.versions.get(view.root, 0)
+        return self.env[node]
+
+    def _alias(self, node: torch.fx.Node, parent: torch.fx.Node, made: Optional[torch.fx.Node] = None,
+               index: Optional[int] = None) -> None:
+        root = self.views[parent].root if parent in self.views else parent
+        self.views[node] = inplace.View(parent, root, made, index, self.versions.get(root, 0))
+
+    def _functional(self, node: torch.fx.Node, args, kwargs) -> bool:
+        """Builds an in-place op as its functional op and writes the result back into the
+        tensor that owns the memory; False (kept in place) for a write into model state."""
+        target = node.target
+        pos = inplace.written(target)
+        nodes = [node.args[i] if i < len(node.args) else node.kwargs.get(target._schema.arguments[i].name)
+                 for i in pos]
+        roots = [self.views[n].root if n in self.views else n for n in nodes if isinstance(n, torch.fx.Node)]
+        state = (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST)
+        if all(isinstance(self.env.get(r), IRTensor) and self.env[r].kind in state for r in roots):
+            return False   # the model's state changes in place, as in the model
+        if pos != [0] or len(roots) != 1 or not node.args or node.args[0] not in nodes:
+            raise TypeError(f"{op_name(target)} at {_where(node)} writes into {len(pos)} tensors, not only "
+                            f"into its first argument; cube cannot make it functional. Fix: compute a new "
+                            f"tensor instead of writing into an existing one, or register the code as one "
+                            f"op with cube.register_op.")
+        x = node.args[0]
+        fn = inplace.functional(target)
+        new = _tensor_of(node.meta.get("val"), node.name)
+        if op_name(target) == "copy_":   # aten.copy has no derivative: the value is src, cast and broadcast
+            new = self._copied(node, args[0], args[1], new)
+        elif fn is not None:
+            self._op(node, fn, args, kwargs, [new])
+        else:   # no out-of-place form: write into a copy that nothing else reads
+            copy = self._op(node, torch.ops.aten.clone.default, [args[0]], {},
+                            [_like(args[0], node.name + "_copy")]).outputs[0]
+            self._op(node, target, [copy, *args[1:]], kwargs, [new])
+        self._write_back(node, x, new)
+        self.env[node] = new
+        self._alias(node, x)   # an in-place op returns the tensor it wrote
+        return True
+
+    def _copied(self, node: torch.fx.Node, dst: IRTensor, src: IRTensor, new: IRTensor) -> IRTensor:
+        """What ``dst.copy_(src)`` leaves in ``dst``: ``src`` in ``dst``'s dtype and shape."""
+        value = src
+        if src.dtype != dst.dtype:
+            cast = IRTensor(tuple(src.shape), dst.dtype, False, TensorKind.ACTIVATION, node.name + "_cast")
+            value = self._op(node, torch.ops.aten._to_copy.default, [value], {"dtype": dst.dtype}, [cast]).outputs[0]
+        if tuple(value.shape) != tuple(dst.shape):
+            value = self._op(node, torch.ops.aten.expand.default, [value, list(dst.shape)], {},
+                             [_like(dst, node.name + "_expand")]).outputs[0]
+        if value is src:
+            value = self._op(node, torch.ops.aten.clone.default, [src], {}, [new]).outputs[0]
+        return value
+
+    def _write_back(self, node: torch.fx.Node, x: torch.fx.Node, new: IRTensor) -> None:
+        """Writes the new value of ``x`` back through the views it is made of, to its root."""
+        child, value = x, new
+        while child in self.views:
+            view = self.views[child]
+            if view.node is None:   # an alias: the same elements
+                child = view.parent
+                continue
+            made = view.node
+            parent = self.views[made].parent if view.index is not None else view.parent
+            base = self._value(parent)
+            val = made.meta.get("val")
+            shapes = [tuple(v.shape) for v in (val if isinstance(val, (list, tuple)) else [val])]
+            how = inplace.scatter(made, view.index, tuple(base.shape), shapes)
+            if how is None:
+                raise TypeError(f"{op_name(node.target)} at {_where(node)} writes into a view made by "
+                                f"{op_name(made.target)} ({_where(made)}); cube makes in-place writes "
+                                f"functional and cannot write back through that view. Fix: build the "
+                                f"tensor without writing into such a view (e.g. torch.cat or torch.where).")
+            target, template = how
+            if target != "same":
+                args = [base if a == "base" else value if a == "src" else a for a in template]
+                value = self._op(node, target, args, {}, [_like(base, node.name + "_write")]).outputs[0]
+            child = parent
+        self.env[child] = value
+        self.versions[child] = self.versions.get(child, 0) + 1
+        if x in self.views:   # x itself holds the written value, not a view made again
+            self.env[x] = new
+            self.views[x].version = self.versions[child]
+
+    def _op(self, node: torch.fx.Node, target, args, kwargs, outputs: List[IRTensor]) -> IRFwOperation:
+        """Appends an op (made by fx ``node``) with the given output tensors."""
+        inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, IRTensor)]
+        # fake values do not track autograd: an output needs a gradient when a float input does
+        needs = self.grad_enabled and any(t.requires_grad for t in inputs)
+        for o in outputs:
+            o.requires_grad = bool(needs and (o.dtype.is_floating_point or o.dtype.is_complex))
+        op = IRFwOperation(name=op_name(target), inputs=inputs, outputs=outputs, target=target,
+                           args=args, kwargs=kwargs, module_path=_module_path(node),
+                           source=_source(node), grad_enabled=self.grad_enabled)
+        self.registry.annotate(op)
+        self.ops.append(op)
+        return op
 
     def call(self, node: torch.fx.Node, grad_enabled: bool) -> None:
         target = node.target
+        self.grad_enabled = grad_enabled
         if target is operator.getitem:
-            self.env[node] = self.env[node.args[0]][node.args[1]]
+            src = node.args[0]
+            self.env[node] = self._map(src)[node.args[1]]
+            view = self.views.get(src)
+            if view is not None and view.node is src:   # an item of a multi-output view
+                self._alias(node, src, src, node.args[1])
             return
         name = op_name(target)
         if name in _DROPPED:
@@ -154,17 +286,20 @@ class _Builder:
             return
         if name in _IDENTITY:  # a view of its input that changes nothing: not an IR op
             self.env[node] = self._map(node.args[0])
+            self._alias(node, node.args[0])
             return
         if name == "wrap_with_set_grad_enabled":
             enabled, sub, *operands = node.args
             sub_module = self.env[sub]
-            self.env[node] = self.run(sub_module.graph, bool(enabled), [self._map(a) for a in operands])
+            self.env[node] = self.run(sub_module.graph, bool(enabled), list(operands))
+            self.grad_enabled = grad_enabled
             return
         if not isinstance(target, torch._ops.OpOverload):
             raise TypeError(f"cube cannot handle the traced call {node.format_node()} "
                             f"(from {_source(node)}); only ATen and registered ops are supported")
         args, kwargs = self._map(node.args), self._map(node.kwargs)
-        inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, IRTensor)]
+        if inplace.written(target) and self._functional(node, args, kwargs):
+            return
         val = node.meta.get("val")
         if isinstance(val, (list, tuple)):
             outputs = [_tensor_of(v, f"{node.name}_{i}") for i, v in enumerate(val)]
@@ -174,16 +309,20 @@ class _Builder:
         else:
             outputs = [_tensor_of(val, node.name)]
             value = outputs[0]
-        # fake values do not track autograd: an output needs a gradient when a float input does
-        needs = grad_enabled and any(t.requires_grad for t in inputs)
-        for o in outputs:
-            o.requires_grad = bool(needs and (o.dtype.is_floating_point or o.dtype.is_complex))
-        op = IRFwOperation(name=name, inputs=inputs, outputs=outputs, target=target,
-                           args=args, kwargs=kwargs, module_path=_module_path(node),
-                           source=_source(node), grad_enabled=grad_enabled)
-        self.registry.annotate(op)
-        self.ops.append(op)
+        self._op(node, target, args, kwargs, outputs)
         self.env[node] = value
+        if inplace.is_view(node):
+            self._alias(node, node.args[0], node)
+
+
+def _like(t: IRTensor, hint: str) -> IRTensor:
+    return IRTensor(tuple(t.shape), t.dtype, False, TensorKind.ACTIVATION, hint)
+
+
+def _where(node: torch.fx.Node) -> str:
+    path, src = _module_path(node), _source(node)
+    where = f"module {path!r}" if path else "the top-level module"
+    return where + (f", {src[0]}:{src[1]}: {src[2]}" if src else "")
 
 
 def _flatten(x):

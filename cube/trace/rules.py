@@ -343,6 +343,22 @@ def slice_rule(op: IRFwOperation) -> str:
     return _anno([g], [og])
 
 
+def slice_scatter(op: IRFwOperation) -> str:
+    """The written dim (``dim`` of ``slice_scatter``/``select_scatter``) is whole; the others
+    split the tensor written into, the values written and the result alike."""
+    base, src = op.inputs[:2]
+    d = _dim(_arg(op, 2, "dim", 0), base.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(base.shape)]
+    if op.name == "select_scatter":
+        sg = g[:d] + g[d + 1:]
+    else:
+        sg = list(g)
+        sg[d] = "1" if src.shape[d] == 1 else names(True)
+    sg = ["1" if s == 1 else l for s, l in zip(src.shape, sg)]
+    return _anno([g, sg], [g])
+
+
 def split(op: IRFwOperation) -> str:
     x = op.inputs[0]
     d = _dim(_arg(op, 2, "dim", 0), x.ndim)
@@ -419,7 +435,7 @@ sin cos tanh sigmoid relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mi
 erf clamp clamp_min clamp_max minimum maximum where masked_fill masked_fill_ le lt ge gt eq ne
 logical_not logical_and logical_or bitwise_not bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone
 alias detach detach_ lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like
-rand_like randn_like fill_ zero_ copy_ reciprocal square floor ceil round sign
+rand_like randn_like fill fill_ zero zero_ copy_ reciprocal square floor ceil round sign
 native_dropout""".split()
 
 _BUILTIN: Dict[str, Rule] = {name: elementwise for name in _ELEMENTWISE}
@@ -447,12 +463,13 @@ _BUILTIN.update({
     "transpose": permute, "swapaxes": permute, "permute": permute, "t": permute,
     "expand": expand, "expand_as": expand, "select": select, "slice": slice_rule,
     "split": split, "split_with_sizes": split, "chunk": split, "unbind": unbind,
+    "slice_scatter": slice_scatter, "select_scatter": slice_scatter,
     "cat": cat, "concat": cat, "stack": stack, "pad": pad, "constant_pad_nd": pad,
     "arange": creation, "zeros": creation, "ones": creation, "full": creation, "empty": creation,
     "rand": creation, "randn": creation, "randint": creation, "scalar_tensor": creation,
     "tensor": creation, "diff": diff,
     "new_ones": opaque, "new_zeros": opaque, "new_full": opaque, "new_empty": opaque,
-    "index": opaque, "index_select": opaque, "gather": opaque, "scatter": opaque,
+    "index": opaque, "index_put": opaque, "index_select": opaque, "gather": opaque, "scatter": opaque,
     "masked_select": opaque, "nonzero": opaque, "one_hot": opaque, "repeat": opaque,
     "repeat_interleave": opaque, "flip": opaque, "roll": opaque,
 })
