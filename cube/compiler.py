@@ -200,9 +200,11 @@ class CompiledStep:
         if init is None and weights is None and not _holds_meta(self.user_model):
             model = self.module.GenModel(self.env.device)
             model.load_from(self.user_model, self.consts)
-            return model
-        return materialize.load(lambda: self.module.GenModel(self.env.device), self.user_model, self.consts,
-                                init=init, weights=weights, rename=rename, strict=strict)
+        else:
+            model = materialize.load(lambda: self.module.GenModel(self.env.device), self.user_model, self.consts,
+                                     init=init, weights=weights, rename=rename, strict=strict)
+        model.zero_stage = self.zero   # cube.build_optimizer follows it
+        return model
 
     def __call__(self, model, dataloader):
         if not isinstance(model, self.module.GenModel):
@@ -315,10 +317,10 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
         PAS: the policy: a callable, ``"path/to/file.py:Name"`` or ``"module:Name"``.
         cache_dir: where generated code lives (default ``CUBE_CACHE_DIR`` or ~/.cache/cube).
         use_cache: reuse generated code of an identical earlier compile.
-        zero: 3 makes a ZeRO-3 plan: parameters summed over a data parallel group
-            are sharded over it and gathered in forward (build the optimizer with
-            ``cube.build_optimizer(model, ..., zero=3)``); stages 1 and 2 need
-            nothing at compile time.
+        zero: the ZeRO stage, said once: ``cube.build_optimizer(model, ...)`` follows
+            it. 3 makes a ZeRO-3 plan: parameters summed over a data parallel
+            group are sharded over it and gathered in forward; 1 (optimizer state)
+            and 2 (and gradients) shard only what the optimizer holds.
         precision: None (float32), ``"bf16"`` or ``"fp16"``: the forward runs under
             ``torch.autocast`` over float32 parameters and optimizer state; fp16
             adds a dynamic loss scale (build the optimizer with

@@ -82,8 +82,89 @@ def test_zero3_needs_a_zero3_plan(tmp_path):
 def test_zero3_plan_needs_zero3_optimizer(tmp_path):
     model = _single_model(tmp_path, zero=3)
     assert model.ZERO == 3
-    with pytest.raises(ValueError, match="compiled with zero=3"):
+    with pytest.raises(ValueError, match="compiled with zero=3; leave zero= out"):
         cube.build_optimizer(model, zero=1, lr=1e-3)
+
+
+# ---------------------------------------------------------------------- the stage is said once, at compile
+def _data_parallel(zero: int, steps: int, build_zero=None):
+    """Two in-process ranks of PASData compiled with ``zero``; the optimizer built with
+    ``build_optimizer(model, AdamW, lr=1e-3)`` (plus ``zero=build_zero`` when given).
+
+    Returns:
+        Per rank: (stage of the optimizer, largest relative loss error, largest relative parameter
+        error against the plain model under AdamW on the same batches).
+    """
+    import copy
+    import tempfile
+
+    import torch
+
+    import cube.debug
+    from tests.models import build
+    from tests.workers.bigmodel_worker import rel
+    model, sample = build("mlp")
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(sample[0].shape, generator=gen),) for _ in range(steps)]
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+    for b in batches:
+        loss = ref(*b)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.detach())
+    ref_params = dict(ref.named_parameters())
+    cache = tempfile.mkdtemp(prefix="cube-zero-")
+
+    def body():
+        it = iter(batches)
+
+        @cube.compile(copy.deepcopy(model), it, PAS="policies.data:PASData", cache_dir=cache, zero=zero)
+        def train_iter(model, dataloader):
+            loss = model(*next(dataloader))
+            loss.backward()
+            return loss
+        gen_model = cube.load_model()
+        extra = {} if build_zero is None else {"zero": build_zero}
+        opt = cube.build_optimizer(gen_model, torch.optim.AdamW, lr=1e-3, **extra)
+        stage = getattr(opt, "stage", 0)
+        loss_err = param_err = 0.0
+        for ref_loss in ref_losses:
+            loss_err = max(loss_err, rel(train_iter(gen_model, it), ref_loss))
+            opt.step()
+            opt.zero_grad()
+        with cube.runtime.zero.whole_parameters(gen_model):   # ZeRO-3 holds only chunks at rest
+            for local, p in gen_model.named_parameters():
+                names, splits = gen_model.PARAMS[local]
+                param_err = max(param_err, rel(p, cube.runtime.piece(ref_params[names[0]], splits)))
+        return stage, loss_err, param_err
+    return cube.debug.run(body, 2)
+
+
+@pytest.mark.parametrize("zero", [3, 2, 1])
+def test_optimizer_follows_the_compiled_stage(zero):
+    """compile(zero=Z) then build_optimizer(model, AdamW, lr=...) with no zero=: ZeRO-Z, equal to eager."""
+    for stage, loss_err, param_err in _data_parallel(zero, steps=3):
+        assert stage == zero
+        assert loss_err <= RTOL and param_err <= RTOL, (loss_err, param_err)
+
+
+def test_same_stage_twice_is_fine_and_stages_1_2_need_no_compile_option():
+    assert [r[0] for r in _data_parallel(3, steps=1, build_zero=3)] == [3, 3]
+    assert [r[0] for r in _data_parallel(0, steps=1, build_zero=2)] == [2, 2]
+
+
+def test_stage_contradicting_the_plan(tmp_path):
+    model = _single_model(tmp_path, zero=2)
+    assert model.zero_stage == 2
+    with pytest.raises(ValueError, match=r"compiled with zero=2; leave zero= out .* or compile with zero=1"):
+        cube.build_optimizer(model, zero=1, lr=1e-3)
+    with pytest.raises(ValueError, match=r"compiled with zero=2"):
+        cube.build_optimizer(model, zero=0, lr=1e-3)
+    with pytest.raises(ValueError, match=r"not compiled for ZeRO-3"):
+        cube.build_optimizer(model, zero=3, lr=1e-3)
 
 
 def test_bad_zero_arguments(tmp_path):

@@ -303,33 +303,51 @@ class ZeroOptimizer:
                 g.update({k: v for k, v in saved.items() if k != "params"})
 
 
-def build_optimizer(model, optimizer_cls: Type[torch.optim.Optimizer] = torch.optim.AdamW, zero: int = 0,
-                    **kwargs):
+def planned_stage(model) -> Optional[int]:
+    """The ZeRO stage ``model``'s plan was compiled with (``cube.compile(..., zero=)``), or None
+    when the module does not say (built outside ``cube.load_model``)."""
+    stage = getattr(model, "zero_stage", None)
+    if stage is None and getattr(model, "ZERO", 0) == 3:
+        stage = 3
+    return stage
+
+
+def build_optimizer(model, optimizer_cls: Type[torch.optim.Optimizer] = torch.optim.AdamW,
+                    zero: Optional[int] = None, **kwargs):
     """The optimizer for a generated module, with ZeRO sharding over its data parallel groups.
+
+    The ZeRO stage is said once, in ``cube.compile(..., zero=)``: without ``zero``
+    the optimizer follows the plan. A plan compiled with ``zero=0`` (the default)
+    still takes stage 1 or 2 here, as those need nothing at compile time.
 
     Args:
         model: the module from ``cube.load_model()``.
         optimizer_cls: a ``torch.optim.Optimizer`` class (AdamW, SGD, ...).
-        zero: 0 (a plain optimizer), 1 (shard optimizer state), 2 (and gradients),
-            3 (and parameters; the plan must be compiled with ``zero=3``).
+        zero: None (the plan's stage), or 0 (a plain optimizer), 1 (shard optimizer
+            state), 2 (and gradients), 3 (and parameters; the plan must be compiled
+            with ``zero=3``); a stage the plan was not compiled with is refused.
         **kwargs: the optimizer's hyperparameters (lr, weight_decay, ...).
 
     Raises:
-        ValueError: an unknown stage, stage 3 for a plan not compiled for it, or a
-            plan without data parallelism.
+        ValueError: an unknown stage, a stage contradicting the compiled plan's, or
+            a plan without data parallelism.
     """
-    if zero not in (0, 1, 2, 3):
-        raise ValueError(f"cube.build_optimizer: zero must be 0, 1, 2 or 3, got {zero!r}")
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ValueError(f"cube.build_optimizer: zero must be 0, 1, 2 or 3 (or left out to follow the plan), "
+                         f"got {zero!r}")
     if not isinstance(optimizer_cls, type) or not issubclass(optimizer_cls, torch.optim.Optimizer):
         raise TypeError(f"cube.build_optimizer: optimizer_cls must be a torch.optim.Optimizer class such as "
                         f"torch.optim.AdamW, got {optimizer_cls!r}")
-    compiled = getattr(model, "ZERO", 0)
-    if zero == 3 and compiled != 3:
+    planned = planned_stage(model)
+    if zero is None:
+        zero = planned or 0
+    elif zero == 3 and planned != 3:
         raise ValueError("cube.build_optimizer(zero=3): the plan was not compiled for ZeRO-3, whose forward "
-                         "gathers the sharded parameters; compile with @cube.compile(..., zero=3)")
-    if compiled == 3 and zero != 3:
-        raise ValueError(f"cube.build_optimizer(zero={zero}): the plan was compiled with zero=3; "
-                         f"build the optimizer with zero=3 as well")
+                         "gathers the sharded parameters; compile with @cube.compile(..., zero=3) (then "
+                         "cube.build_optimizer needs no zero=)")
+    elif planned and zero != planned:
+        raise ValueError(f"cube.build_optimizer(zero={zero}): the plan was compiled with zero={planned}; "
+                         f"leave zero= out (the optimizer follows the plan) or compile with zero={zero}")
     if zero == 0:
         plain = optimizer_cls(model.parameters(), **kwargs)
         return SkipOnOverflow(plain, model) if getattr(model, "loss_scale", None) is not None else plain
