@@ -132,17 +132,39 @@ def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return y
 
 
+_NO_TENSOR_OPS: set = set()   # (backend, op) found missing: all_gather_into_tensor, reduce_scatter_tensor
+
+
+def _tensor_op(op, out: torch.Tensor, x: torch.Tensor, grp) -> bool:
+    """``op`` (``dist.all_gather_into_tensor`` or ``dist.reduce_scatter_tensor``) where the
+    backend has it (NCCL; gloo in recent torch): one buffer, no list of pieces. False (nothing
+    sent) where it is missing."""
+    key = (str(dist.get_backend(grp)), op.__name__)
+    if key in _NO_TENSOR_OPS:
+        return False
+    try:
+        op(out, x, group=grp)
+    except (RuntimeError, NotImplementedError) as e:   # refused before anything was sent
+        if "nccl" in key[0] or not any(w in str(e).lower() for w in ("support", "implement")):
+            raise
+        _NO_TENSOR_OPS.add(key)
+        return False
+    return True
+
+
 def _all_gather(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
     grp, n, x = group(ranks), len(ranks), x.contiguous()
     _index(ranks)
-    if nccl(x, grp) and x.dim() > 0:
-        buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(buf, x, group=grp)
-        parts = buf.chunk(n)
-    else:
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x, group=grp)
     order = sorted(ranks)   # the group's own rank order
+    if x.dim() > 0 and (nccl(x, grp) or x.device.type == "cpu"):
+        buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        if _tensor_op(dist.all_gather_into_tensor, buf, x, grp):
+            if dim % x.dim() == 0 and list(ranks) == order:
+                return buf   # the pieces lie in place already
+            parts = buf.chunk(n)
+            return torch.cat([parts[order.index(r)] for r in ranks], dim=dim)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x, group=grp)
     return torch.cat([parts[order.index(r)] for r in ranks], dim=dim)
 
 
@@ -153,6 +175,14 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
         out = torch.empty_like(chunks[me], memory_format=torch.contiguous_format)
         dist.reduce_scatter(out, [chunks[ranks.index(r)].contiguous() for r in sorted(ranks)], group=grp)
         return out
+    if x.device.type == "cpu" and x.dim() > 0:   # chunks laid out along dim 0 in the group's order
+        order = sorted(ranks)
+        chunks = _split(x, n, dim)
+        src = x.contiguous() if dim % x.dim() == 0 and list(ranks) == order else \
+            torch.cat([chunks[ranks.index(r)] for r in order], dim=0)
+        out = torch.empty(chunks[me].shape, dtype=x.dtype, device=x.device)
+        if _tensor_op(dist.reduce_scatter_tensor, out.view((-1,) + tuple(src.shape[1:])), src, grp):
+            return out
     return _own(_split(_all_reduce(x, ranks), n, dim)[me])
 
 
@@ -164,10 +194,16 @@ def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) 
         out = [torch.empty_like(chunks[me]) for _ in range(n)]
         dist.all_to_all(out, [chunks[ranks.index(r)] for r in order], group=grp)
         return torch.cat([out[order.index(r)] for r in ranks], dim=concat_dim)
-    # gloo has no all_to_all: non-blocking sends and receives with every peer (through the host
-    # for CUDA memory, which gloo's send and receive do not take)
+    # gloo's all_to_all (where it has one) copies through one buffer: non-blocking sends and
+    # receives with every peer instead, received into their place in the result (through the
+    # host for CUDA memory, which gloo's send and receive do not take)
     chunks = [c.to(wire(x.device)) for c in chunks]
-    received = [chunks[i] if i == me else torch.empty_like(chunks[me]) for i in range(n)]
+    shape = list(chunks[me].shape)
+    shape[concat_dim] *= n
+    out = chunks[me].new_empty(shape)
+    slots = out.chunk(n, concat_dim)
+    received = [s if s.is_contiguous() else torch.empty_like(chunks[me]) for s in slots]
+    slots[me].copy_(chunks[me])
     ops = []
     for i, peer in enumerate(ranks):
         if i != me:
@@ -175,7 +211,10 @@ def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) 
             ops.append(dist.P2POp(dist.irecv, received[i], peer, grp))
     for work in dist.batch_isend_irecv(ops):
         work.wait()
-    return torch.cat(received, dim=concat_dim).to(x.device)
+    for i, (slot, got) in enumerate(zip(slots, received)):
+        if i != me and got is not slot:
+            slot.copy_(got)
+    return out.to(x.device)
 
 
 # ---------------------------------------------------------------- autograd functions
