@@ -50,3 +50,25 @@ def test_compile_scaling_helpers():
     assert cs.skip_reason(4, "PASMegatronTP", 64) is None and cs.skip_reason(4, "PASData", 64) is None
     rows = [{"policy": "P", "ranks": 8, "nodes": n, "total": 2.0 * n} for n in (100, 1000, 10000)]
     assert cs.growth(rows)[("P", 8)] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_layouts_plans_move_the_optimal_bytes(n):
+    lay = importlib.import_module("benchmarks.layouts")
+    assert runner.discover()["layouts"] is None
+    plans = {"D -> R": "all_gather", "V -> R": "all_reduce", "V -> D": "reduce_scatter",
+             "D(0) -> D(1)": "all_to_all", f"D/{n} -> R/1": "exchange (3 sends)" if n == 4 else "exchange (1 send)",
+             "R/1 -> D/2": "exchange (1 send)"}
+    if n == 4:
+        plans["D/2 -> D/4"] = "exchange (3 sends)"
+    specs = lay.pairs(8 * n, 4 * n, n)
+    assert set(specs) == set(plans)
+    for name, spec in specs.items():
+        kind, planned = lay.plan(spec)
+        assert lay.describe(kind, planned) == plans[name], name
+        sent = lay.bytes_sent(kind, planned)
+        got = max(sent.values()) if spec["basis"] == "per rank" else sum(sent.values())
+        assert got == pytest.approx(spec["optimum"]) and got > 0, name
+    full = 8 * n * 4 * n * lay.ELEM
+    assert specs["V -> R"]["optimum"] == pytest.approx(2 * (n - 1) / n * full)
+    assert specs["R/1 -> D/2"]["optimum"] == full // 2
