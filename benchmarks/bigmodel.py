@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Callable, Dict, List
 
@@ -206,8 +207,10 @@ def worker(args) -> None:
     t_init = time.perf_counter() - start
     peaks["load init"], rss_loaded = rss_peak(), rss_now()
     sums = {k: v.detach().double().sum().item() for k, v in gen.state_dict().items()}
+    alive = weakref.ref(next(gen.parameters()))
     del gen
     gc.collect()
+    freed = {"rss": rss_now(), "module_alive": alive() is not None}
 
     start = time.perf_counter()
     gen = cube.load_model(weights=weights, init=model.model._init_weights, rename=lambda k: "model." + k)
@@ -230,7 +233,7 @@ def worker(args) -> None:
     part = cube.runtime.data.part()
     row = {"rank": env.rank, "losses": losses, "t_compile": t_compile, "t_init": t_init, "t_weights": t_weights,
            "step_s": step_s, "weights_equal_init": same, "rss_compiled": rss_compiled, "rss_loaded": rss_loaded,
-           "rss_loaded_weights": rss_loaded_weights, "peak": rss_peak(), "peaks": peaks,
+           "rss_loaded_weights": rss_loaded_weights, "after_free": freed, "peak": rss_peak(), "peaks": peaks,
            "params": held["params"], "grads": held["grads"], "optimizer": held["optimizer"], "activations": saved,
            "reads_batch": part.reads}
     rows = [None] * env.world_size
@@ -269,7 +272,8 @@ def _row(r: dict) -> dict:
             "load_target_ratio": r["rss_loaded"] / (2.5 * GB), "peak_phase": max(r["peaks"], key=r["peaks"].get),
             "peaks_gb": {k: v / GB for k, v in r["peaks"].items()}, "t_compile_s": r["t_compile"],
             "t_init_s": r["t_init"], "t_weights_s": r["t_weights"], "step_s": r["step_s"],
-            "weights_equal_init": r["weights_equal_init"], "loss": r["losses"][0]}
+            "weights_equal_init": r["weights_equal_init"], "loss": r["losses"][0],
+            "rss_after_free_gb": r["after_free"]["rss"] / GB, "module_alive_after_free": r["after_free"]["module_alive"]}
 
 
 def table(rows: List[dict], extra: dict) -> str:
@@ -296,6 +300,9 @@ def run(size: str = "full") -> List[dict]:
         folder = Path(tmp) / "weights"
         t_write = write_weights(size, folder)
         gc.collect()
+        # glibc raises its mmap threshold (up to 32 MiB) after the first large free, and tensors below it
+        # then come from heaps that keep freed memory: a fixed threshold returns every freed piece
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
         ranks = run_rows(Path(__file__), {"nproc": NPROC, "size": size, "weights": str(folder)})
         # the reference after the ranks exit, in its own process: it holds the whole model
         out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--reference", "--size", size,
