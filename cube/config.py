@@ -77,6 +77,17 @@ def virtual_stages(default: int = 2) -> int:
     return _positive_int("CUBE_VIRTUAL", default)
 
 
+def stage_ranks(default: Tuple[int, ...] = (1, 1)) -> Tuple[int, ...]:
+    """``CUBE_STAGE_RANKS=1,2``: devices per pipeline stage of ``PASPipeDream`` (``policies/pipedream.py``)."""
+    env = os.environ.get("CUBE_STAGE_RANKS", "").strip()
+    if not env:
+        return default
+    parts = [p.strip() for p in env.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"CUBE_STAGE_RANKS must be positive device counts per stage such as '1,2', got {env!r}")
+    return tuple(int(p) for p in parts)
+
+
 def recompute_text() -> str:
     """The raw value of ``CUBE_RECOMPUTE`` (``""`` when unset)."""
     return os.environ.get("CUBE_RECOMPUTE", "").strip()
@@ -107,5 +118,6 @@ def recompute() -> Optional[Union[str, Tuple[int, ...]]]:
 def plan_settings() -> str:
     """The variables that change what the shipped policies plan or what codegen emits (``CUBE_PROFILE``
     adds profiling regions), for the code cache key."""
-    names = ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE", "CUBE_PROFILE")
+    names = ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE", "CUBE_PROFILE",
+             "CUBE_STAGE_RANKS")
     return " ".join(f"{k}={os.environ.get(k, '')}" for k in names)

@@ -3,7 +3,7 @@
 # shipped policy name -> the module in this package that defines it
 SHIPPED = {"PASSingle": "single", "PASData": "data", "PASMegatronTP": "megatron", "PASHybrid": "hybrid",
            "PASCol": "gallery", "PASRow": "gallery", "PAS1F1B": "pipeline", "PASGPipe": "pipeline",
-           "PAS1F1BInterleaved": "pipeline", "PASMegatron": "megatron3d"}
+           "PAS1F1BInterleaved": "pipeline", "PASMegatron": "megatron3d", "PASPipeDream": "pipedream"}
 
 
 def resolve(name: str) -> str:

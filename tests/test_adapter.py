@@ -173,7 +173,9 @@ def test_two_pieces_of_one_op_on_one_device_is_a_clear_error():
         build_plans(graph, 1)
 
 
-def test_consumer_on_other_devices_than_its_producer_is_a_clear_error():
+def test_consumer_on_fewer_devices_than_its_producer_returns_the_gradient_to_every_replica():
+    """(Its parity: tests/test_layouts.py.) The replica that does not send the value still gets
+    its gradient: a gradient-only link from the reader."""
     from cube.ir import IRDataOperation
 
     def split_stage(graph, resource):
@@ -186,8 +188,10 @@ def test_consumer_on_other_devices_than_its_producer_is_a_clear_error():
         return graph
     model, sample = build("mlp")
     graph, _ = trace_and_plan(model, sample, "tuple", split_stage, 2)
-    with pytest.raises(ValueError, match=r"made on devices \[0, 1\] but op 'mul'.*reads it only on \[1\]"):
-        build_plans(graph, 2)
+    plans = build_plans(graph, 2)
+    only = [c.step for c in plans[0].calls if c.step is not None and c.step.kind == "send" and c.step.grad == "only"]
+    links = [c.step for c in plans[1].calls if c.step is not None and c.step.kind == "grad_to"]
+    assert len(only) == 1 and [(s.ranks, s.tag) for s in links] == [(only[0].ranks, only[0].tag)]
 
 
 def test_values_crossing_device_groups_are_sent_once_and_tied_weights_summed_over_both():

@@ -129,9 +129,19 @@ class _Emitter:
             grad = out.requires_grad and s.grad != "none"
             return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, dtype={out.dtype}, "
                     f"device=self.device, requires_grad={grad})")
+        if s.kind == "assemble":
+            values = ", ".join(self.value(v) for v in call.inputs)
+            return (f"runtime.collectives.assemble([{values}], parts={s.parts!r}, "
+                    f"shape={tuple(call.outputs[0].shape)!r})")
         x = self.value(call.inputs[0])
+        if s.part is not None and s.kind in ("send", "region"):
+            x = f"runtime.collectives.region({x}, {s.part!r})"
+        if s.kind == "region":
+            return x + (".detach()" if s.grad == "none" else "")
+        if s.kind == "grad_to":
+            return f"runtime.p2p.grad_to({x}, {s.ranks[0]}, tag={s.tag})"
         if s.kind == "send":
-            grad = "" if s.grad != "none" else ", grad=False"
+            grad = {"none": ", grad=False", "only": ", value=False"}.get(s.grad, "")
             if getattr(self.graph, "precision", None):   # autocast may have computed it in low precision
                 grad += f", dtype={call.inputs[0].dtype}"
             return f"runtime.p2p.send({x}, {s.ranks[1]}, tag={s.tag}{grad})"
@@ -165,7 +175,7 @@ class _Emitter:
         lines.append("    FULL_SHAPES = {" + "".join(f"\n        {t.names[0]!r}: {tuple(t.shape)!r}," for t in full)
                      + ("\n    }" if full else "}"))
         lines.append("    # gradients summed over ranks after backward, in bucket order")
-        reduce = self._reduce_order()
+        reduce = self.plan.reduce   # in bucket order (cube.passes.plan)
         if reduce:
             lines.append("    REDUCE = [")
             for t, ranks in reduce:
@@ -203,14 +213,6 @@ class _Emitter:
         lines.append("")
         lines += self.train_step()
         return "\n".join(lines) + "\n"
-
-    def _reduce_order(self) -> List[Tuple[IRTensor, Tuple[int, ...]]]:
-        """Reducer entries, last-used parameters first (their gradients are ready first)."""
-        first_use: Dict[int, int] = {}
-        for i, call in enumerate(self.plan.calls):
-            for t in call.inputs:
-                first_use.setdefault(id(t), i)
-        return sorted(self.plan.reduce, key=lambda e: -first_use.get(id(e[0]), -1))
 
     def forward(self) -> List[str]:
         """The forward: the rank's calls, or, on a rank holding several pipeline stages, a forward
@@ -395,22 +397,26 @@ class _Emitter:
                 f"    return runtime.pipeline.run(model, batches, {self.actions!r}, loss_from={plan.loss_from!r}, "
                 f"loss_to={plan.loss_to!r})",
             ]
-        if any(c.step is not None and c.step.kind in ("send", "recv") for c in plan.calls):
-            # values cross device groups: backward also runs from the sends' markers
+        p2p = any(c.step is not None and c.step.kind in ("send", "recv", "grad_to") for c in plan.calls)
+        if plan.loss_sum:
+            return lines + [
+                f"    loss = model({', '.join(names)})   # this rank's part of the loss",
+                f"    total = runtime.collectives.sum_async(loss, ranks={plan.loss_sum!r})   # overlaps backward",
+            ] + ([  # values move point to point: backward also runs from the sends' markers
+                "    runtime.p2p.backward(loss)",
+                "    runtime.p2p.finish()",
+            ] if p2p else ["    loss.backward()"]) + [
+                "    model.reduce_gradients()",
+                "    return total.wait()",
+            ]
+        if p2p:
+            # values move point to point: backward also runs from the sends' markers
             return lines + [
                 f"    loss = model({', '.join(names)})",
                 "    runtime.p2p.backward(loss)",
                 "    runtime.p2p.finish()",
                 "    model.reduce_gradients()",
                 "    return loss.detach()",
-            ]
-        if plan.loss_sum:
-            return lines + [
-                f"    loss = model({', '.join(names)})   # this rank's part of the loss",
-                f"    total = runtime.collectives.sum_async(loss, ranks={plan.loss_sum!r})   # overlaps backward",
-                "    loss.backward()",
-                "    model.reduce_gradients()",
-                "    return total.wait()",
             ]
         lines += [
             f"    loss = model({', '.join(names)})",

@@ -46,12 +46,16 @@ class Step:
     ranks: Ranks = ()
     dim: int = -1
     dim2: int = -1             # all_to_all: the dim the input is split along
-    grad: str = ""             # all_gather: "V" (backward reduce-scatters) or "R" (keeps own chunk)
+    grad: str = ""             # all_gather: "V" (backward reduce-scatters) or "R" (keeps own chunk);
+                               # send/recv/region: "none" (no gradient); send: "only" (no value, only
+                               # the gradient comes back: a replica of the piece another rank sent)
     box: Optional[Box] = None  # the box the value covers after this step
-    tag: int = 0               # send/recv: matches the two sides
+    tag: int = 0               # send/recv/grad_to: matches the two sides
+    part: Optional[Box] = None     # send/region: the part of the input taken (relative to the input)
+    parts: Tuple[Box, ...] = ()    # assemble: where each input goes in the output (relative)
 
     def signature(self) -> tuple:
-        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag)
+        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag, self.part, self.parts)
 
 
 class LayoutError(ValueError):

@@ -15,6 +15,7 @@ from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import LayoutError, Step, transitions
+from cube.passes.exchange import Take, exchange, relative
 
 
 @dataclass(eq=False)
@@ -41,7 +42,7 @@ class RankPlan:
     data_boxes: List[Box]
     calls: List[Call]
     attrs: List[Tuple[IRTensor, Box]]                 # this rank's pieces of params/buffers/consts
-    reduce: List[Tuple[IRTensor, Tuple[int, ...]]]    # params whose gradient sums over ranks
+    reduce: List[Tuple[IRTensor, Tuple[int, ...]]]    # params whose gradient sums over ranks, in bucket order
     loss: IRTensor
     loss_sum: Tuple[int, ...] = ()   # forward returns a partial loss, summed over these ranks by train_step
     loss_from: Optional[int] = None  # scheduled plans: the rank that sends this rank the step's loss
@@ -112,6 +113,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     received: Dict[int, Dict[tuple, IRTensor]] = {r: {} for r in range(world)}  # (tensor id, source) -> value
     raw: List[Tuple[IROperator, int, IRTensor, Dict[int, List[Step]]]] = []
     tags: Dict[tuple, int] = {}   # (tensor id, source, destination) -> tag of the transfer
+    # (op id, input) -> each reader's takes (None: the op reads the same value through an earlier input)
+    exchanges: Dict[Tuple[int, int], Optional[Dict[int, List[Take]]]] = {}
     for lop in logical:
         by = pieces[id(lop)]
         if isinstance(lop, IRDataOperation):
@@ -124,15 +127,23 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             readers = {r: p for r, p in by.items() if k not in layouts[id(p)].unread}
             need = {r: layouts[id(p)].inputs[k] for r, p in readers.items()}
             contrib = {r: layouts[id(p)].in_terms[k] if t.requires_grad else () for r, p in readers.items()}
-            src, moves = _sources(t, made, need, lop, makers, tags)
             try:
+                src, moves = _sources(t, made, need)
                 steps = transitions(src, need, contrib, what=f"{t!r}")
                 for r, recv in moves.items():
                     steps[r].insert(0, recv)
+                    recv_tag = tags.setdefault((id(t), recv.ranks[0], r), len(tags) + 1)
+                    steps[r][0] = Step("recv", recv.ranks, box=recv.box, tag=recv_tag)
             except LayoutError as e:
-                raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
-                                 f"where it is made: {e}. Partition the producer and the consumer alike, "
-                                 f"or replicate one of them.") from None
+                if t.kind not in (TensorKind.ACTIVATION, TensorKind.DATA):
+                    raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
+                                     f"its pieces: {e}. Partition its readers alike.") from None
+                steps = {r: [] for r in need}
+                twin = next((j for j in range(k) if lop.inputs[j] is t), None)
+                if twin is not None and (id(lop), twin) in exchanges:   # mul(x, x): one value serves both
+                    exchanges[(id(lop), k)] = None
+                else:
+                    exchanges[(id(lop), k)] = _exchange(t, made, need, contrib, lop, k, makers, tags)
             raw.append((lop, k, t, steps))
         for r, p in by.items():
             for t, b, term in zip(p.outputs, layouts[id(p)].outputs, layouts[id(p)].out_terms):
@@ -141,6 +152,15 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
 
     _sum_at_parameters(raw, makers, pieces, layouts)
     reduce = _defer_param_reductions(graph, raw, world)
+    # bucket order, the same on every member of a group: the parameters whose first reader (in the
+    # program order all ranks share) comes last are ready first; a rank-local order would differ
+    # between members that read a tied weight at different points, and sum unlike tensors
+    first_read: Dict[int, int] = {}
+    op_index = {id(lop): i for i, lop in enumerate(logical)}
+    for lop, _, t, _ in raw:
+        first_read.setdefault(id(t), op_index[id(lop)])
+    for entries in reduce.values():
+        entries.sort(key=lambda e: -first_read.get(id(e[0]), -1))
 
     # emit: per logical op, its inputs' steps then the piece
     raw_by_op: Dict[int, List[Tuple[int, IRTensor, Dict[int, List[Step]]]]] = {}
@@ -152,6 +172,10 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         by = pieces[id(lop)]
         subst: Dict[int, Dict[int, IRTensor]] = {r: {} for r in by}
         for k, t, steps in raw_by_op.get(id(lop), []):
+            if (id(lop), k) in exchanges:
+                if exchanges[(id(lop), k)] is not None:
+                    _emit_exchange(t, exchanges[(id(lop), k)], made[id(t)], calls, subst)
+                continue
             base: Dict[int, IRTensor] = {}
             for r in steps:    # values from other device groups: sent once, received once
                 if steps[r] and steps[r][0].kind == "recv":
@@ -245,46 +269,109 @@ _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_
           "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f"}
 
 
-def _sources(t: IRTensor, made, need: Dict[int, Box], lop: IROperator, makers, tags: Dict[tuple, int]):
-    """Where each reader of ``t`` gets it: its own piece, or one received from another device group.
+def _sources(t: IRTensor, made, need: Dict[int, Box]):
+    """Where each reader of ``t`` gets it when collectives can move it: its own piece, or a whole
+    piece received from one rank of another device group that sends to no one else and reads
+    nothing itself (so the gradient it gets back is its piece's, counted once).
 
     Returns ``(src, moves)``: ``src[r] = (box, term)`` of the piece rank ``r``
-    starts from, and ``moves[r]``, the ``recv`` step of a rank that starts from
-    a piece sent by another rank (a whole piece, not a partial sum).
+    starts from, and ``moves[r]``, the ``recv`` step (tag 0: set by the caller)
+    of a rank that starts from a piece another rank sends.
 
     Raises:
-        ValueError: no rank holds a piece a reader can start from, or a value that
-            needs a gradient is made on a device that neither reads nor sends it.
+        LayoutError: no such pairing exists (a point-to-point exchange moves the value instead).
     """
     where = made.get(id(t), {})
     src = {r: where[r] for r in need if r in where}
     moves: Dict[int, Step] = {}
-    maker = makers.get(id(t))
-    made_by = f", made by {_describe(maker)}" if maker is not None else ""
     senders = set()
     for r in sorted(need):
         if r in src:
             continue
-        cands = sorted(q for q, (box, term) in where.items() if not term and contains(box, need[r]))
+        cands = sorted(q for q, (box, term) in where.items()
+                       if not term and contains(box, need[r]) and q not in need and q not in senders)
         if not cands:
-            raise ValueError(
-                f"{_describe(lop)} on device {r} reads {t!r}{made_by}, but no device holds a whole piece of it "
-                f"that covers what device {r} reads ({sorted(where)} hold pieces or partial sums). Place the "
-                f"reader on the producer's devices, or make the producer's pieces whole (replicate it).")
-        # prefer makers that read nothing themselves and send nothing yet: each gets its gradient back
-        q = min(cands, key=lambda c: (c in need, c in senders, c))
+            raise LayoutError(f"no rank of {sorted(where)} can send rank {r} a whole piece of {t!r} alone")
+        q = cands[0]
         senders.add(q)
-        tag = tags.setdefault((id(t), q, r), len(tags) + 1)
-        moves[r] = Step("recv", (q, r), box=where[q][0], tag=tag)
+        moves[r] = Step("recv", (q, r), box=where[q][0])
         src[r] = (where[q][0], ())
     if t.requires_grad and t.kind is not TensorKind.PARAM:
         idle = sorted(q for q in where if q not in need and q not in senders)
-        if idle:
-            raise ValueError(
-                f"{t!r}{made_by} is made on devices {sorted(where)} but {_describe(lop)} reads it only on "
-                f"{sorted(need)}: its gradient would be missing on {idle}. Place the consumer on every device "
-                f"of the producer, or the producer on fewer devices.")
+        if idle:   # replicas there would miss their gradient
+            raise LayoutError(f"{t!r} is made on ranks {idle} that neither read nor send it")
     return src, moves
+
+
+def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term], lop: IROperator, k: int,
+              makers, tags: Dict[tuple, int]) -> Dict[int, List[Take]]:
+    """Each reader's takes of ``t`` by point-to-point exchange (:mod:`cube.passes.exchange`).
+
+    Raises:
+        ValueError: some reader's box is not covered by the pieces of ``t``.
+    """
+    where = made.get(id(t), {})
+
+    def tag(q: int, r: int, region: Box) -> int:
+        return tags.setdefault((id(t), q, r, region, id(lop), k), len(tags) + 1)   # an op may read t twice
+    try:
+        return exchange(where, need, contrib, t.requires_grad, tag, what=repr(t))
+    except LayoutError as e:
+        maker = makers.get(id(t))
+        made_by = f", made by {_describe(maker)}," if maker is not None else ""
+        raise ValueError(f"{_describe(lop)} reads {t!r}{made_by} but its pieces do not hold all it reads: {e}. "
+                         f"Place every piece (and every partial sum) of the producer on some device.") from None
+
+
+def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict[int, List[Call]],
+                   subst: Dict[int, Dict[int, IRTensor]]) -> None:
+    """The calls of a point-to-point exchange: every send first (they never block), then on each
+    reader its receives and local slices, the gradient links to unchosen replicas, and the
+    assembly of its box (regions placed, partial-sum terms added)."""
+    name = t.name.replace('.', '_') if t.name else t.hint
+    for r, mine in takes.items():
+        for k in mine:
+            if k.src != r:
+                calls[k.src].append(Call([t], [], step=Step("send", (k.src, r), box=k.region, tag=k.tag,
+                                                            grad=k.grad, part=k.part)))
+            for q, tag, part in k.also:
+                calls[q].append(Call([t], [], step=Step("send", (q, r), box=k.region, tag=tag, grad="only",
+                                                        part=part)))
+    for r, mine in takes.items():
+        need = _union(k.region for k in mine)
+        values = []
+        for k in mine:
+            if k.src == r:
+                box = where[r][0]
+                if k.region == box and not k.grad:
+                    value = t
+                else:
+                    value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad and k.grad != "none",
+                                     TensorKind.ACTIVATION, f"{name}_part")
+                    calls[r].append(Call([t], [value], step=Step("region", (r,), box=k.region, part=k.part,
+                                                                 grad=k.grad)))
+            else:
+                value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad and k.grad != "none",
+                                 TensorKind.ACTIVATION, f"{name}_from{k.src}")
+                calls[r].append(Call([], [value], step=Step("recv", (k.src, r), box=k.region, tag=k.tag,
+                                                            grad=k.grad)))
+            for q, tag, _ in k.also:
+                linked = _moved(t, k.region, f"to{q}")
+                calls[r].append(Call([value], [linked], step=Step("grad_to", (q, r), box=k.region, tag=tag)))
+                value = linked
+            values.append((value, k.region))
+        if len(values) == 1 and values[0][1] == need:
+            subst[r][id(t)] = values[0][0]
+            continue
+        out = _moved(t, need, "x")
+        calls[r].append(Call([v for v, _ in values], [out],
+                             step=Step("assemble", (r,), box=need, parts=tuple(relative(b, need) for _, b in values))))
+        subst[r][id(t)] = out
+
+
+def _union(boxes) -> Box:
+    boxes = list(boxes)
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
 
 
 _COUNTED = ("cross_entropy_loss", "nll_loss")
@@ -466,11 +553,15 @@ def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
     """
     distinct = list(dict.fromkeys(sets.values()))
     union = frozenset().union(*distinct)
-    if sum(len(s) for s in distinct) != len(union):
+    # each reader's pieces sum over all of its devices: every rank holds a share of one sum, so the
+    # device groups may even overlap (a tied weight read on 2 devices by one op and 4 by another)
+    shares = all(len(steps) == 1 or all(s and s[-1].kind == "identity_all_reduce" and s[-1].ranks == tuple(sorted(steps))
+                                        for s in steps.values()) for _, steps in mine)
+    if not shares and sum(len(s) for s in distinct) != len(union):
         raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
-                         f"({[sorted(s) for s in distinct]}); place all its readers on the same devices, or "
-                         f"on disjoint device groups (e.g. a tied embedding and LM head in two stages)")
-    shares = all(all(groups[r] == {tuple(sorted(steps))} for r in steps) or len(steps) == 1 for _, steps in mine)
+                         f"({[sorted(s) for s in distinct]}) that do not each sum its gradient over all their "
+                         f"devices; place all its readers on the same devices, or on disjoint device groups "
+                         f"(e.g. a tied embedding and LM head in two stages)")
     whole = all(all(groups[r] == {()} for r in steps) for _, steps in mine)
     if shares:
         ranks_of = {r: tuple(sorted(union)) for r in union}

@@ -434,6 +434,53 @@ def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     return x if len(ranks) == 1 else Chunk.apply(x, ranks, dim)
 
 
+# ---------------------------------------------------------------- regions (point-to-point exchange)
+
+def region(x: torch.Tensor, part) -> torch.Tensor:
+    """The box ``part`` (``((start, stop), ...)`` per dim, relative to ``x``) of ``x``: a view."""
+    return x[tuple(slice(s, e) for s, e in part)]
+
+
+def assemble(values: Sequence[torch.Tensor], parts, shape: Sequence[int]) -> torch.Tensor:
+    """Adds each of ``values`` into its box ``parts[i]`` of a zero tensor of ``shape``.
+
+    The regions of one partial-sum term tile the result, so placing the regions
+    and summing the terms is one pass; the gradient of each value is its box of
+    the result's gradient (the adjoint).
+    """
+    shape = tuple(shape)
+    boxes = [tuple(slice(s, e) for s, e in part) for part in parts]
+    # the first term's regions tile the result: written once (no zeros to add them to); the
+    # other terms' regions are added to it
+    first, volume, total = 0, 0, 1
+    for d in shape:
+        total *= d
+    while first < len(parts) and volume < total and not any(
+            _overlap(parts[first], parts[k]) for k in range(first)):
+        volume += _numel(parts[first])
+        first += 1
+    if volume != total:
+        first = 0
+    out = values[0].new_empty(shape) if first else values[0].new_zeros(shape)
+    for i, (v, box) in enumerate(zip(values, boxes)):
+        if i < first:
+            out[box] = v
+        else:
+            out[box] += v
+    return out
+
+
+def _numel(part) -> int:
+    n = 1
+    for s, e in part:
+        n *= max(0, e - s)
+    return n
+
+
+def _overlap(a, b) -> bool:
+    return all(max(s0, s1) < min(e0, e1) for (s0, e0), (s1, e1) in zip(a, b))
+
+
 # ---------------------------------------------------------------- point to point
 
 class SendForward(Function):

@@ -109,17 +109,30 @@ def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
 
 class _Send(Function):
     @staticmethod
-    def forward(ctx, x, dst, tag):
+    def forward(ctx, x, dst, tag, value=True):
         tag = _tag(tag)
         ctx.args = (dst, tag, x.shape, x.dtype, x.device)
-        _isend(x, dst, tag)
+        if value:
+            _isend(x, dst, tag)
         if _EARLY[0]:
             _post(*ctx.args)
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad):
-        return _take(*ctx.args), None, None
+        return _take(*ctx.args), None, None, None
+
+
+class _GradTo(Function):
+    @staticmethod
+    def forward(ctx, x, dst, tag):
+        ctx.args = (dst, _tag(tag))
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _isend(grad, *ctx.args)
+        return grad, None, None
 
 
 class _Recv(Function):
@@ -178,17 +191,28 @@ def unstash(tag: int, requires_grad: bool) -> torch.Tensor:
     return _STASHED.pop(key)
 
 
-def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None,
+         value: bool = True) -> None:
     """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward.
 
     ``dtype``: the type the receiver expects (mixed precision computes some values in a lower one).
+    ``value=False``: nothing goes out, only the gradient comes back (``x`` replicates a piece another
+    rank sent; the receiver returns the gradient here too with :func:`grad_to`).
     """
     if dtype is not None and x.dtype != dtype:
         x = x.to(dtype)
     if grad and torch.is_grad_enabled() and x.requires_grad:
-        _MARKERS.append(_Send.apply(x, dst, tag))
-    else:
+        _MARKERS.append(_Send.apply(x, dst, tag, value))
+    elif value:
         _isend(x, dst, _tag(tag))
+
+
+def grad_to(x: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
+    """``x`` itself; in backward its gradient is also sent to ``dst`` (which holds a replica of the
+    piece ``x`` came from and waits for it with ``send(..., value=False)``)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _GradTo.apply(x, dst, tag)
+    return x
 
 
 def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,

@@ -355,12 +355,16 @@ def _state_modules():
 def _installed():
     """Replaces torch.distributed (for rank threads only) and per-process module state."""
     saved = []
+    made: Dict[int, Callable] = {}   # one wrapper per original: torch compares P2POp's op with c10d.isend
     for module in (dist, c10d):
         for name in _REPLACED:
             if hasattr(module, name):
                 original = getattr(module, name)
                 saved.append((module, name, original))
-                setattr(module, name, _dispatch(name, getattr(original, "__wrapped__", original)))
+                base = getattr(original, "__wrapped__", original)
+                if id(base) not in made:
+                    made[id(base)] = _dispatch(name, base)
+                setattr(module, name, made[id(base)])
     for module, name in _state_modules():
         value = getattr(module, name)
         saved.append((module, name, value))

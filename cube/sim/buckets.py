@@ -15,7 +15,6 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from cube.codegen.emit import _Emitter
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor
@@ -47,8 +46,8 @@ class Bucket:
 
 
 def reduce_order(graph: IRGraph, plan: RankPlan) -> List[Tuple[IRTensor, Tuple[int, ...]]]:
-    """The generated module's ``REDUCE`` entries, in its order."""
-    return _Emitter(graph, plan, [])._reduce_order()
+    """The generated module's ``REDUCE`` entries, in its order (the plan's)."""
+    return list(plan.reduce)
 
 
 def local_numel(plan: RankPlan) -> Dict[int, int]:

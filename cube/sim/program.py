@@ -161,7 +161,10 @@ class Builder(Writer, StepEnd):
         if s.kind in ("stash", "unstash"):   # the value stays where it is, for a later stage
             return
         if s.kind == "send":
-            self.send((s.ranks, s.tag, micro, "f"), _nbytes(box_shape(s.box), call.inputs[0].dtype), cat)
+            if s.grad != "only":   # a gradient-only link sends nothing forward
+                self.send((s.ranks, s.tag, micro, "f"), _nbytes(box_shape(s.box), call.inputs[0].dtype), cat)
+        elif s.kind == "assemble":
+            self.compute(self.costs.copy_cost(_nbytes(out.shape, out.dtype)), "assemble", cat)
         elif s.kind == "recv":
             self.recv((s.ranks, s.tag, micro, "f"), cat)
         elif s.kind in COLLECTIVES:
@@ -174,7 +177,7 @@ class Builder(Writer, StepEnd):
         if self.tag:
             self.re_made.add(id(out))
             self.re_values.append(out)
-        if s.kind in ("identity_all_reduce", "narrow"):
+        if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to"):
             self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
         else:
             self.mem.alloc(self.vkey(out, micro), _nbytes(out.shape, out.dtype))
@@ -224,7 +227,7 @@ class Builder(Writer, StepEnd):
         if s.grad == "none" or not out.requires_grad:
             return
         nbytes, n = _nbytes(out.shape, out.dtype), len(s.ranks)
-        if s.kind == "recv":
+        if s.kind in ("recv", "grad_to"):
             self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
         elif s.kind == "identity_all_reduce":
             self.coll("all_reduce", s.ranks, nbytes, "backward")

@@ -3,16 +3,14 @@
 Each test runs one plan, from (model, seed) or an explicit shrunk plan
 (``python -m tests.fuzz --shrink MODEL:SEED`` prints it), in a worker process
 under a time limit, and asserts it trains exactly like the plain model. Bugs
-in cube not fixed yet are strict xfails naming the bug: a fix turns them into
-unexpected passes, and then the mark (and the entry in ``tests.fuzz.known``)
-goes.
+in cube not fixed yet (``tests.fuzz.known.KNOWN``) are strict xfails naming the
+bug: a fix turns them into unexpected passes, and then the entry goes.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.fuzz.known import (KNOWN, PER_STAGE_REPLICATION, REPLICA_GROUP_MISMATCH, T5_DATA_PARALLEL,
-                              THREADWORLD_P2POP)
+from tests.fuzz.known import FOUND, KNOWN
 from tests.fuzz.plan import Place, Plan
 from tests.fuzz.pool import Worker
 
@@ -56,43 +54,40 @@ def _exact(worker: Worker, model: str, seed=None, plan: Plan = None) -> None:
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=PER_STAGE_REPLICATION)
 def test_replicated_later_stage_keeps_earlier_stage_gradients(worker):
     _exact(worker, "mlp", plan=REPLICATED_LATER_STAGE)
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=THREADWORLD_P2POP)
 def test_split_dim_change_runs_in_the_in_process_world(worker):
     _exact(worker, "mlp", plan=SPLIT_DIM_CHANGE)
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=PER_STAGE_REPLICATION)
 def test_replicated_last_of_three_gpipe_stages_keeps_earlier_gradients(worker):
     _exact(worker, "mlp", plan=REPLICATED_LAST_OF_THREE)
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=REPLICA_GROUP_MISMATCH)
 def test_value_replicated_on_fewer_devices_than_its_readers(worker):
     _exact(worker, "mlp", plan=NARROWER_PRODUCER)
 
 
 @pytest.mark.fuzz
-@pytest.mark.xfail(strict=True, reason=T5_DATA_PARALLEL)
 def test_t5_split_along_the_batch(worker):
     _exact(worker, "hf_t5", plan=T5_BATCH_SPLIT)
 
 
 def _found(model: str, seed: int):
-    marks = [pytest.mark.fuzz, pytest.mark.xfail(strict=True, reason=KNOWN[(model, seed)])]
+    marks = [pytest.mark.fuzz]
+    if (model, seed) in KNOWN:
+        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN[(model, seed)]))
     if model.startswith("hf_"):
         marks.append(pytest.mark.fuzz_slow)
     return pytest.param(model, seed, marks=marks, id=f"{model}-{seed}")
 
 
-@pytest.mark.parametrize("model,seed", [_found(m, s) for m, s in sorted(KNOWN)])
+@pytest.mark.parametrize("model,seed", [_found(m, s) for m, s in sorted(FOUND)])
 def test_fuzzed_plan(worker, model, seed):
-    """Each plan the fuzzer found failing, from (model, seed) (``tests.fuzz.known`` says why)."""
+    """Each plan the fuzzer found failing, from (model, seed) (``tests.fuzz.known.FOUND`` says which bug)."""
     _exact(worker, model, seed=seed)

@@ -1,0 +1,91 @@
+"""Parity of a plan in the in-process world (``cube.debug.run``): the compiled step on every rank
+against the plain model on the same full batches, loss and every parameter piece."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import tempfile
+from typing import Callable, List, Sequence, Tuple
+
+import torch
+
+import cube
+import cube.debug
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in double precision."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def batches_like(sample: Sequence[torch.Tensor], count: int, seed: int = 1) -> List[Tuple[torch.Tensor, ...]]:
+    """``count`` random batches shaped like ``sample`` (integer tensors below the sample's maximum + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
+                  else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
+            for _ in range(count)]
+
+
+def optimizer(name: str) -> Callable:
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=1e-2)
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-3)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
+           opt: str = "sgd", **compile_kw) -> List[Tuple[float, float]]:
+    """Runs ``steps`` steps of ``nmicros`` batches through cube on ``world`` in-process ranks and
+    eagerly (gradient accumulation of the mean micro-batch loss).
+
+    Returns:
+        Per rank: (largest relative loss error, largest relative parameter-piece error).
+    """
+    batches = batches_like(sample, steps * nmicros)
+    ref = copy.deepcopy(model)
+    make = optimizer(opt)
+    ref_opt = make(ref.parameters())
+    ref_losses = []
+    for i in range(steps):
+        loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.detach())
+    ref_params = dict(ref.named_parameters())
+    cache = tempfile.mkdtemp(prefix="cube-parity-")
+
+    def body():
+        it = iter(batches)
+
+        @cube.compile(copy.deepcopy(model), it, PAS=policy, cache_dir=cache, **compile_kw)
+        def train_iter(model, dataloader):
+            data = next(dataloader)
+            loss = model(*data)
+            loss.backward()
+            return loss
+        gen = cube.load_model()
+        gen_opt = make(gen.parameters())
+        losses = []
+        for _ in range(steps):
+            losses.append(train_iter(gen, it).detach())
+            gen_opt.step()
+            gen_opt.zero_grad()
+        loss_err = max(rel(a, b) for a, b in zip(losses, ref_losses))
+        param_err = 0.0
+        for local, p in gen.named_parameters():
+            names, splits = gen.PARAMS[local]
+            err = rel(p, cube.runtime.piece(ref_params[names[0]], splits))
+            if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
+                print(f"rank {cube.debug.rank()}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
+            param_err = max(param_err, err)
+        return loss_err, param_err
+    return cube.debug.run(body, world)
+
+
+def assert_exact(errors: List[Tuple[float, float]], tol: float = 1e-5) -> None:
+    worst = max(max(e) for e in errors)
+    assert worst <= tol, f"relative errors per rank (loss, parameters): {errors}"
