@@ -103,10 +103,6 @@ def test_replicated_producer_read_on_fewer_devices_is_exact():
 
 # ------------------------------------------------------------------ the exchange planner
 
-def _moved_bytes(takes):
-    return sum(1 for mine in takes.values() for k in mine for _ in [k] if k.tag)
-
-
 def test_exchange_sends_each_reader_only_its_rows_and_returns_each_gradient_once():
     box = ((0, 8), (0, 4))
     where = {0: (box, ())}                                   # one producer
@@ -150,3 +146,36 @@ def test_subtract_tiles_the_rest():
     cells = {(i, j) for b in rest for i in range(*b[0]) for j in range(*b[1])}
     assert len(cells) == sum((b[0][1] - b[0][0]) * (b[1][1] - b[1][0]) for b in rest)   # disjoint
     assert cells | {(i, j) for i in range(1, 3) for j in range(2, 4)} == {(i, j) for i in range(4) for j in range(4)}
+
+
+def test_report_shows_each_exchange_region_and_the_bytes_it_sends(tmp_path):
+    """1 -> 2 per-stage replication: stage 0 sends each of stage 1's devices only its half of the batch."""
+    import cube
+    model, sample = _gpt(batch=4)
+    policy = functools.partial(PASPipeDream, stage_to_num_ranks={0: 1, 1: 2})
+    cube.explain(model, sample, policy, 3, tmp_path)
+    text = (tmp_path / "plan.txt").read_text()
+    rank0 = text.split("== rank 0")[1].split("== rank 1")[0]
+    sends = [line for line in rank0.splitlines() if line.split()[1:2] == ["send"] and "sends" in line]
+    half = 2 * 16 * 32 * 4    # two of four rows, 16 positions, 32 features, float32
+    assert sends and all(line.endswith(f"sends {half} B") for line in sends), rank0
+    assert {line.split("ranks=")[1].split(")")[0] for line in sends} == {"(0, 1", "(0, 2"}
+    assert "sends in forward:" in rank0
+
+
+def test_exchange_check_catches_a_gradient_counted_twice_or_a_region_missed():
+    """The proof run after every exchange: replicated readers that both return the gradient (the
+    per-stage replication bug) and a region read by no one are internal errors."""
+    from dataclasses import replace
+
+    from cube.passes.exchange import CubeInternalError, check
+    box = ((0, 8),)
+    where, need, contrib = {0: (box, ())}, {1: box, 2: box}, {1: (), 2: ()}
+    takes = exchange(where, need, contrib, True, lambda q, r, b: 5)
+    check(where, need, contrib, True, takes)
+    doubled = {r: [replace(k, grad="") for k in mine] for r, mine in takes.items()}
+    with pytest.raises(CubeInternalError, match="counted other than once"):
+        check(where, need, contrib, True, doubled)
+    short = {1: [replace(takes[1][0], region=((0, 4),), part=((0, 4),))], 2: takes[2]}
+    with pytest.raises(CubeInternalError, match="do not tile"):
+        check(where, need, contrib, True, short)

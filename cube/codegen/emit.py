@@ -126,9 +126,9 @@ class _Emitter:
             return f"runtime.p2p.stash({self.value(call.inputs[0])}, tag={s.tag}{grad})"
         if s.kind == "recv":
             out = call.outputs[0]
-            grad = out.requires_grad and s.grad != "none"
+            back = ", grad_back=False" if out.requires_grad and s.grad == "none" else ""
             return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, dtype={out.dtype}, "
-                    f"device=self.device, requires_grad={grad})")
+                    f"device=self.device, requires_grad={out.requires_grad}{back})")
         if s.kind == "assemble":
             values = ", ".join(self.value(v) for v in call.inputs)
             return (f"runtime.collectives.assemble([{values}], parts={s.parts!r}, "
@@ -136,8 +136,10 @@ class _Emitter:
         x = self.value(call.inputs[0])
         if s.part is not None and s.kind in ("send", "region"):
             x = f"runtime.collectives.region({x}, {s.part!r})"
-        if s.kind == "region":
-            return x + (".detach()" if s.grad == "none" else "")
+        if s.kind == "region":   # grad "none": a gradient starts here but goes no further (another reader returns it)
+            if s.grad != "none":
+                return x
+            return x + (".detach().requires_grad_()" if call.outputs[0].requires_grad else ".detach()")
         if s.kind == "grad_to":
             return f"runtime.p2p.grad_to({x}, {s.ranks[0]}, tag={s.tag})"
         if s.kind == "send":

@@ -20,6 +20,10 @@ What a run holds, and why:
   the same run at the same point of the same backward. A run holding one turns
   checkpoint's early stop off, so the whole run, collectives included, is re-made
   on every member even where the tail of the run saved nothing.
+- No collective feeding an op some rank also feeds point to point (``Call.rerun``
+  is False, decided for all ranks when planning): a transfer cuts the run on
+  the ranks that make it, and the collective would be inside a run on some
+  members and outside on others.
 - No point-to-point send or receive: a send is posted asynchronously and waited
   for at the end of the step, a receive waits for one message. Re-run, a send
   would post a message no rank receives and a receive would wait for a message
@@ -152,8 +156,9 @@ def gather_transfers(calls: List[Call]) -> List[Call]:
     for i in range(len(out)):   # receives, first to last, up
         if out[i].step is not None and out[i].step.kind == "recv":
             g, j = _group_after(out, i), i
-            while g is not None and j > 0 and out[j - 1].op is not None and out[j - 1].op.recompute == g:
-                j -= 1
+            while g is not None and j > 0 and out[j - 1].op is not None and out[j - 1].op.recompute == g \
+                    and not _fed_by_collective(out, j - 1):   # kept beside its collectives: every member
+                j -= 1                                         # then re-runs them in the same run
             out.insert(j, out.pop(i))
     for i in range(len(out) - 1, -1, -1):   # sends, last to first, down
         if out[i].step is not None and out[i].step.kind == "send":
@@ -162,6 +167,15 @@ def gather_transfers(calls: List[Call]) -> List[Call]:
                 j += 1
             out.insert(j, out.pop(i))
     return out
+
+
+def _fed_by_collective(calls: List[Call], k: int) -> bool:
+    """Whether the steps right before op call ``k`` (those feeding it) hold a collective."""
+    while k > 0 and calls[k - 1].op is None and calls[k - 1].step.kind not in _P2P:
+        k -= 1
+        if calls[k].step.kind in _COMMUNICATING and len(calls[k].step.ranks) > 1:
+            return True
+    return False
 
 
 def _group_after(calls: List[Call], i: int) -> Optional[int]:
@@ -182,7 +196,7 @@ def _call_groups(calls: List[Call]) -> List[Optional[int]]:
         if call.op is not None:
             feeds = call.op.recompute
             out[i] = feeds
-        elif call.step.kind not in _P2P:
+        elif call.step.kind not in _P2P and call.rerun:
             out[i] = feeds
     return out
 

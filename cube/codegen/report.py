@@ -32,6 +32,23 @@ def _name(t) -> str:
     return t.names[0] if getattr(t, "names", None) else (t.hint or t.name or "value")
 
 
+def sent_bytes(call: Call) -> int:
+    """Bytes this rank sends in forward for a step (ring algorithms for collectives, as NCCL and
+    gloo use at these sizes); 0 for an op piece or a local step."""
+    s = call.step
+    if s is None:
+        return 0
+    value = call.inputs[0] if call.inputs else call.outputs[0]
+    if s.kind == "send":
+        return 0 if s.grad == "only" else math.prod(e - b for b, e in s.box) * value.dtype.itemsize
+    if not call.outputs or s.kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+        return 0
+    out = call.outputs[0]
+    n, nbytes = len(s.ranks), math.prod(out.shape) * out.dtype.itemsize
+    return {"all_reduce": 2 * (n - 1) * nbytes // n, "all_gather": (n - 1) * nbytes // n,
+            "reduce_scatter": (n - 1) * nbytes, "all_to_all": (n - 1) * nbytes // n}[s.kind]
+
+
 def _call_line(call: Call) -> str:
     if call.step is not None:
         s = call.step
@@ -39,6 +56,10 @@ def _call_line(call: Call) -> str:
         extra = f" dim={s.dim}" if s.kind in ("all_gather", "reduce_scatter", "chunk", "narrow") else ""
         extra += f"->{s.dim2}" if s.kind == "all_to_all" else ""
         extra = f" dim={s.dim}{extra}" if s.kind == "all_to_all" else extra
+        extra += f" box={s.box}" if s.kind in ("send", "recv", "region") and s.box else ""
+        extra += " (gradient only)" if s.kind == "send" and s.grad == "only" else ""
+        sent = sent_bytes(call)
+        extra += f"  sends {sent} B" if sent else ""
         return f"{s.kind:<20} {what}  ranks={tuple(s.ranks)}{extra}"
     op, lay = call.op, call.layout
     ins = ", ".join(f"{_name(t)}{_box(b, t.shape)}" for t, b in zip(op.inputs, lay.inputs))
@@ -63,6 +84,7 @@ def plan_text(graph: IRGraph, plans: Dict[int, RankPlan], actions: Optional[Dict
         out += [f"  {t.names[0]}{_box(b, t.shape)}" for t, b in params]
         out.append("forward:")
         out += [f"  {i:>4}  {_call_line(c)}" for i, c in enumerate(p.calls)]
+        out.append(f"sends in forward: {sum(sent_bytes(c) for c in p.calls) / 2**20:.3f} MiB")
         if p.reduce:
             out.append("gradients summed after backward (reducer):")
             out += [f"  {t.names[0]} over {tuple(ranks)}" for t, ranks in p.reduce]

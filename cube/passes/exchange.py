@@ -30,6 +30,10 @@ from cube.ir.layout import Box, Term
 from cube.passes.adapter import LayoutError
 
 
+class CubeInternalError(RuntimeError):
+    """An invariant of cube's own planning broke: a bug in cube, never a user's mistake."""
+
+
 @dataclass(frozen=True)
 class Take:
     """One region a reader takes from one producer piece.
@@ -130,3 +134,55 @@ def exchange(where: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib: 
                                   f"{ {q: where[q][0] for q in sorted(where)} }")
         out[r] = takes
     return out
+
+
+def check(where: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib: Dict[int, Term], grad: bool,
+          takes: Dict[int, List[Take]], what: str = "value") -> None:
+    """Proves an exchange right, independently of how it was planned.
+
+    Forward: for every partial-sum term, each reader's regions of that term tile
+    its box, each inside the piece it names. Backward: every producer piece gets,
+    for every reader class (readers of the same box with the same contribution
+    term are one class: replicas), the gradient of its overlap with that class's
+    box exactly once, counting returns (a region's gradient sent back to its
+    source) and gradient-only links.
+
+    Raises:
+        CubeInternalError: a region read twice or not at all, or a gradient counted
+            other than once.
+    """
+    def cells(box: Box) -> int:
+        n = 1
+        for s, e in box:
+            n *= e - s
+        return n
+
+    terms = sorted({term for _, term in where.values()})
+    for r, mine in takes.items():
+        for term in terms:
+            regions = [k.region for k in mine if where[k.src][1] == term]
+            if sum(cells(b) for b in regions) != cells(need[r]) or any(
+                    intersect(a, b) is not None for i, a in enumerate(regions) for b in regions[i + 1:]):
+                raise CubeInternalError(f"{what}: rank {r}'s regions {regions} of term {term} do not tile {need[r]}")
+            for k in mine:
+                if where[k.src][1] == term and intersect(k.region, where[k.src][0]) != k.region:
+                    raise CubeInternalError(f"{what}: rank {r} takes {k.region} from rank {k.src}, which holds "
+                                            f"{where[k.src][0]}")
+    if not grad:
+        return
+    received: Dict[Tuple[int, Tuple[Box, Term]], int] = {}   # (producer rank, reader class) -> cells
+    for r, mine in takes.items():
+        klass = (need[r], contrib.get(r, ()))
+        for k in mine:
+            back = [k.src] if k.grad != "none" else []
+            for q in back + [q for q, _, _ in k.also]:
+                received[(q, klass)] = received.get((q, klass), 0) + cells(k.region)
+    classes = {(need[r], contrib.get(r, ())) for r in need}
+    for q, (box, _) in where.items():
+        for klass in classes:
+            cut = intersect(box, klass[0])
+            want = 0 if cut is None else cells(cut)   # a scalar's box is () and holds one cell
+            if received.get((q, klass), 0) != want:
+                raise CubeInternalError(f"{what}: rank {q}'s piece {box} gets {received.get((q, klass), 0)} "
+                                        f"gradient cells from the readers of {klass[0]} (contribution "
+                                        f"{klass[1]}), not {want}: a gradient counted other than once")

@@ -15,7 +15,7 @@ from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import LayoutError, Step, transitions
-from cube.passes.exchange import Take, exchange, relative
+from cube.passes.exchange import Take, check, exchange, relative
 
 
 @dataclass(eq=False)
@@ -30,6 +30,7 @@ class Call:
     subst: Dict[int, IRTensor] = field(default_factory=dict)   # logical tensor id -> local value
     term_ranks: Tuple[int, ...] = ()        # ranks holding the other partial sums of the output
     count_of: Optional[IRTensor] = None     # the batch tensor a mean loss's targets are a view of
+    rerun: bool = True                      # a collective step recompute may run again in backward
 
 
 @dataclass
@@ -171,6 +172,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             continue
         by = pieces[id(lop)]
         subst: Dict[int, Dict[int, IRTensor]] = {r: {} for r in by}
+        before = {r: len(c) for r, c in calls.items()}
         for k, t, steps in raw_by_op.get(id(lop), []):
             if (id(lop), k) in exchanges:
                 if exchanges[(id(lop), k)] is not None:
@@ -202,6 +204,12 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                     value = out
                 local[r][key] = value
                 subst[r][id(t)] = value
+        fed = [c for r in calls for c in calls[r][before[r]:]]
+        if any(c.step.kind == "recv" for c in fed):
+            # some rank receives an input of this op point to point, which cuts a recompute run there:
+            # no member may re-run this op's collectives in backward (cube.codegen.recompute)
+            for c in fed:
+                c.rerun = False
         term_groups: dict = {}
         for r, p in by.items():
             lay = layouts[id(p)]
@@ -315,7 +323,9 @@ def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term],
     def tag(q: int, r: int, region: Box) -> int:
         return tags.setdefault((id(t), q, r, region, id(lop), k), len(tags) + 1)   # an op may read t twice
     try:
-        return exchange(where, need, contrib, t.requires_grad, tag, what=repr(t))
+        takes = exchange(where, need, contrib, t.requires_grad, tag, what=repr(t))
+        check(where, need, contrib, t.requires_grad, takes, what=repr(t))
+        return takes
     except LayoutError as e:
         maker = makers.get(id(t))
         made_by = f", made by {_describe(maker)}," if maker is not None else ""
@@ -346,13 +356,13 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
                 if k.region == box and not k.grad:
                     value = t
                 else:
-                    value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad and k.grad != "none",
+                    value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad,
                                      TensorKind.ACTIVATION, f"{name}_part")
                     calls[r].append(Call([t], [value], step=Step("region", (r,), box=k.region, part=k.part,
                                                                  grad=k.grad)))
             else:
-                value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad and k.grad != "none",
-                                 TensorKind.ACTIVATION, f"{name}_from{k.src}")
+                value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
+                                 f"{name}_from{k.src}")
                 calls[r].append(Call([], [value], step=Step("recv", (k.src, r), box=k.region, tag=k.tag,
                                                             grad=k.grad)))
             for q, tag, _ in k.also:

@@ -216,13 +216,19 @@ def grad_to(x: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
 
 
 def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-         requires_grad: bool) -> torch.Tensor:
-    """Receives a value from ``src``; with ``requires_grad`` its gradient is sent back in backward."""
+         requires_grad: bool, grad_back: bool = True) -> torch.Tensor:
+    """Receives a value from ``src``; with ``requires_grad`` its gradient is sent back in backward.
+
+    ``grad_back=False``: the value still starts a gradient here (the ops after it run backward
+    like those on the ranks that do send it back: their collectives must meet), but it is not
+    sent: another reader of the same piece returns it (:mod:`cube.passes.exchange`).
+    """
     _RECVS.append((src, tag, tuple(shape), dtype, device))
-    if requires_grad and torch.is_grad_enabled():
+    if requires_grad and grad_back and torch.is_grad_enabled():
         anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
         return _Recv.apply(anchor, src, tag, tuple(shape), dtype)
-    return _take(src, _tag(tag), shape, dtype, device)
+    y = _take(src, _tag(tag), shape, dtype, device)
+    return y.requires_grad_() if requires_grad and dtype.is_floating_point and torch.is_grad_enabled() else y
 
 
 def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]] = None,

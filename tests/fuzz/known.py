@@ -26,7 +26,18 @@ THREADWORLD_P2POP = ("cube.debug's in-process world: collectives._all_to_all bui
                      "in torch.distributed and distributed_c10d, so `op in (isend, irecv)` fails): "
                      "ValueError 'Invalid op' at run time on every plan that needs an all-to-all")
 
+REPLICA_READER_DEADLOCK = ("a value read by replicas of one op on ranks that also run a collective after it (tensor "
+                           "parallel base, one linear on one device, recompute): the replica that does not return "
+                           "the gradient read it detached, so its collectives had no backward and the other rank "
+                           "hung; and a receive moved to the edge of a recompute run split an op from its "
+                           "collective on one rank only")
+
+SCALAR_EXCHANGE_CHECK = ("the loss's partial sum (a scalar) read by ranks that do not make it: the exchange's "
+                         "proof took a scalar's box () for an empty overlap and refused a correct plan")
+
 FOUND = {
+    ("mlp", 5025): SCALAR_EXCHANGE_CHECK,
+    ("mlp", 67): REPLICA_READER_DEADLOCK,
     ("mlp", 33): PER_STAGE_REPLICATION,
     ("mlp", 65): PER_STAGE_REPLICATION,
     ("mlp", 69): REPLICA_GROUP_MISMATCH,
