@@ -6,26 +6,13 @@ import copy
 import os
 import sys
 import tempfile
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
 import cube
 import cube.debug
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """``||a - b|| / ||b||`` in double precision."""
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def batches_like(sample: Sequence[torch.Tensor], count: int, seed: int = 1) -> List[Tuple[torch.Tensor, ...]]:
-    """``count`` random batches shaped like ``sample`` (integer tensors below the sample's maximum + 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
-                  else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
-            for _ in range(count)]
+from tests.parity import batches_like, rel
 
 
 def optimizer(name: str) -> Callable:
@@ -37,9 +24,15 @@ def optimizer(name: str) -> Callable:
 
 
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
-           opt: str = "sgd", **compile_kw) -> List[Tuple[float, float]]:
+           opt: str = "sgd", build: Optional[Callable] = None, **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps of ``nmicros`` batches through cube on ``world`` in-process ranks and
     eagerly (gradient accumulation of the mean micro-batch loss).
+
+    Args:
+        opt: ``"sgd"`` or ``"adamw"``, on both sides.
+        build: makes the compiled module's optimizer (e.g. with ``cube.build_optimizer``); it must
+            step like ``opt`` (default: ``opt`` on the module's parameters).
+        compile_kw: passed to ``cube.compile`` (``zero=``, ``precision=``, ...).
 
     Returns:
         Per rank: (largest relative loss error, largest relative parameter-piece error).
@@ -68,7 +61,7 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
             loss.backward()
             return loss
         gen = cube.load_model()
-        gen_opt = make(gen.parameters())
+        gen_opt = build(gen) if build is not None else make(gen.parameters())
         losses = []
         for _ in range(steps):
             losses.append(train_iter(gen, it).detach())
@@ -76,12 +69,13 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
             gen_opt.zero_grad()
         loss_err = max(rel(a, b) for a, b in zip(losses, ref_losses))
         param_err = 0.0
-        for local, p in gen.named_parameters():
-            names, splits = gen.PARAMS[local]
-            err = rel(p, cube.runtime.piece(ref_params[names[0]], splits))
-            if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
-                print(f"rank {cube.debug.rank()}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
-            param_err = max(param_err, err)
+        with cube.runtime.zero.whole_parameters(gen):   # ZeRO-3 holds only chunks at rest
+            for local, p in gen.named_parameters():
+                names, splits = gen.PARAMS[local]
+                err = rel(p, cube.runtime.piece(ref_params[names[0]], splits))
+                if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
+                    print(f"rank {cube.debug.rank()}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
+                param_err = max(param_err, err)
         return loss_err, param_err
     return cube.debug.run(body, world)
 

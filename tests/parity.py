@@ -8,6 +8,26 @@ import torch
 import cube
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error of a tensor, ||a - b|| / ||b||, in double precision on the CPU.
+
+    (The largest elementwise deviation is not used for parameters: AdamW divides
+    each gradient by its own running magnitude, so an element whose gradient is
+    near zero turns round-off from a different summation order into an update
+    of size lr; that is the optimizer's sensitivity, not a wrong result.)
+    """
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+def batches_like(sample, count: int, seed: int = 1):
+    """``count`` random batches shaped like ``sample`` (integer tensors below the sample's maximum + 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
+                  else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
+            for _ in range(count)]
+
+
 def eager_run(model, batches, steps, lr=1e-3):
     """Plain single-device AdamW steps; returns (losses, parameters, buffers) by name."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

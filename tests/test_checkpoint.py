@@ -27,17 +27,12 @@ from examples.mlp.linears import MLP
 from policies.single import PASSingle
 from tests.launch import ROOT, torchrun
 from tests.models import HFCausalLM, build
-from tests.parity import compile_step
+from tests.parity import compile_step, rel
 from tests.workers.checkpoint_worker import LR, batch_stream, train
 
 LOSS_RTOL = 1e-6   # one or two steps after loading: observed 1e-7 (dp x tp) and 0 (pipeline)
 RTOL = 1e-5        # parameters and AdamW state (see tests/workers/parity_worker.py on AdamW near zero)
 WORKER = ROOT / "tests" / "workers" / "checkpoint_worker.py"
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def single_from(path, model_name="gpt_nobias"):

@@ -98,52 +98,21 @@ def _data_parallel(zero: int, steps: int, build_zero=None):
         Per rank: (stage of the optimizer, largest relative loss error, largest relative parameter
         error against the plain model under AdamW on the same batches).
     """
-    import copy
-    import tempfile
-
     import torch
 
     import cube.debug
+    from tests.inprocess import parity
     from tests.models import build
-    from tests.workers.bigmodel_worker import rel
-    model, sample = build("mlp")
-    gen = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(sample[0].shape, generator=gen),) for _ in range(steps)]
-    ref = copy.deepcopy(model)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    ref_losses = []
-    for b in batches:
-        loss = ref(*b)
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.detach())
-    ref_params = dict(ref.named_parameters())
-    cache = tempfile.mkdtemp(prefix="cube-zero-")
+    stages = {}
+    extra = {} if build_zero is None else {"zero": build_zero}
 
-    def body():
-        it = iter(batches)
-
-        @cube.compile(copy.deepcopy(model), it, PAS="policies.data:PASData", cache_dir=cache, zero=zero)
-        def train_iter(model, dataloader):
-            loss = model(*next(dataloader))
-            loss.backward()
-            return loss
-        gen_model = cube.load_model()
-        extra = {} if build_zero is None else {"zero": build_zero}
+    def build_opt(gen_model):
         opt = cube.build_optimizer(gen_model, torch.optim.AdamW, lr=1e-3, **extra)
-        stage = getattr(opt, "stage", 0)
-        loss_err = param_err = 0.0
-        for ref_loss in ref_losses:
-            loss_err = max(loss_err, rel(train_iter(gen_model, it), ref_loss))
-            opt.step()
-            opt.zero_grad()
-        with cube.runtime.zero.whole_parameters(gen_model):   # ZeRO-3 holds only chunks at rest
-            for local, p in gen_model.named_parameters():
-                names, splits = gen_model.PARAMS[local]
-                param_err = max(param_err, rel(p, cube.runtime.piece(ref_params[names[0]], splits)))
-        return stage, loss_err, param_err
-    return cube.debug.run(body, 2)
+        stages[cube.debug.rank()] = getattr(opt, "stage", 0)
+        return opt
+    model, sample = build("mlp")
+    errors = parity(model, sample, "policies.data:PASData", 2, steps=steps, opt="adamw", build=build_opt, zero=zero)
+    return [(stages[r], loss_err, param_err) for r, (loss_err, param_err) in enumerate(errors)]
 
 
 @pytest.mark.parametrize("zero", [3, 2, 1])

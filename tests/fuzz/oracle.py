@@ -32,7 +32,7 @@ from cube.runtime.threadworld import RankFailed
 from tests.fuzz.draw import FuzzPolicy
 from tests.fuzz.models import build
 from tests.fuzz.plan import Plan
-from tests.parity import compile_step
+from tests.parity import batches_like, compile_step, rel
 
 TOL = 1e-5
 STEPS = 2
@@ -76,19 +76,6 @@ def category(message: str) -> str:
     return "other: " + " ".join(message.split()[:8])
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
-
-
-def make_batches(sample, seed: int, count: int):
-    """``count`` batches shaped like ``sample``, drawn from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
-                  else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
-            for _ in range(count)]
-
-
 def reference(model, batches, nmicros: int):
     """Plain SGD steps with gradient accumulation: per step (loss, {name: parameter copy})."""
     model = copy.deepcopy(model)
@@ -117,7 +104,7 @@ def run(model_name: str, seed: Optional[int] = None, plan: Optional[Plan] = None
 def _judge(model_name: str, policy: FuzzPolicy) -> Result:
     model, sample = build(model_name)
     p = policy.plan
-    batches = make_batches(sample, 1000 + policy.seed, STEPS * p.nmicros)
+    batches = batches_like(sample, STEPS * p.nmicros, seed=1000 + policy.seed)
     ref = reference(model, batches, p.nmicros)
     failures = {}
     lock = threading.Lock()

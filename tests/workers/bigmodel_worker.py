@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 import cube  # noqa: E402
 from cube.runtime import piece  # noqa: E402
 from tests.models import hf_llama  # noqa: E402
+from tests.parity import rel  # noqa: E402
 
 SEED = 7
 STEPS = 3
@@ -72,11 +73,6 @@ def reference(nmicros: int, seed: int = SEED) -> dict:
         losses.append(loss.item())
     return {"state": state, "initial": initial, "losses": losses,
             "final": {k: v.detach().clone() for k, v in model.named_parameters()}}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 def rank_run(policy_name: str, source: str, ref: dict, cache_dir: str) -> dict:

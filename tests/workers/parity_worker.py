@@ -21,19 +21,7 @@ sys.path.insert(0, ROOT)
 import cube  # noqa: E402
 from cube.runtime import piece  # noqa: E402
 from tests.models import build  # noqa: E402
-from tests.parity import compile_step  # noqa: E402
-
-
-def rel(a, b):
-    """Relative error of a tensor, ||a - b|| / ||b||.
-
-    (The largest elementwise deviation is not used for parameters: AdamW divides
-    each gradient by its own running magnitude, so an element whose gradient is
-    near zero turns round-off from a different summation order into an update
-    of size lr; that is the optimizer's sensitivity, not a wrong result.)
-    """
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+from tests.parity import batches_like, compile_step, rel  # noqa: E402
 
 
 def main():
@@ -41,10 +29,7 @@ def main():
     nmicros = int(sys.argv[5]) if len(sys.argv) > 5 else 1   # batches per step (pipeline schedules)
     model, sample = build(name)
     ref = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(1)
-    batches = [tuple(torch.randn(t.shape, generator=gen) if t.dtype.is_floating_point
-                     else torch.randint(0, int(t.max()) + 1, t.shape, generator=gen) for t in sample)
-               for _ in range(steps * nmicros)]
+    batches = batches_like(sample, steps * nmicros)
     loader = iter(batches)
 
     # CUBE_PARITY_ZERO=1|2|3: a ZeRO optimizer; CUBE_PARITY_CLIP=x: clip the gradient norm to x
