@@ -5,6 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from examples.bigmodel.model import CausalLM as HFCausalLM
 from examples.gpt.model import GPT, GPTConfig
 from examples.mlp.linears import MLP
 
@@ -98,17 +99,6 @@ class WritesIntoViews(nn.Module):
         out.add_(self.emb(ids))
         logits = self.head(torch.tanh(out))
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-
-
-class HFCausalLM(nn.Module):
-    """Wraps a Hugging Face causal LM so forward returns the scalar loss."""
-
-    def __init__(self, hf_model):
-        super().__init__()
-        self.model = hf_model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def hf_gpt2(layers: int = 2):

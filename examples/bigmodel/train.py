@@ -40,18 +40,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import cube  # noqa: E402
+from examples.bigmodel.model import CausalLM  # noqa: E402
 from policies.megatron3d import PASMegatron  # noqa: E402
-
-
-class CausalLM(torch.nn.Module):
-    """A Hugging Face causal LM whose forward returns the scalar loss (names gain ``model.``)."""
-
-    def __init__(self, hf_model):
-        super().__init__()
-        self.model = hf_model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 class Batches:
