@@ -1,6 +1,7 @@
 """Launching a benchmark's worker under torchrun and reading back rank 0's rows."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import socket
@@ -8,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,3 +75,33 @@ def adamw_step(model, batches, policy, cache: str):
         opt.step()
         opt.zero_grad()
     return step, gen
+
+
+def worker_cli(doc: str, defaults: dict, quick_help: str, worker: Callable, main: Callable,
+               argv: Optional[Sequence[str]] = None) -> int:
+    """The command line of a benchmark that runs itself as its ranks' worker under torchrun:
+    ``--quick``, one option per entry of ``defaults`` (its type), and the hidden worker flags.
+
+    Returns:
+        The exit status: 1 when ``main`` raised a ``RuntimeError`` (printed), else 0.
+    """
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    for k, v in defaults.items():
+        p.add_argument(f"--{k}", type=type(v), default=None, help=f"(default {v})")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--cache", default="", help=argparse.SUPPRESS)
+    p.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        for k, v in defaults.items():
+            if getattr(args, k) is None:
+                setattr(args, k, v)
+        worker(args)
+        return 0
+    try:
+        main(args.quick, **{k: v for k, v in vars(args).items() if k in defaults and v is not None})
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0

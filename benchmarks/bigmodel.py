@@ -41,7 +41,7 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Dict, List
 
 import torch
 
@@ -50,6 +50,7 @@ if str(ROOT) not in sys.path:   # python benchmarks/bigmodel.py as well as pytho
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._torchrun import run_rows  # noqa: E402
+from examples.bigmodel.model import CausalLM  # noqa: E402
 
 GB = 1e9
 SEED = 1234
@@ -71,17 +72,6 @@ def llama_config(size: str):
                        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
                        num_key_value_heads=s["kv_heads"], max_position_embeddings=s["seq"], use_cache=False,
                        attention_dropout=0.0, tie_word_embeddings=False, attn_implementation="eager")
-
-
-class CausalLM(torch.nn.Module):
-    """A Hugging Face causal LM whose forward returns the scalar loss (its names gain ``model.``)."""
-
-    def __init__(self, hf_model):
-        super().__init__()
-        self.model = hf_model
-
-    def forward(self, input_ids, labels):
-        return self.model(input_ids=input_ids, labels=labels).loss
 
 
 def meta_model(size: str) -> CausalLM:
@@ -139,7 +129,6 @@ def write_weights(size: str, folder: Path, seed: int = SEED) -> float:
     persistent = set(hf.state_dict(keep_vars=True))
     torch.manual_seed(seed)
     shard: Dict[str, torch.Tensor] = {}
-    files: List[Dict[str, torch.Tensor]] = []
     names_of: List[List[str]] = []
     total = 0
 
@@ -277,8 +266,8 @@ def _row(r: dict) -> dict:
 
 
 def table(rows: List[dict], extra: dict) -> str:
-    out = [f"| rank | peak RSS GB | RSS after load GB | params | grads | Adam | activations | share | "
-           f"peak / (1.3 share + 0.5) | after load / 2.5 | peak set by | init s | safetensors s | step s |",
+    out = ["| rank | peak RSS GB | RSS after load GB | params | grads | Adam | activations | share | "
+           "peak / (1.3 share + 0.5) | after load / 2.5 | peak set by | init s | safetensors s | step s |",
            "|" + "---|" * 14]
     for r in rows:
         out.append(f"| {r['name'][5:]} | {r['peak_gb']:.2f} | {r['rss_after_load_gb']:.2f} | {r['params_gb']:.2f} | "

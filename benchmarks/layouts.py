@@ -37,7 +37,6 @@ R/1 -> D/2      point-to-point exchange     isend / irecv
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -49,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import run_rows  # noqa: E402
+from benchmarks._torchrun import run_rows, worker_cli  # noqa: E402
 
 DEFAULTS = {"nproc": 4, "rounds": 15, "warmup": 3, "sizes": "1,64", "threads": 1}
 QUICK = {"rounds": 15, "warmup": 3, "sizes": "1,8"}
@@ -271,7 +270,6 @@ def _input(spec: dict, rank: int):
 def _timed(fn, reps: int) -> float:
     """Seconds per call of ``fn`` (``reps`` calls between two barriers), the slowest rank's."""
     import time
-    import torch
     import torch.distributed as dist
     dist.barrier()
     t0 = time.perf_counter()
@@ -372,26 +370,7 @@ def main(quick: bool = False, **settings) -> List[dict]:
 
 
 def _cli(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1 and 8 MiB, 5 rounds")
-    for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k}", type=type(v), default=None, help=f"(default {v})")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--cache", default="", help=argparse.SUPPRESS)
-    p.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        for k, v in DEFAULTS.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-        worker(args)
-        return 0
-    try:
-        main(args.quick, **{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    return worker_cli(__doc__, DEFAULTS, "1 and 8 MiB", worker, main, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ and each rank's parameter + gradient + optimizer-state bytes after a step
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -27,7 +26,7 @@ from typing import List
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import compile_gpt, run_rows  # noqa: E402
+from benchmarks._torchrun import compile_gpt, run_rows, worker_cli  # noqa: E402
 from benchmarks.parallel import DEFAULTS, QUICK, _batches, _gpt, _Runner  # noqa: E402
 
 
@@ -136,26 +135,7 @@ def main(quick: bool = False, **settings) -> List[dict]:
 
 
 def _cli(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1 round of 3 steps")
-    for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k}", type=int, default=None, help=f"(default {v})")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--cache", default="", help=argparse.SUPPRESS)
-    p.add_argument("--out", default="", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.worker:
-        for k, v in DEFAULTS.items():
-            if getattr(args, k) is None:
-                setattr(args, k, v)
-        worker(args)
-        return 0
-    try:
-        main(args.quick, **{k: v for k, v in vars(args).items() if k in DEFAULTS and v is not None})
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        return 1
-    return 0
+    return worker_cli(__doc__, DEFAULTS, "1 round of 3 steps", worker, main, argv)
 
 
 if __name__ == "__main__":
