@@ -399,34 +399,16 @@ class _Emitter:
                 f"    return runtime.pipeline.run(model, batches, {self.actions!r}, loss_from={plan.loss_from!r}, "
                 f"loss_to={plan.loss_to!r})",
             ]
+        # values that move point to point: backward also runs from the sends' markers
         p2p = any(c.step is not None and c.step.kind in ("send", "recv", "grad_to") for c in plan.calls)
+        backward = ["    runtime.p2p.backward(loss)", "    runtime.p2p.finish()"] if p2p else ["    loss.backward()"]
         if plan.loss_sum:
             return lines + [
                 f"    loss = model({', '.join(names)})   # this rank's part of the loss",
                 f"    total = runtime.collectives.sum_async(loss, ranks={plan.loss_sum!r})   # overlaps backward",
-            ] + ([  # values move point to point: backward also runs from the sends' markers
-                "    runtime.p2p.backward(loss)",
-                "    runtime.p2p.finish()",
-            ] if p2p else ["    loss.backward()"]) + [
-                "    model.reduce_gradients()",
-                "    return total.wait()",
-            ]
-        if p2p:
-            # values move point to point: backward also runs from the sends' markers
-            return lines + [
-                f"    loss = model({', '.join(names)})",
-                "    runtime.p2p.backward(loss)",
-                "    runtime.p2p.finish()",
-                "    model.reduce_gradients()",
-                "    return loss.detach()",
-            ]
-        lines += [
-            f"    loss = model({', '.join(names)})",
-            "    loss.backward()",
-            "    model.reduce_gradients()",
-            "    return loss",
-        ]
-        return lines
+            ] + backward + ["    model.reduce_gradients()", "    return total.wait()"]
+        return lines + [f"    loss = model({', '.join(names)})"] + backward + [
+            "    model.reduce_gradients()", "    return loss.detach()" if p2p else "    return loss"]
 
 
 def _returns_tuple(op: IRFwOperation) -> bool:

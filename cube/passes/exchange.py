@@ -23,10 +23,11 @@ gradients of the distinct consumer pieces reading it: exactly once each.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
-from cube.ir.layout import Box, Term
+from cube.ir.layout import Box, Term, box_shape
 from cube.passes.adapter import LayoutError
 
 
@@ -152,10 +153,7 @@ def check(where: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib: Dic
             other than once.
     """
     def cells(box: Box) -> int:
-        n = 1
-        for s, e in box:
-            n *= e - s
-        return n
+        return math.prod(box_shape(box))   # a scalar's box () holds one cell
 
     terms = sorted({term for _, term in where.values()})
     for r, mine in takes.items():
@@ -181,7 +179,7 @@ def check(where: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib: Dic
     for q, (box, _) in where.items():
         for klass in classes:
             cut = intersect(box, klass[0])
-            want = 0 if cut is None else cells(cut)   # a scalar's box is () and holds one cell
+            want = 0 if cut is None else cells(cut)
             if received.get((q, klass), 0) != want:
                 raise CubeInternalError(f"{what}: rank {q}'s piece {box} gets {received.get((q, klass), 0)} "
                                         f"gradient cells from the readers of {klass[0]} (contribution "

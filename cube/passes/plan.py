@@ -129,12 +129,10 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             need = {r: layouts[id(p)].inputs[k] for r, p in readers.items()}
             contrib = {r: layouts[id(p)].in_terms[k] if t.requires_grad else () for r, p in readers.items()}
             try:
-                src, moves = _sources(t, made, need)
+                src, moves = _sources(t, made, need, tags)
                 steps = transitions(src, need, contrib, what=f"{t!r}")
                 for r, recv in moves.items():
                     steps[r].insert(0, recv)
-                    recv_tag = tags.setdefault((id(t), recv.ranks[0], r), len(tags) + 1)
-                    steps[r][0] = Step("recv", recv.ranks, box=recv.box, tag=recv_tag)
             except LayoutError as e:
                 if t.kind not in (TensorKind.ACTIVATION, TensorKind.DATA):
                     raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
@@ -277,14 +275,14 @@ _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_
           "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f"}
 
 
-def _sources(t: IRTensor, made, need: Dict[int, Box]):
+def _sources(t: IRTensor, made, need: Dict[int, Box], tags: Dict[tuple, int]):
     """Where each reader of ``t`` gets it when collectives can move it: its own piece, or a whole
     piece received from one rank of another device group that sends to no one else and reads
     nothing itself (so the gradient it gets back is its piece's, counted once).
 
     Returns ``(src, moves)``: ``src[r] = (box, term)`` of the piece rank ``r``
-    starts from, and ``moves[r]``, the ``recv`` step (tag 0: set by the caller)
-    of a rank that starts from a piece another rank sends.
+    starts from, and ``moves[r]``, the ``recv`` step of a rank that starts from
+    a piece another rank sends (a tag taken for a pairing then refused is never used: harmless).
 
     Raises:
         LayoutError: no such pairing exists (a point-to-point exchange moves the value instead).
@@ -302,7 +300,7 @@ def _sources(t: IRTensor, made, need: Dict[int, Box]):
             raise LayoutError(f"no rank of {sorted(where)} can send rank {r} a whole piece of {t!r} alone")
         q = cands[0]
         senders.add(q)
-        moves[r] = Step("recv", (q, r), box=where[q][0])
+        moves[r] = Step("recv", (q, r), box=where[q][0], tag=tags.setdefault((id(t), q, r), len(tags) + 1))
         src[r] = (where[q][0], ())
     if t.requires_grad and t.kind is not TensorKind.PARAM:
         idle = sorted(q for q in where if q not in need and q not in senders)
@@ -353,7 +351,7 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
         for k in mine:
             if k.src == r:
                 box = where[r][0]
-                if k.region == box and not k.grad:
+                if k.region == box and k.grad != "none":   # the whole piece, gradient included: itself
                     value = t
                 else:
                     value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad,
