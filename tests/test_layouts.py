@@ -101,6 +101,26 @@ def test_replicated_producer_read_on_fewer_devices_is_exact():
     assert_exact(parity(model, sample, split_stage, 2))
 
 
+
+def _reads_tied(op) -> bool:
+    return any(t.name and "wte" in t.name for t in op.inputs)
+
+
+@pytest.mark.parametrize("head_devices", [[1, 2, 3], [0, 1, 2, 3]], ids=["disjoint", "overlapping"])
+def test_tied_weight_read_whole_and_split_is_counted_once(head_devices):
+    """The tied embedding read whole on device 0, the blocks data parallel over 1..3, the LM head
+    reading the same weight replicated (whole on each of its devices): the head's copies of the
+    weight's gradient count once, the data parallel readers' shares all count."""
+    def choose(i, n, op, flow_of):
+        if _reads_tied(op) and op.name == "embedding":
+            return None, [0]
+        if _reads_tied(op):
+            return None, head_devices
+        return flow_of(3).split_of(op), [1, 2, 3]
+    model, sample = _gpt()
+    assert_exact(parity(model, sample, _by_op(choose), 4, opt="adamw"))
+
+
 # ------------------------------------------------------------------ the exchange planner
 
 def test_exchange_sends_each_reader_only_its_rows_and_returns_each_gradient_once():

@@ -38,7 +38,8 @@ class Step:
     """One communication (or local) step on a value.
 
     kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
-    ``chunk``, ``narrow`` (local, no group), ``identity_all_reduce``, or
+    ``chunk``, ``narrow`` (local, no group), ``identity_all_reduce``, ``detach`` (a
+    parameter read without its gradient: another device keeps that copy), or
     ``send`` / ``recv`` between device groups (``ranks`` = (source, destination)).
     """
 

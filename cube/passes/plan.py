@@ -7,7 +7,7 @@ moved once is reused by later readers on all members alike.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
@@ -116,6 +116,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     tags: Dict[tuple, int] = {}   # (tensor id, source, destination) -> tag of the transfer
     # (op id, input) -> each reader's takes (None: the op reads the same value through an earlier input)
     exchanges: Dict[Tuple[int, int], Optional[Dict[int, List[Take]]]] = {}
+    grad_ops = _ops_passing_gradients(logical, graph.loss)
+    live_recvs: set = set()   # (tensor id, source, destination) of receives some reader needs the gradient of
     for lop in logical:
         by = pieces[id(lop)]
         if isinstance(lop, IRDataOperation):
@@ -125,14 +127,19 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                     makers[id(t)] = lop
             continue
         for k, t in enumerate(lop.inputs):
+            # a read whose gradient never comes (the op's outputs reach no loss: a shape-only read)
+            # moves no gradient: a point-to-point sender would wait for it forever
+            grad = t.requires_grad and id(lop) in grad_ops
             readers = {r: p for r, p in by.items() if k not in layouts[id(p)].unread}
             need = {r: layouts[id(p)].inputs[k] for r, p in readers.items()}
-            contrib = {r: layouts[id(p)].in_terms[k] if t.requires_grad else () for r, p in readers.items()}
+            contrib = {r: layouts[id(p)].in_terms[k] if grad else () for r, p in readers.items()}
             try:
                 src, moves = _sources(t, made, need, tags)
                 steps = transitions(src, need, contrib, what=f"{t!r}")
                 for r, recv in moves.items():
                     steps[r].insert(0, recv)
+                    if grad:
+                        live_recvs.add((id(t),) + recv.ranks)
             except LayoutError as e:
                 if t.kind not in (TensorKind.ACTIVATION, TensorKind.DATA):
                     raise ValueError(f"{_describe(lop)} reads {t!r} in a layout cube cannot produce from "
@@ -142,7 +149,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 if twin is not None and (id(lop), twin) in exchanges:   # mul(x, x): one value serves both
                     exchanges[(id(lop), k)] = None
                 else:
-                    exchanges[(id(lop), k)] = _exchange(t, made, need, contrib, lop, k, makers, tags)
+                    exchanges[(id(lop), k)] = _exchange(t, made, need, contrib, grad, lop, k, makers, tags)
             raw.append((lop, k, t, steps))
         for r, p in by.items():
             for t, b, term in zip(p.outputs, layouts[id(p)].outputs, layouts[id(p)].out_terms):
@@ -150,7 +157,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 makers[id(t)] = lop
 
     _sum_at_parameters(raw, makers, pieces, layouts)
-    reduce = _defer_param_reductions(graph, raw, world)
+    reduce = _defer_param_reductions(graph, raw, world, alloc)
     # bucket order, the same on every member of a group: the parameters whose first reader (in the
     # program order all ranks share) comes last are ready first; a rank-local order would differ
     # between members that read a tied weight at different points, and sum unlike tensors
@@ -182,8 +189,11 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                     recv = steps[r].pop(0)
                     q = recv.ranks[0]
                     if (id(t), q) not in received[r]:
+                        if t.requires_grad and (id(t),) + recv.ranks not in live_recvs:
+                            recv = replace(recv, grad="none")   # no reader on r returns its gradient
                         out = _moved(t, recv.box, f"from{q}")
-                        calls[q].append(Call([t], [], step=Step("send", recv.ranks, box=recv.box, tag=recv.tag)))
+                        calls[q].append(Call([t], [], step=Step("send", recv.ranks, box=recv.box, tag=recv.tag,
+                                                                grad=recv.grad)))
                         calls[r].append(Call([], [out], step=recv))
                         received[r][(id(t), q)] = out
                     base[r] = received[r][(id(t), q)]
@@ -198,6 +208,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 value = base.get(r, t)
                 for s in steps[r]:
                     out = _moved(t, s.box, _SHORT[s.kind])
+                    if s.kind == "detach":   # one of several copies of a gradient: another device's is kept
+                        out.requires_grad = False
                     calls[r].append(Call([value], [out], step=s))
                     value = out
                 local[r][key] = value
@@ -272,7 +284,7 @@ def _moved(t: IRTensor, box: Box, suffix: str) -> IRTensor:
 
 
 _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_to_all": "a2a",
-          "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f"}
+          "chunk": "chunk", "narrow": "part", "identity_all_reduce": "f", "detach": "nograd"}
 
 
 def _sources(t: IRTensor, made, need: Dict[int, Box], tags: Dict[tuple, int]):
@@ -309,9 +321,10 @@ def _sources(t: IRTensor, made, need: Dict[int, Box], tags: Dict[tuple, int]):
     return src, moves
 
 
-def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term], lop: IROperator, k: int,
-              makers, tags: Dict[tuple, int]) -> Dict[int, List[Take]]:
-    """Each reader's takes of ``t`` by point-to-point exchange (:mod:`cube.passes.exchange`).
+def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term], grad: bool, lop: IROperator,
+              k: int, makers, tags: Dict[tuple, int]) -> Dict[int, List[Take]]:
+    """Each reader's takes of ``t`` by point-to-point exchange (:mod:`cube.passes.exchange`);
+    ``grad``: whether the readers return a gradient.
 
     Raises:
         ValueError: some reader's box is not covered by the pieces of ``t``.
@@ -321,8 +334,8 @@ def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term],
     def tag(q: int, r: int, region: Box) -> int:
         return tags.setdefault((id(t), q, r, region, id(lop), k), len(tags) + 1)   # an op may read t twice
     try:
-        takes = exchange(where, need, contrib, t.requires_grad, tag, what=repr(t))
-        check(where, need, contrib, t.requires_grad, takes, what=repr(t))
+        takes = exchange(where, need, contrib, grad, tag, what=repr(t))
+        check(where, need, contrib, grad, takes, what=repr(t))
         return takes
     except LayoutError as e:
         maker = makers.get(id(t))
@@ -375,6 +388,21 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
         calls[r].append(Call([v for v, _ in values], [out],
                              step=Step("assemble", (r,), box=need, parts=tuple(relative(b, need) for _, b in values))))
         subst[r][id(t)] = out
+
+
+def _ops_passing_gradients(logical: List[IROperator], loss: IRTensor) -> set:
+    """Ids of the forward ops whose backward runs: some output that needs a gradient reaches the
+    loss through ops that pass gradients. The others (an op read only for its output's shape)
+    return no gradient to what they read."""
+    live = {id(loss)}
+    out = set()
+    for lop in reversed(logical):
+        if isinstance(lop, IRDataOperation):
+            continue
+        if any(o.requires_grad and id(o) in live for o in lop.outputs):
+            out.add(id(lop))
+            live.update(id(t) for t in lop.inputs if t.requires_grad)
+    return out
 
 
 def _union(boxes) -> Box:
@@ -477,7 +505,8 @@ def _sum_at_parameters(raw, makers, pieces, layouts) -> None:
                 steps[r].pop()
 
 
-def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:
+def _defer_param_reductions(graph: IRGraph, raw, world: int,
+                            alloc: Dict[int, Dict[int, Box]]) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:
     """Moves the gradient sums of parameters out of the forward into the bucketed reducer.
 
     A parameter whose readers on every rank all sum their gradient over the
@@ -506,7 +535,7 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int) -> Dict[int, List[T
                 g = s[-1].ranks if s and s[-1].kind == "identity_all_reduce" else ()
                 groups.setdefault(r, set()).add(g)
         if len(set(sets.values())) > 1:
-            _tied_across_groups(t, mine, sets, groups, out)
+            _tied_across_groups(t, mine, sets, groups, out, alloc[id(t)])
             continue
         if any(len(g) != 1 for g in groups.values()):
             continue
@@ -550,14 +579,16 @@ def _matched_subgroups(distinct, groups) -> Optional[Dict[int, Tuple[int, ...]]]
             for k, g in enumerate(p) for r in g}
 
 
-def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
+def _tied_across_groups(t: IRTensor, mine, sets, groups, out, held: Dict[int, Box]) -> None:
     """Sums a parameter's gradient over the disjoint device groups of its readers.
 
     Readers whose pieces sum their gradients over their whole group (data
     parallel, or one device) hold shares of one sum over all the groups. Readers
     that run whole on each of their devices (replicas, e.g. inside a tensor
     parallel stage) hold complete copies: the k-th device of each group sums
-    with the k-th of the others.
+    with the k-th of the others. Any other mix (whole and split readings, groups
+    that overlap) is summed over all the readers' devices with one copy of each
+    reader piece's gradient kept (``_one_copy_each``).
     """
     distinct = list(dict.fromkeys(sets.values()))
     union = frozenset().union(*distinct)
@@ -565,25 +596,78 @@ def _tied_across_groups(t: IRTensor, mine, sets, groups, out) -> None:
     # device groups may even overlap (a tied weight read on 2 devices by one op and 4 by another)
     shares = all(len(steps) == 1 or all(s and s[-1].kind == "identity_all_reduce" and s[-1].ranks == tuple(sorted(steps))
                                         for s in steps.values()) for _, steps in mine)
-    if not shares and sum(len(s) for s in distinct) != len(union):
-        raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
-                         f"({[sorted(s) for s in distinct]}) that do not each sum its gradient over all their "
-                         f"devices; place all its readers on the same devices, or on disjoint device groups "
-                         f"(e.g. a tied embedding and LM head in two stages)")
     whole = all(all(groups[r] == {()} for r in steps) for _, steps in mine)
-    if shares:
+    if not shares and sum(len(s) for s in distinct) != len(union):
+        if _one_copy_each(mine, held):
+            ranks_of = {r: tuple(sorted(union)) for r in union}
+        else:
+            raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
+                             f"({[sorted(s) for s in distinct]}) that do not each sum its gradient over all "
+                             f"their devices, and its devices hold different pieces of it; place all its readers "
+                             f"on the same devices, or on disjoint device groups (e.g. a tied embedding and LM "
+                             f"head in two stages)")
+    elif shares:
         ranks_of = {r: tuple(sorted(union)) for r in union}
     elif whole and len({len(s) for s in distinct}) == 1:
         ordered = [sorted(s) for s in distinct]
         ranks_of = {r: tuple(sorted(o[k] for o in ordered)) for o in ordered for k, r in enumerate(o)}
     elif _matched_subgroups(distinct, groups) is not None:   # data parallel inside tensor parallel groups
         ranks_of = _matched_subgroups(distinct, groups)
+    elif _one_copy_each(mine, held):
+        ranks_of = {r: tuple(sorted(union)) for r in union}
     else:
         raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by ops "
-                         f"that mix whole and split readings of it; split its readers alike in every group")
+                         f"that mix whole and split readings of it, and its devices hold different pieces of "
+                         f"it; split its readers alike in every group")
     for _, steps in mine:
         for s in steps.values():
             if s and s[-1].kind == "identity_all_reduce":
                 s.pop()
     for r in union:
         out.setdefault(r, []).append((t, ranks_of[r]))
+
+
+def _one_copy_each(mine, held: Dict[int, Box]) -> bool:
+    """Makes a sum over all the readers' devices count each reader's gradient once, when it can.
+
+    Every piece of an op receives the complete gradient of its output, so a
+    reader piece's parameter gradient is complete where the piece runs whole,
+    and a share of one sum over its ``identity_all_reduce`` group otherwise.
+    Pieces reading the same box in one such unit (a group, or a lone device)
+    are copies across units: the unit of the lowest rank keeps its gradient,
+    the others read the parameter detached (``detach`` step, no gradient, and
+    no weight-gradient work). The reducer then sums every device's gradient
+    over all of them: each piece's once.
+
+    Only when every device holds the same piece of the parameter (one sum
+    over all of them is then well formed) and the readers take their boxes by
+    local ``narrow`` alone (a ``chunk``'s backward would gather, copying the
+    gradient inside its group). Returns False, changing nothing, otherwise.
+    """
+    if len(set(held.values())) != 1:
+        return False
+    plan = []
+    for _, steps in mine:
+        units: Dict[tuple, List[Tuple[int, ...]]] = {}
+        for r, s in steps.items():
+            body = s[:-1] if s and s[-1].kind == "identity_all_reduce" else s
+            if any(x.kind != "narrow" for x in body):
+                return False
+            group = s[-1].ranks if s and s[-1].kind == "identity_all_reduce" else (r,)
+            box = s[-1].box if s else held[r]
+            found = units.setdefault(box, [])
+            if group not in found:
+                found.append(group)
+        plan.append((steps, units))
+    for steps, units in plan:
+        for groups in units.values():
+            keep = min(groups, key=min)
+            for group in groups:
+                if group == keep:
+                    continue
+                for r in group:
+                    s = steps[r]
+                    if s and s[-1].kind == "identity_all_reduce":
+                        s.pop()
+                    s.append(Step("detach", (r,), box=s[-1].box if s else held[r]))
+    return True

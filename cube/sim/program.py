@@ -177,7 +177,7 @@ class Builder(Writer, StepEnd):
         if self.tag:
             self.re_made.add(id(out))
             self.re_values.append(out)
-        if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to"):
+        if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to", "detach"):
             self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
         else:
             self.mem.alloc(self.vkey(out, micro), _nbytes(out.shape, out.dtype))

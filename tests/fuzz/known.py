@@ -35,7 +35,18 @@ REPLICA_READER_DEADLOCK = ("a value read by replicas of one op on ranks that als
 SCALAR_EXCHANGE_CHECK = ("the loss's partial sum (a scalar) read by ranks that do not make it: the exchange's "
                          "proof took a scalar's box () for an empty overlap and refused a correct plan")
 
+SHAPE_ONLY_READ = ("a value read by an op whose output reaches no loss (BART's encoder reads the embeddings "
+                   "for their shape only), placed so that the value moves point to point: the sender waited in "
+                   "backward for a gradient the reader never computes (hang)")
+
+TIED_MIXED_READINGS = ("a tied weight read whole on one device group and both whole (replicated LM head) and "
+                       "batch-split on another: refused at compile ('mix whole and split readings') though one "
+                       "sum over all the readers' devices, with one copy of each replicated reader's gradient "
+                       "kept, is exact")
+
 FOUND = {
+    ("hf_bart", 5104): SHAPE_ONLY_READ,
+    ("hf_t5", 1103): TIED_MIXED_READINGS,
     ("mlp", 5025): SCALAR_EXCHANGE_CHECK,
     ("mlp", 67): REPLICA_READER_DEADLOCK,
     ("mlp", 33): PER_STAGE_REPLICATION,

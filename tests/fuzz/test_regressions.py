@@ -39,6 +39,11 @@ SPLIT_DIM_CHANGE = Plan(
     ndev=2, groups=((1, 0),), base=("rep",), data=(Place((0, 1), ((None, None, 2),)),),
     ops={4: Place((0, 1), ((0, 1, 2),)), 5: Place((0, 1), ((0, 0, 2),))})
 
+# hf_bart seed 5104 shrunk: the encoder's select read only for its shape (its output reaches no loss),
+# placed over the devices in another order: the exchange moved a gradient that never came back
+SHAPE_ONLY_READ = Plan(ndev=2, groups=((0, 1),), base=("dp",), data=(Place((0, 1), ((0, 0, 2),)),),
+                       ops={14: Place((1, 0), ((0, 0, 2),))})
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -76,6 +81,11 @@ def test_value_replicated_on_fewer_devices_than_its_readers(worker):
 @pytest.mark.fuzz
 def test_t5_split_along_the_batch(worker):
     _exact(worker, "hf_t5", plan=T5_BATCH_SPLIT)
+
+
+@pytest.mark.fuzz
+def test_shape_only_read_moves_no_gradient(worker):
+    _exact(worker, "hf_bart", plan=SHAPE_ONLY_READ)
 
 
 def _found(model: str, seed: int):
