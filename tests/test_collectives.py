@@ -52,3 +52,22 @@ def test_single_rank_primitives_are_noops_without_process_group():
         assert torch.equal(gx, g)
     assert not dist.is_initialized()
 
+
+
+def test_all_to_all_over_a_subgroup_in_the_in_process_world():
+    """Ranks 2 and 0 of three swap halves (torch's P2POp would look the in-process group up in
+    torch's own registry and refuse it)."""
+    import cube.debug
+
+    def body():
+        rank = cube.debug.rank()
+        if rank == 1:
+            return None
+        x = torch.arange(4.0).reshape(2, 2) + 10 * rank
+        return C.all_to_all(x, (2, 0), 0, 1)
+
+    out = cube.debug.run(body, 3)
+    x0, x2 = torch.arange(4.0).reshape(2, 2), torch.arange(4.0).reshape(2, 2) + 20
+    # ranks order (2, 0): rank 2 keeps row 0 of each, rank 0 row 1, concatenated along dim 1 in that order
+    assert torch.equal(out[2], torch.cat([x2[:1], x0[:1]], dim=1))
+    assert torch.equal(out[0], torch.cat([x2[1:], x0[1:]], dim=1))

@@ -106,16 +106,25 @@ def _reads_tied(op) -> bool:
     return any(t.name and "wte" in t.name for t in op.inputs)
 
 
-@pytest.mark.parametrize("head_devices", [[1, 2, 3], [0, 1, 2, 3]], ids=["disjoint", "overlapping"])
-def test_tied_weight_read_whole_and_split_is_counted_once(head_devices):
+HEADS = {   # how the LM head reads the tied weight: (split of the head op or None, its devices)
+    "replicated-disjoint": (None, [1, 2, 3]),
+    "replicated-overlapping": (None, [0, 1, 2, 3]),
+    "split-hidden": ((0, 2), [2, 1]),    # each device holds half the weight's columns
+}
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_tied_weight_read_whole_and_split_is_counted_once(head):
     """The tied embedding read whole on device 0, the blocks data parallel over 1..3, the LM head
-    reading the same weight replicated (whole on each of its devices): the head's copies of the
-    weight's gradient count once, the data parallel readers' shares all count."""
+    reading the same weight replicated (whole on each of its devices) or split along the hidden
+    dim: the head's copies of the weight's gradient count once, every share counts."""
+    split, devices = HEADS[head]
+
     def choose(i, n, op, flow_of):
         if _reads_tied(op) and op.name == "embedding":
             return None, [0]
         if _reads_tied(op):
-            return None, head_devices
+            return split, devices
         return flow_of(3).split_of(op), [1, 2, 3]
     model, sample = _gpt()
     assert_exact(parity(model, sample, _by_op(choose), 4, opt="adamw"))

@@ -149,7 +149,7 @@ class _Emitter:
                 grad += f", dtype={call.inputs[0].dtype}"
             return f"runtime.p2p.send({x}, {s.ranks[1]}, tag={s.tag}{grad})"
         if s.kind == "narrow":
-            start, stop = s.box[s.dim]
+            start, stop = s.part[s.dim]
             return _STEP_CALL["narrow"].format(x=x, dim=s.dim, start=start, stop=stop)
         grad = ", grad='R'" if s.kind == "all_gather" and s.grad == "R" else ""
         return _STEP_CALL[s.kind].format(x=x, ranks=s.ranks, dim=s.dim, dim2=s.dim2, grad=grad)

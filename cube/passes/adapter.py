@@ -52,11 +52,18 @@ class Step:
                                # the gradient comes back: a replica of the piece another rank sent)
     box: Optional[Box] = None  # the box the value covers after this step
     tag: int = 0               # send/recv/grad_to: matches the two sides
-    part: Optional[Box] = None     # send/region: the part of the input taken (relative to the input)
+    part: Optional[Box] = None     # send/region/narrow: the part of the input taken (relative to the input)
     parts: Tuple[Box, ...] = ()    # assemble: where each input goes in the output (relative)
 
     def signature(self) -> tuple:
         return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag, self.part, self.parts)
+
+
+def narrow_step(r: int, box: Box, target: Box, d: int) -> Step:
+    """The local ``narrow`` of the value holding ``box`` to ``target`` (smaller along dim ``d``
+    only); ``part`` is ``target`` relative to ``box``, as the generated call takes it."""
+    return Step("narrow", (r,), dim=d, box=target,
+                part=tuple((s - o, e - o) for (s, e), (o, _) in zip(target, box)))
 
 
 class LayoutError(ValueError):
@@ -174,7 +181,7 @@ def transitions(src: Dict[int, Tuple[Box, Term]], need: Dict[int, Box], contrib:
                 group = chunks(r, (b, d), lambda: [q for q in ranks if box[q] == b], parts, f"{what}: chunking")
                 order = sorted(group, key=lambda q: parts(q))
                 if len(group) == 1:
-                    steps[r].append(Step("narrow", (r,), dim=d, box=target))
+                    steps[r].append(narrow_step(r, b, target, d))
                 elif tile_dim(b, [parts(q) for q in order]) == d:
                     steps[r].append(Step("chunk", tuple(order), dim=d, box=target))
                 else:

@@ -14,7 +14,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box, piece_layout
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.adapter import LayoutError, Step, transitions
+from cube.passes.adapter import LayoutError, Step, narrow_step, transitions
 from cube.passes.exchange import Take, check, exchange, relative
 
 
@@ -639,27 +639,35 @@ def _one_copy_each(mine, held: Dict[int, Box]) -> bool:
     no weight-gradient work). The reducer then sums every device's gradient
     over all of them: each piece's once.
 
-    Only when every device holds the same piece of the parameter (one sum
-    over all of them is then well formed) and the readers take their boxes by
-    local ``narrow`` alone (a ``chunk``'s backward would gather, copying the
-    gradient inside its group). Returns False, changing nothing, otherwise.
+    One sum over all the devices needs them to hold the same piece of the
+    parameter: a device holding less (a reader split along the weight's dims
+    on some group) is given the bounding box of all (``held`` is updated; its
+    readers narrow it locally, their gradient zero elsewhere). Only when the
+    readers take their boxes by local ``narrow`` alone (a ``chunk``'s backward
+    would gather, copying the gradient inside its group). Returns False,
+    changing nothing, otherwise.
     """
-    if len(set(held.values())) != 1:
-        return False
-    plan = []
     for _, steps in mine:
-        units: Dict[tuple, List[Tuple[int, ...]]] = {}
         for r, s in steps.items():
             body = s[:-1] if s and s[-1].kind == "identity_all_reduce" else s
             if any(x.kind != "narrow" for x in body):
                 return False
+    whole = _union(held.values())
+    for r, box in list(held.items()):
+        if box == whole:
+            continue
+        for _, steps in mine:
+            if r in steps:
+                steps[r][:0] = _narrows(r, whole, box)
+        held[r] = whole
+    for _, steps in mine:
+        units: Dict[tuple, List[Tuple[int, ...]]] = {}
+        for r, s in steps.items():
             group = s[-1].ranks if s and s[-1].kind == "identity_all_reduce" else (r,)
             box = s[-1].box if s else held[r]
             found = units.setdefault(box, [])
             if group not in found:
                 found.append(group)
-        plan.append((steps, units))
-    for steps, units in plan:
         for groups in units.values():
             keep = min(groups, key=min)
             for group in groups:
@@ -671,3 +679,14 @@ def _one_copy_each(mine, held: Dict[int, Box]) -> bool:
                         s.pop()
                     s.append(Step("detach", (r,), box=s[-1].box if s else held[r]))
     return True
+
+
+def _narrows(r: int, box: Box, target: Box) -> List[Step]:
+    """Local ``narrow`` steps from ``box`` to ``target`` (inside it), one per dim that differs."""
+    out = []
+    for d in range(len(box)):
+        if box[d] != target[d]:
+            nxt = tuple(target[i] if i == d else box[i] for i in range(len(box)))
+            out.append(narrow_step(r, box, nxt, d))
+            box = nxt
+    return out

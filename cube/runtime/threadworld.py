@@ -237,6 +237,14 @@ def irecv(tensor, src=None, group=None, tag=0):
     return _Recv(tensor, src, tag)
 
 
+class P2POp:
+    """torch's ``P2POp`` without its checks: those look the group up in torch's registry of
+    process groups, which knows nothing of this world's groups."""
+
+    def __init__(self, op, tensor, peer=None, group=None, tag=0, group_peer=None):
+        self.op, self.tensor, self.peer, self.group, self.tag = op, tensor, peer, group, tag
+
+
 def batch_isend_irecv(p2p_op_list):
     works = []
     for op in p2p_op_list:
@@ -274,7 +282,7 @@ def destroy_process_group(group=None):
 
 _REPLACED = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
              "all_to_all", "broadcast", "barrier", "all_gather_object", "isend", "send", "recv", "irecv",
-             "batch_isend_irecv", "new_group", "get_rank", "get_world_size", "get_backend", "is_initialized",
+             "batch_isend_irecv", "P2POp", "new_group", "get_rank", "get_world_size", "get_backend", "is_initialized",
              "destroy_process_group"]
 
 
