@@ -10,7 +10,7 @@ logical tensor, in MiB; ``n`` ranks):
 pair            cube's plan                 torch (gloo on CPU)
 ==============  ==========================  =================================
 D -> R          all_gather                  all_gather_into_tensor
-V -> R          all_reduce                  all_reduce
+V -> R          all_reduce (in place)       all_reduce
 V -> D          reduce_scatter              reduce_scatter_tensor
 D(0) -> D(1)    all_to_all                  all_to_all_single (after the one
                                             copy that lays the chunks out)
@@ -171,8 +171,8 @@ def _cube_call(kind: str, planned, where, rank: int, x) -> Callable[[], object]:
             for s in steps:
                 if s.kind == "all_gather":
                     v = C.all_gather(v, s.ranks, s.dim, grad=s.grad)
-                elif s.kind == "all_reduce":
-                    v = C.all_reduce(v, s.ranks)
+                elif s.kind == "all_reduce":   # a linear's partial output: summed in place, as generated
+                    v = C.all_reduce(v, s.ranks, inplace=True)
                 elif s.kind == "reduce_scatter":
                     v = C.reduce_scatter(v, s.ranks, s.dim)
                 elif s.kind == "all_to_all":
@@ -183,6 +183,21 @@ def _cube_call(kind: str, planned, where, rank: int, x) -> Callable[[], object]:
         return run
     sends = [(r, t) for r, takes in planned.items() for t in takes if t.src == rank and r != rank]
     mine = planned.get(rank, [])
+    box = tuple((min(t.region[d][0] for t in mine), max(t.region[d][1] for t in mine))
+                for d in range(len(mine[0].region))) if mine else ()
+    shape = tuple(e - s for s, e in box)
+    rel = [tuple((s - o, e - o) for (s, e), (o, _) in zip(t.region, box)) for t in mine]
+    if len(mine) > 1 and any(t.src != rank for t in mine):   # as the plan does: one gather call
+        remote = tuple((t.src, t.tag, place, False, ()) for t, place in zip(mine, rel) if t.src != rank)
+        local = tuple((t.part, place, False, ()) for t, place in zip(mine, rel) if t.src == rank)
+
+        def gather():
+            for r, t in sends:
+                p2p.send(C.region(x, t.part), r, tag=t.tag, grad=False)
+            out = p2p.gather(x, remote, local, shape, torch.float32, cpu, requires_grad=False)
+            p2p.finish()
+            return out
+        return gather
 
     def run():
         for r, t in sends:
@@ -197,10 +212,7 @@ def _cube_call(kind: str, planned, where, rank: int, x) -> Callable[[], object]:
                                        requires_grad=False))
         out = None
         if values:
-            box = tuple((min(t.region[d][0] for t in mine), max(t.region[d][1] for t in mine))
-                        for d in range(len(mine[0].region)))
-            rel = tuple(tuple((s - o, e - o) for (s, e), (o, _) in zip(t.region, box)) for t in mine)
-            out = values[0] if len(values) == 1 else C.assemble(values, rel, tuple(e - s for s, e in box))
+            out = values[0] if len(values) == 1 else C.assemble(values, tuple(rel), shape)
         p2p.finish()
         return out
     return run
@@ -306,7 +318,8 @@ def worker(args):
             sent = bytes_sent(kind, planned)
             cube_bytes = max(sent.values(), default=0.0) if spec["basis"] == "per rank" else sum(sent.values())
             x = _input(spec, rank)
-            calls = {"cube": _cube_call(kind, planned, spec["where"], rank, x),
+            # cube's own copy of the input: its all-reduce sums in place, as torch's does
+            calls = {"cube": _cube_call(kind, planned, spec["where"], rank, None if x is None else x.clone()),
                      "torch": _torch_call(name, kind, planned, rank, n, x),
                      "fresh": _torch_call(name, kind, planned, rank, n, x, fresh=True)}
             # the same result (sums may differ in rounding); the in-place all-reduce last

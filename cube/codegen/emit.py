@@ -130,6 +130,14 @@ class _Emitter:
             back = ", grad_back=False" if out.requires_grad and s.grad == "none" else ""
             return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, dtype={out.dtype}, "
                     f"device=self.device, requires_grad={out.requires_grad}{back})")
+        if s.kind == "gather":
+            out = call.outputs[0]
+            me = s.ranks[0]
+            remote = tuple((src, tag, place, back, links) for src, tag, _, place, back, links in s.takes if src != me)
+            local = tuple((part, place, back, links) for src, _, part, place, back, links in s.takes if src == me)
+            x = self.value(call.inputs[0]) if call.inputs else "None"
+            return (f"runtime.p2p.gather({x}, remote={remote!r}, local={local!r}, shape={tuple(out.shape)!r}, "
+                    f"dtype={out.dtype}, device=self.device, requires_grad={out.requires_grad})")
         if s.kind == "assemble":
             values = ", ".join(self.value(v) for v in call.inputs)
             return (f"runtime.collectives.assemble([{values}], parts={s.parts!r}, "
@@ -279,7 +287,10 @@ class _Emitter:
             if op is None and not call.outputs:
                 lines.append(f"{ind}{self.step_call(call)}")
             elif op is None:
-                lines.append(f"{ind}{self.value(call.outputs[0])} = {self.step_call(call)}")
+                text = self.step_call(call)
+                if run is None and _sums_in_place(calls, i, last_use.get(i, ())):
+                    text = text[:-1] + ", inplace=True)"
+                lines.append(f"{ind}{self.value(call.outputs[0])} = {text}")
             else:
                 text = self.op_call(call)
                 if not op.outputs:
@@ -401,7 +412,7 @@ class _Emitter:
                 f"loss_to={plan.loss_to!r})",
             ]
         # values that move point to point: backward also runs from the sends' markers
-        p2p = any(c.step is not None and c.step.kind in ("send", "recv", "grad_to") for c in plan.calls)
+        p2p = any(c.step is not None and c.step.kind in ("send", "recv", "grad_to", "gather") for c in plan.calls)
         backward = ["    runtime.p2p.backward(loss)", "    runtime.p2p.finish()"] if p2p else ["    loss.backward()"]
         if plan.loss_sum:
             return lines + [
@@ -415,6 +426,30 @@ class _Emitter:
 def _returns_tuple(op: IRFwOperation) -> bool:
     returns = op.target._schema.returns
     return len(returns) != 1 or str(returns[0].type).startswith("List")
+
+
+# ops whose backward needs their inputs only, never their output: a partial sum one of them
+# has just made may be summed in place
+_OUTPUT_NOT_SAVED = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "embedding",
+                               "convolution", "conv1d", "conv2d", "conv3d"})
+
+
+def _sums_in_place(calls: List[Call], i: int, dying) -> bool:
+    """Whether the all-reduce ``calls[i]`` of a partial sum may sum into it: an op that does not
+    keep its output for backward made it, no call between read it, and none reads it afterwards
+    (not inside a recompute run, whose values its method returns)."""
+    call = calls[i]
+    if call.step.kind != "all_reduce":
+        return False
+    x = call.inputs[0]
+    if not any(t is x for t in dying):
+        return False
+    for c in reversed(calls[:i]):
+        if c.op is not None and any(o is x for o in c.op.outputs):
+            return c.op.name in _OUTPUT_NOT_SAVED
+        if any(t is x for t in c.inputs):
+            return False
+    return False
 
 
 def _last_uses(calls: List[Call], keep: IRTensor) -> Dict[int, List[IRTensor]]:

@@ -49,7 +49,7 @@ from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
 from cube.passes.plan import Call
 
-_P2P = ("send", "recv", "stash", "unstash")   # stash: to a later pipeline stage of the rank
+_P2P = ("send", "recv", "gather", "stash", "unstash")   # stash: to a later pipeline stage of the rank
 _COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")   # in forward
 
 

@@ -58,6 +58,10 @@ def _call_line(call: Call) -> str:
         extra = f" dim={s.dim}{extra}" if s.kind == "all_to_all" else extra
         extra += f" box={s.box}" if s.kind in ("send", "recv", "region") and s.box else ""
         extra += " (gradient only)" if s.kind == "send" and s.grad == "only" else ""
+        if s.kind == "gather":
+            srcs = sorted({src for src, *_ in s.takes if src != s.ranks[0]})
+            extra += f" box={s.box} from ranks {srcs}" + (" and itself" if any(
+                src == s.ranks[0] for src, *_ in s.takes) else "")
         sent = sent_bytes(call)
         extra += f"  sends {sent} B" if sent else ""
         return f"{s.kind:<20} {what}  ranks={tuple(s.ranks)}{extra}"

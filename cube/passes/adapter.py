@@ -39,8 +39,10 @@ class Step:
 
     kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
     ``chunk``, ``narrow`` (local, no group), ``identity_all_reduce``, ``detach`` (a
-    parameter read without its gradient: another device keeps that copy), or
-    ``send`` / ``recv`` between device groups (``ranks`` = (source, destination)).
+    parameter read without its gradient: another device keeps that copy),
+    ``send`` / ``recv`` between device groups (``ranks`` = (source, destination)), or,
+    for a point-to-point exchange, ``region``, ``grad_to``, ``assemble`` and ``gather`` (every
+    region of a reader's box received and placed in one call; ``ranks`` = (reader,)).
     """
 
     kind: str
@@ -54,9 +56,13 @@ class Step:
     tag: int = 0               # send/recv/grad_to: matches the two sides
     part: Optional[Box] = None     # send/region/narrow: the part of the input taken (relative to the input)
     parts: Tuple[Box, ...] = ()    # assemble: where each input goes in the output (relative)
+    # gather: per region (src, tag, part relative to src's piece, place in the output, gradient back,
+    # ((replica, tag), ...) linked for the gradient); src == ranks[0]: a local region (tag 0)
+    takes: Tuple[tuple, ...] = ()
 
     def signature(self) -> tuple:
-        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag, self.part, self.parts)
+        return (self.kind, self.ranks, self.dim, self.dim2, self.grad, self.box, self.tag, self.part, self.parts,
+                self.takes)
 
 
 def narrow_step(r: int, box: Box, target: Box, d: int) -> Step:

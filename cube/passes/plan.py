@@ -7,6 +7,8 @@ moved once is reused by later readers on all members alike.
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
@@ -181,7 +183,9 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         for k, t, steps in raw_by_op.get(id(lop), []):
             if (id(lop), k) in exchanges:
                 if exchanges[(id(lop), k)] is not None:
-                    _emit_exchange(t, exchanges[(id(lop), k)], made[id(t)], calls, subst)
+                    # a recompute run re-runs its calls: receives stay separate, moved to its edge
+                    fuse = all(getattr(p, "recompute", None) is None for p in by.values())
+                    _emit_exchange(t, exchanges[(id(lop), k)], made[id(t)], calls, subst, fuse)
                 continue
             base: Dict[int, IRTensor] = {}
             for r in steps:    # values from other device groups: sent once, received once
@@ -215,7 +219,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 local[r][key] = value
                 subst[r][id(t)] = value
         fed = [c for r in calls for c in calls[r][before[r]:]]
-        if any(c.step.kind == "recv" for c in fed):
+        if any(c.step.kind in ("recv", "gather") for c in fed):
             # some rank receives an input of this op point to point, which cuts a recompute run there:
             # no member may re-run this op's collectives in backward (cube.codegen.recompute)
             for c in fed:
@@ -345,10 +349,13 @@ def _exchange(t: IRTensor, made, need: Dict[int, Box], contrib: Dict[int, Term],
 
 
 def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict[int, List[Call]],
-                   subst: Dict[int, Dict[int, IRTensor]]) -> None:
+                   subst: Dict[int, Dict[int, IRTensor]], fuse: bool = True) -> None:
     """The calls of a point-to-point exchange: every send first (they never block), then on each
     reader its receives and local slices, the gradient links to unchosen replicas, and the
-    assembly of its box (regions placed, partial-sum terms added)."""
+    assembly of its box (regions placed, partial-sum terms added).
+
+    With ``fuse``, a reader whose regions tile its box (one term) and come from other ranks
+    too makes one ``gather`` call instead: every receive posted at once, into the result."""
     name = t.name.replace('.', '_') if t.name else t.hint
     for r, mine in takes.items():
         for k in mine:
@@ -360,6 +367,15 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
                                                         part=part)))
     for r, mine in takes.items():
         need = _union(k.region for k in mine)
+        if fuse and len(mine) > 1 and any(k.src != r for k in mine) \
+                and sum(math.prod(box_shape(k.region)) for k in mine) == math.prod(box_shape(need)):
+            out = _moved(t, need, "x")
+            regions = tuple((k.src, k.tag if k.src != r else 0, k.part, relative(k.region, need), k.grad != "none",
+                             tuple((q, tag) for q, tag, _ in k.also)) for k in mine)
+            local = [t] if any(k.src == r for k in mine) else []
+            calls[r].append(Call(local, [out], step=Step("gather", (r,), box=need, takes=regions)))
+            subst[r][id(t)] = out
+            continue
         values = []
         for k in mine:
             if k.src == r:

@@ -231,6 +231,20 @@ class AllReduce(Function):
         return grad, None
 
 
+class AllReduceInPlace(Function):
+    """V -> R by summing into the partial value itself; the gradient passes unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, ranks):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=group(ranks))
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class IdentityAllReduce(Function):
     """Identity forward, all-reduce backward (Megatron's ``f``)."""
 
@@ -313,18 +327,24 @@ def _ranks(ranks: Sequence[int]) -> Ranks:
     return ranks
 
 
-def all_reduce(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+def all_reduce(x: torch.Tensor, ranks: Sequence[int], inplace: bool = False) -> torch.Tensor:
     """Sums partial values over ``ranks`` (V -> R); the backward is the identity.
 
     Args:
         x: this rank's partial value.
         ranks: the global ranks holding the partial values.
+        inplace: sum into ``x`` itself (no copy). Only for a value nothing reads afterwards
+            and whose maker's backward does not need it (the generated code decides).
 
     Returns:
         The sum, on every rank of ``ranks``.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else AllReduce.apply(x, ranks)
+    if len(ranks) == 1:
+        return x
+    if inplace and x.is_contiguous() and not x._is_view():
+        return AllReduceInPlace.apply(x, ranks)
+    return AllReduce.apply(x, ranks)
 
 
 class PendingSum:

@@ -100,10 +100,10 @@ def check_weights(files: WeightFiles, tensors: Dict[int, _Tensor], strict: bool)
         problems.append(f"shapes differ ({len(shaped)}): {_listing(shaped)}")
     if problems:
         raise ValueError(f"cube.load_model(weights={str(files.path)!r}) does not match the compiled model's "
-                         f"state_dict() names:\n  " + "\n  ".join(problems) + "\nFix: pass rename=fn mapping the "
-                         f"file's names to the model's (e.g. lambda k: 'm.' + k when the model wraps the saved one "
-                         f"as self.m), or strict=False to skip missing/unexpected tensors (the model's tensors the "
-                         f"file lacks then come from init).")
+                         "state_dict() names:\n  " + "\n  ".join(problems) + "\nFix: pass rename=fn mapping the "
+                         "file's names to the model's (e.g. lambda k: 'm.' + k when the model wraps the saved one "
+                         "as self.m), or strict=False to skip missing/unexpected tensors (the model's tensors the "
+                         "file lacks then come from init).")
 
 
 def _decide(tensors: Dict[int, _Tensor], files: Optional[WeightFiles], ckpt: bool, init) -> None:

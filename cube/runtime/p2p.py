@@ -231,6 +231,87 @@ def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: t
     return y.requires_grad_() if requires_grad and dtype.is_floating_point and torch.is_grad_enabled() else y
 
 
+def _box(part) -> tuple:
+    return tuple(slice(s, e) for s, e in part)
+
+
+def _gather_forward(x: Optional[torch.Tensor], remote, local, shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every remote region received at once, straight into its place in the result where that
+    place is contiguous (a posted receive's own buffer, or a staging one, is copied in); the
+    local regions copied in while the messages land."""
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    landing = []
+    for src, tag, place, _, _ in remote:
+        _RECVS.append((src, tag, tuple(e - s for s, e in place), dtype, device))
+        tag = _tag(tag)
+        dst = out[_box(place)]
+        posted = _POSTED.pop((src, tag), None)
+        if posted is not None:
+            landing.append((posted[0], posted[1], dst))
+        elif dst.is_contiguous() and wire(device) == device:
+            landing.append((dist.irecv(dst, src, tag=tag), None, None))
+        else:
+            buf = torch.empty(dst.shape, dtype=dtype, device=wire(device))
+            landing.append((dist.irecv(buf, src, tag=tag), buf, dst))
+    for part, place, _, _ in local:
+        out[_box(place)] = x[_box(part)]
+    for work, buf, dst in landing:
+        work.wait()
+        if buf is not None:
+            dst.copy_(buf)
+    return out
+
+
+class _Gather(Function):
+    @staticmethod
+    def forward(ctx, anchor, x, remote, local, shape, dtype):
+        ctx.remote = [(src, _tag(tag), place, back, tuple((q, _tag(t)) for q, t in links))
+                      for src, tag, place, back, links in remote]
+        ctx.local = [(part, place, back, tuple((q, _tag(t)) for q, t in links)) for part, place, back, links in local]
+        ctx.x_meta = (x.shape, x.dtype) if x is not None else None
+        return _gather_forward(x, remote, local, shape, dtype, anchor.device)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for src, tag, place, back, links in ctx.remote:
+            g = grad[_box(place)]
+            if back:
+                _isend(g, src, tag)
+            for q, t in links:
+                _isend(g, q, t)
+        gx = None
+        if ctx.x_meta is not None and ctx.needs_input_grad[1]:
+            gx = grad.new_zeros(ctx.x_meta[0], dtype=ctx.x_meta[1])
+            for part, place, back, links in ctx.local:
+                g = grad[_box(place)]
+                for q, t in links:
+                    _isend(g, q, t)
+                if back:
+                    gx[_box(part)] += g
+        else:
+            for part, place, back, links in ctx.local:
+                for q, t in links:
+                    _isend(grad[_box(place)], q, t)
+        return None, gx, None, None, None, None
+
+
+def gather(x: Optional[torch.Tensor], remote, local, shape: Sequence[int], dtype: torch.dtype, device,
+           requires_grad: bool) -> torch.Tensor:
+    """A value assembled from regions of other ranks' pieces and of this rank's ``x``, which tile it.
+
+    ``remote``: ``(src, tag, place, grad_back, links)`` per region another rank sends (``place``:
+    its box in the result); ``local``: ``(part, place, grad_back, links)`` per region of ``x``
+    (``part`` relative to ``x``). In backward each region's gradient goes back to where it came
+    from when ``grad_back``, and to each ``(rank, tag)`` of ``links`` (the replicas of its source
+    piece, waiting with ``send(..., value=False)``). One call instead of a receive per region
+    and an assembly: the receives are all posted before any is waited for, into the result.
+    """
+    if requires_grad and torch.is_grad_enabled() and dtype.is_floating_point:
+        anchor = torch.empty(0, device=device, requires_grad=True)
+        return _Gather.apply(anchor, x, tuple(remote), tuple(local), tuple(shape), dtype)
+    return _gather_forward(x, remote, local, shape, dtype, device)
+
+
 def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]] = None,
              scale: float = 1.0) -> None:
     """Backward from the loss (when this rank made it; its gradient is ``scale``) and from send

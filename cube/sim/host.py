@@ -13,7 +13,6 @@ is missing the background is 0.
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
 from dataclasses import dataclass, replace

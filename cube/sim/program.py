@@ -14,6 +14,7 @@ instructions are those of ``cube.sim.instructions``.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Hashable, List, Optional
 
 from cube.codegen.emit import _last_uses
@@ -167,6 +168,13 @@ class Builder(Writer, StepEnd):
             self.compute(self.costs.copy_cost(_nbytes(out.shape, out.dtype)), "assemble", cat)
         elif s.kind == "recv":
             self.recv((s.ranks, s.tag, micro, "f"), cat)
+        elif s.kind == "gather":
+            me = s.ranks[0]
+            for src, tag, *_ in s.takes:
+                if src != me:
+                    self.recv(((src, me), tag, micro, "f"), cat)
+            local = sum(math.prod(box_shape(place)) for src, _, _, place, _, _ in s.takes if src == me)
+            self.compute(self.costs.copy_cost(local * out.dtype.itemsize), "gather", cat)
         elif s.kind in COLLECTIVES:
             nbytes = _nbytes(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
             self.coll(s.kind, s.ranks, nbytes, cat)
@@ -229,6 +237,14 @@ class Builder(Writer, StepEnd):
         nbytes, n = _nbytes(out.shape, out.dtype), len(s.ranks)
         if s.kind in ("recv", "grad_to"):
             self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
+        elif s.kind == "gather":
+            me = s.ranks[0]
+            for src, tag, _, place, back, links in s.takes:
+                size = _nbytes(box_shape(place), out.dtype)
+                if back and src != me:
+                    self.send(((src, me), tag, micro, "b"), size, "backward")
+                for q, t in links:
+                    self.send(((q, me), t, micro, "b"), size, "backward")
         elif s.kind == "identity_all_reduce":
             self.coll("all_reduce", s.ranks, nbytes, "backward")
         elif s.kind == "all_gather" and s.grad == "V":
@@ -266,7 +282,7 @@ class Builder(Writer, StepEnd):
     def build(self, optimizer: bool = True) -> Program:
         base = self.base()
         plan = self.plan
-        has_p2p = any(c.step is not None and c.step.kind in ("send", "recv") for c in self.calls)
+        has_p2p = any(c.step is not None and c.step.kind in ("send", "recv", "gather") for c in self.calls)
         if self.actions is None:
             self.forward(0)
             loss_key = self.coll("all_reduce", plan.loss_sum, 4, "loss", blocking=False) if plan.loss_sum else None

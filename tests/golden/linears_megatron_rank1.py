@@ -52,7 +52,7 @@ class GenModel(runtime.CubeModule):
         # linears.py:22: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear, self.layers_1_weight, None)
         del linear
-        linear_1_sum = runtime.collectives.all_reduce(linear_1, ranks=(0, 1))
+        linear_1_sum = runtime.collectives.all_reduce(linear_1, ranks=(0, 1), inplace=True)
         del linear_1
         linear_1_f = runtime.collectives.identity_fw_all_reduce_bw(linear_1_sum, ranks=(0, 1))
         del linear_1_sum
@@ -62,7 +62,7 @@ class GenModel(runtime.CubeModule):
         # linears.py:22: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2, self.layers_3_weight, None)
         del linear_2
-        linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1))
+        linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1), inplace=True)
         del linear_3
         # linears.py:23: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3_sum, linear_3_sum)

@@ -60,7 +60,7 @@ class GenModel(runtime.CubeModule):
         # linears.py:22: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2_rs, self.layers_3_weight, None)
         del linear_2_rs
-        linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1))
+        linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1), inplace=True)
         del linear_3
         # linears.py:23: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3_sum, linear_3_sum)
