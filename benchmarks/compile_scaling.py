@@ -20,6 +20,13 @@ total and for cube's own phases (all but trace).
 
 ``PAS1F1B`` puts one stage on each device, so a stack with fewer blocks than
 ranks is skipped (shown in the table with the reason).
+
+    python -m benchmarks.compile_scaling --llama7b [--ranks 64]
+
+What one rank of a real launch does (trace, plan, its own code, load) for a
+32-layer Llama of 7B parameters' shape built on the meta device, planned tp8 x
+pp8 (x dp for more ranks) with 1F1B, 8 micro-batches of 2 x 2048 tokens: the
+big-model target is under 30 s per rank at 64 ranks.
 """
 from __future__ import annotations
 
@@ -93,6 +100,57 @@ def measure(blocks: int, policy: str, ranks: int) -> dict:
             "nodes": nodes["fx"], "policy": policy, "ranks": ranks, "seconds": {p: timings[p] for p in PHASES},
             "total": total, "total_trace_ratio": total / timings["trace"], "target": "<= 10", "wall": clock() - wall,
             "lines": sum(s.count("\n") for s in sources.values())}
+
+
+LLAMA7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+           "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096}
+RANK_PHASES = ("trace", "ir", "policy", "plan", "codegen", "load")
+
+
+def measure_rank(ranks: int = 64, tp: int = 8, pp: int = 8, nmicros: int = 8, seq: int = 2048) -> dict:
+    """One rank's compile (rank 0 of ``ranks``) of the meta-built 7B-shape Llama: CPU seconds per
+    phase, wall, peak RSS, and the generated module's size."""
+    import functools
+    import resource
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import cube.compiler as compiler
+    from cube.policy import load_policy, policy_name
+    from examples.bigmodel.model import CausalLM
+    from policies.megatron3d import PASMegatron
+    cfg = LlamaConfig(**LLAMA7B, attn_implementation="eager", use_cache=False)
+    with torch.device("meta"):
+        model = CausalLM(LlamaForCausalLM(cfg))
+    params = sum(t.numel() for t in model.parameters())
+    ids = torch.randint(0, cfg.vocab_size, (2 * nmicros * max(1, ranks // (tp * pp)), seq))
+    structure, sample = compiler._structure((ids, ids))
+    policy = load_policy(functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=nmicros))
+    timings: Dict[str, float] = {}
+    wall, clock = time.perf_counter(), time.perf_counter
+    time.perf_counter = time.process_time   # CPU seconds, steady under other load
+    try:
+        graph, _ = compiler.trace_and_plan(model, sample, structure, policy, ranks, timings)
+        source = compiler.generate(graph, 0, ranks, policy_name(policy), timings=timings)
+        start = time.perf_counter()
+        exec(compile(source, "rank0.py", "exec"), {"__name__": "cube_gen_rank0"})
+        timings["load"] = time.perf_counter() - start
+    finally:
+        time.perf_counter = clock
+    return {"benchmark": "compile_scaling", "name": f"llama7b meta tp{tp} pp{pp} x{ranks}, one rank",
+            "params": params, "ranks": ranks, "seconds": {p: timings.get(p, 0.0) for p in RANK_PHASES},
+            "total": sum(timings.get(p, 0.0) for p in RANK_PHASES), "wall": clock() - wall,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "lines": source.count("\n"), "target": "<= 30 s"}
+
+
+def report_rank(row: dict) -> None:
+    print(f"{row['name']} ({row['params'] / 1e9:.2f}B parameters on meta): CPU seconds per phase")
+    print("".join(f"{p:>9}" for p in RANK_PHASES) + f"{'total':>9}{'wall':>9}{'peak MB':>9}{'lines':>8}")
+    print("".join(f"{row['seconds'][p]:>9.2f}" for p in RANK_PHASES) +
+          f"{row['total']:>9.2f}{row['wall']:>9.2f}{row['peak_rss_mb']:>9.0f}{row['lines']:>8}")
+    print(f"target: {row['target']} per rank: {'met' if row['wall'] <= 30 else 'NOT met'}")
 
 
 def run_fresh(blocks: int, policy: str, ranks: int, timeout: float = 1800) -> dict:
@@ -191,8 +249,12 @@ def _cli(argv=None) -> int:
                                                       "PASHybrid", "PASSingle"],
                    help=f"shipped policies (default {POLICIES})")
     p.add_argument("--repeat", type=int, default=1, help="runs per configuration, the fastest kept")
+    p.add_argument("--llama7b", action="store_true", help="one rank's compile of a meta 7B Llama (tp8 x pp8)")
     p.add_argument("--worker", nargs=3, metavar=("BLOCKS", "POLICY", "RANKS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.llama7b:
+        report_rank(measure_rank((args.ranks or [64])[0]))
+        return 0
     if args.worker:
         n, policy, world = args.worker
         print(_MARK + json.dumps(measure(int(n), policy, int(world))), flush=True)

@@ -15,7 +15,7 @@ V -> D          reduce_scatter              reduce_scatter_tensor
 D(0) -> D(1)    all_to_all                  all_to_all_single (after the one
                                             copy that lays the chunks out)
 D/2 -> D/4      point-to-point exchange     isend / irecv of the same regions
-D/4 -> R/1      point-to-point exchange     isend / irecv into the result
+D/4 -> R/1      exchange (p2p.gather)       isend / irecv into the result
 R/1 -> D/2      point-to-point exchange     isend / irecv
 ==============  ==========================  =================================
 

@@ -79,6 +79,62 @@ def test_init_under_torchrun(tmp_path):
     _check([json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)], 4, "hybrid")
 
 
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_meta_model_saves_merges_and_resumes_sharded(zero, tmp_path, cache):
+    """A meta-built model under dp2 x tp2 with ZeRO: 2 AdamW steps, save_checkpoint (each rank
+    writes its pieces), merge_checkpoint(path) equals the single-device model after 2 steps; a
+    fresh meta model resumed from the checkpoint takes step 3 like the single-device run."""
+    pas, nmicros = worker.policy("hybrid")
+    ref2, ref3 = worker.reference(nmicros, steps=2), _reference(nmicros)   # STEPS is 3
+    ckpt = tmp_path / "ckpt"
+    data = worker.batches(3 * nmicros)
+
+    def rank():
+        def compiled():
+            model = worker.meta_model()
+
+            @cube.compile(model, iter(data), PAS=pas, cache_dir=cache, zero=zero)
+            def train_iter(model, dataloader):
+                batch = next(dataloader)
+                loss = model(*batch)
+                loss.backward()
+                return loss
+            return model, train_iter
+
+        model, step = compiled()
+        torch.manual_seed(worker.SEED)
+        cmodel = cube.load_model(init=model.model._init_weights)
+        opt = cube.build_optimizer(cmodel, torch.optim.AdamW, lr=worker.LR)
+        loader = iter(data)
+        losses = []
+        for _ in range(2):
+            losses.append(step(cmodel, loader).item())
+            opt.step()
+            opt.zero_grad()
+        cube.save_checkpoint(ckpt, cmodel, opt)
+        model, step = compiled()   # a new process would do the same: nothing of the first run is kept
+        cmodel = cube.load_model(init=model.model._init_weights)
+        opt = cube.build_optimizer(cmodel, torch.optim.AdamW, lr=worker.LR)
+        cube.load_checkpoint(ckpt, cmodel, opt)
+        losses.append(step(cmodel, loader).item())
+        opt.step()
+        with cube.runtime.zero.whole_parameters(cmodel):   # ZeRO-3 holds only chunks at rest
+            err = max(worker.rel(p, piece(ref3["final"][cmodel.PARAMS[k][0][0]], cmodel.PARAMS[k][1]))
+                      for k, p in cmodel.named_parameters())
+        return losses, err, [t.is_meta for t in model.parameters()]
+
+    out = cube.debug.run(rank, 4)
+    for losses, err, meta in out:
+        assert losses == pytest.approx(ref3["losses"], rel=1e-5)
+        assert err <= 1e-5
+        assert all(meta)   # the user's model never held a value
+    state, opt_state = cube.merge_checkpoint(ckpt)
+    assert opt_state is not None and len(opt_state["state"]) == len(ref2["final"])
+    for name, want in ref2["final"].items():
+        assert worker.rel(state[name], want) <= 1e-5, name
+
+
 # ---------------------------------------------------------------------- one rank: sources and errors
 def _meta_llama():
     with torch.device("meta"):
@@ -233,7 +289,18 @@ class _Counting:
         return next(self.items)
 
 
-def test_middle_pipeline_stages_never_take_a_batch(cache):
+class _OnlyFirst(_Counting):
+    """A loader that gives compile its batch, then raises: a rank with no data of its own."""
+
+    def __next__(self):
+        if self.calls:
+            raise RuntimeError("this rank's loader has no data after the first batch")
+        return super().__next__()
+
+
+def _four_stage_run(cache, loader_of):
+    """A 4-stage pipeline (tp1 x pp4, 2 micro-batches) of 3 steps; each rank's loader is
+    ``loader_of(rank, data)``. Returns (per rank: next() calls, losses, data part) and eager's losses."""
     from policies.megatron3d import PASMegatron
     gen = torch.Generator().manual_seed(1)
     data = []
@@ -245,7 +312,7 @@ def test_middle_pipeline_stages_never_take_a_batch(cache):
 
     def rank():
         model, _ = build("gpt4_nobias")
-        loader = _Counting(data)
+        loader = loader_of(cube.debug.rank(), data)
 
         @cube.compile(model, loader, PAS=functools.partial(PASMegatron, tp=1, pp=4, nmicros=2), cache_dir=cache)
         def train_iter(model, dataloader):
@@ -257,9 +324,21 @@ def test_middle_pipeline_stages_never_take_a_batch(cache):
         losses = [train_iter(cmodel, loader).item() for _ in range(3)]
         return loader.calls, losses, cube.runtime.data.part()
 
-    out = cube.debug.run(rank, 4)
+    return cube.debug.run(rank, 4), ref
+
+
+def test_middle_pipeline_stages_never_take_a_batch(cache):
+    out, ref = _four_stage_run(cache, lambda rank, data: _Counting(data))
     assert [calls for calls, _, _ in out] == [6, 1, 1, 6]   # stages 1 and 2 only had compile's read
     assert [p.reads for _, _, p in out] == [True, False, False, True]
     assert out[0][2].items == ([], None) and out[3][2].items == (None, [])   # ids first, targets last
+    for _, losses, _ in out:
+        assert losses == pytest.approx(ref, rel=1e-6)
+
+
+def test_middle_stage_loader_that_raises_after_the_first_batch_trains(cache):
+    """The middle stages' loaders raise on any read after compile's: training never asks them."""
+    out, ref = _four_stage_run(cache, lambda rank, data: _OnlyFirst(data) if rank in (1, 2) else _Counting(data))
+    assert [calls for calls, _, _ in out] == [6, 1, 1, 6]
     for _, losses, _ in out:
         assert losses == pytest.approx(ref, rel=1e-6)

@@ -194,6 +194,10 @@ class _Emitter:
             lines.append("    ]")
         else:
             lines.append("    REDUCE = []")
+        after = [self.attr_names[id(t)] for t, _ in reduce if id(t) in self.plan.reduce_after]
+        if after:
+            lines.append("    # read by other ops on other ranks of their group: summed after backward, in order")
+            lines.append(f"    REDUCE_AFTER = {after!r}")
         lines.append("    # process groups, made in this order on every rank")
         lines.append(f"    GROUPS = {list(self.groups)!r}")
         if getattr(self.graph, "precision", None):

@@ -50,6 +50,10 @@ class RankPlan:
     loss_sum: Tuple[int, ...] = ()   # forward returns a partial loss, summed over these ranks by train_step
     loss_from: Optional[int] = None  # scheduled plans: the rank that sends this rank the step's loss
     loss_to: Tuple[int, ...] = ()    # scheduled plans: the ranks this rank sends the step's loss to
+    # ids of parameters (of ``reduce``) summed only after backward: their gradients become ready at
+    # different points of backward on different members of the group (a tied weight read by other
+    # ops on other ranks), so a sum started from backward would meet other collectives there
+    reduce_after: frozenset = frozenset()
 
 
 def _origin(op: IROperator) -> IROperator:
@@ -159,7 +163,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 makers[id(t)] = lop
 
     _sum_at_parameters(raw, makers, pieces, layouts)
-    reduce = _defer_param_reductions(graph, raw, world, alloc)
+    after: set = set()
+    reduce = _defer_param_reductions(graph, raw, world, alloc, after)
     # bucket order, the same on every member of a group: the parameters whose first reader (in the
     # program order all ranks share) comes last are ready first; a rank-local order would differ
     # between members that read a tied weight at different points, and sum unlike tensors
@@ -277,7 +282,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         plans[r] = RankPlan(r, world, data_piece, list(layouts[id(data_piece)].outputs), calls[r], attrs,
                             reduce.get(r, []), finals[r], loss_sums.get(r, ()),
                             loss_from.get(r) if scheduled else None,
-                            tuple(q for q, src in loss_from.items() if src == r) if scheduled else ())
+                            tuple(q for q, src in loss_from.items() if src == r) if scheduled else (),
+                            frozenset(id(t) for t, _ in reduce.get(r, []) if id(t) in after))
     return plans
 
 
@@ -521,8 +527,8 @@ def _sum_at_parameters(raw, makers, pieces, layouts) -> None:
                 steps[r].pop()
 
 
-def _defer_param_reductions(graph: IRGraph, raw, world: int,
-                            alloc: Dict[int, Dict[int, Box]]) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:
+def _defer_param_reductions(graph: IRGraph, raw, world: int, alloc: Dict[int, Dict[int, Box]],
+                            after: set) -> Dict[int, List[Tuple[IRTensor, Tuple[int, ...]]]]:
     """Moves the gradient sums of parameters out of the forward into the bucketed reducer.
 
     A parameter whose readers on every rank all sum their gradient over the
@@ -552,6 +558,7 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int,
                 groups.setdefault(r, set()).add(g)
         if len(set(sets.values())) > 1:
             _tied_across_groups(t, mine, sets, groups, out, alloc[id(t)])
+            after.add(id(t))   # read by different ops on different members: summed after backward
             continue
         if any(len(g) != 1 for g in groups.values()):
             continue

@@ -71,7 +71,9 @@ class CubeModule(torch.nn.Module):
         collectives.create_groups(self.GROUPS)
         # the buckets share the groups of the step's collectives: separate groups measured
         # slower on CPU (more gloo threads than cores), and collectives stay in one order
-        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE])
+        after = set(getattr(self, "REDUCE_AFTER", ()))
+        self._reducer = Reducer([(getattr(self, name), tuple(ranks)) for name, ranks in self.REDUCE],
+                                after=[getattr(self, name) for name in after])
 
     def reduce_gradients(self) -> None:
         """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""

@@ -65,19 +65,24 @@ class Reducer:
             to be ready; every rank of ``ranks`` lists its matching parameters
             in the same order with the same shapes.
         bucket_bytes: the size at which a bucket is closed (default ``CUBE_BUCKET_MB`` or 25 MiB).
+        after: parameters summed only by ``finish``, in buckets of their own placed after the
+            others: their gradients are ready at different points of backward on different
+            ranks of the group, where a sum launched from backward could meet another collective.
     """
 
     def __init__(self, entries: Sequence[Tuple[torch.nn.Parameter, Tuple[int, ...]]],
-                 bucket_bytes: int = 0, first_bucket_bytes: int = 0):
+                 bucket_bytes: int = 0, first_bucket_bytes: int = 0,
+                 after: Sequence[torch.nn.Parameter] = ()):
         bucket_bytes = bucket_bytes or config.bucket_bytes(DEFAULT_BUCKET_BYTES)
         first_bucket_bytes = first_bucket_bytes or min(bucket_bytes, FIRST_BUCKET_BYTES)
         self.buckets: List[_Bucket] = []
         self._of: Dict[int, _Bucket] = {}
         open_: Dict[tuple, Tuple[List[torch.nn.Parameter], int]] = {}
+        late = {id(p) for p in after}
         for p, ranks in entries:
             if len(ranks) < 2:
                 continue
-            key = (tuple(ranks), p.dtype, p.device)
+            key = (tuple(ranks), p.dtype, p.device, id(p) in late)
             params, size = open_.get(key, ([], 0))
             params.append(p)
             size += p.numel() * p.element_size()
@@ -90,10 +95,11 @@ class Reducer:
         for key, (params, _) in open_.items():
             self._close(params, key[0])
         order = {id(p): i for i, (p, _) in enumerate(entries)}
-        self.buckets.sort(key=lambda b: min(order[id(p)] for p in b.params))
+        self.buckets.sort(key=lambda b: (id(b.params[0]) in late, min(order[id(p)] for p in b.params)))
+        self._hooked = len([b for b in self.buckets if id(b.params[0]) not in late])
         self._next = 0   # buckets launch in this order on every rank, so collectives match
         self._held = False
-        for b in self.buckets:
+        for b in self.buckets[:self._hooked]:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook)
 
@@ -112,7 +118,7 @@ class Reducer:
             return
         b = self._of[id(p)]
         b.ready += 1
-        while self._next < len(self.buckets):
+        while self._next < self._hooked:
             nxt = self.buckets[self._next]
             if nxt.ready < len(nxt.params):
                 break

@@ -44,7 +44,12 @@ TIED_MIXED_READINGS = ("a tied weight read whole on one device group and both wh
                        "sum over all the readers' devices, with one copy of each replicated reader's gradient "
                        "kept, is exact")
 
+TIED_BUCKET_ORDER = ("a tied weight read by other ops on other ranks of its sum's group: its gradient is ready at "
+                     "another point of backward on each rank, and the bucket all-reduce launched from there met "
+                     "another rank's all-gather of an activation in the same group (mismatched collectives)")
+
 FOUND = {
+    ("gpt_nobias", 100231): TIED_BUCKET_ORDER,
     ("hf_bart", 5104): SHAPE_ONLY_READ,
     ("hf_t5", 1103): TIED_MIXED_READINGS,
     ("mlp", 5025): SCALAR_EXCHANGE_CHECK,

@@ -44,6 +44,14 @@ SPLIT_DIM_CHANGE = Plan(
 SHAPE_ONLY_READ = Plan(ndev=2, groups=((0, 1),), base=("dp",), data=(Place((0, 1), ((0, 0, 2),)),),
                        ops={14: Place((1, 0), ((0, 0, 2),))})
 
+# gpt_nobias seed 100231 shrunk: the tied embedding replicated on 4 devices, the LM head split along the
+# sequence on 2 of them, the attention's transpose split 4 ways (its backward all-gathers): the tied
+# weight's gradient was ready at another point of backward on each rank, and its bucket's all-reduce,
+# launched from there, met the all-gather of another rank
+TIED_BUCKET_ORDER = Plan(
+    ndev=4, groups=((0, 3, 1, 2),), base=("rep",), data=(Place((0, 1, 2, 3), ((None, None, 4),)),),
+    ops={13: Place((0, 1, 2, 3), ((0, 2, 4),)), 45: Place((1, 3), ((0, 1, 2),))})
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -86,6 +94,11 @@ def test_t5_split_along_the_batch(worker):
 @pytest.mark.fuzz
 def test_shape_only_read_moves_no_gradient(worker):
     _exact(worker, "hf_bart", plan=SHAPE_ONLY_READ)
+
+
+@pytest.mark.fuzz
+def test_tied_weight_summed_after_backward_meets_no_other_collective(worker):
+    _exact(worker, "gpt_nobias", plan=TIED_BUCKET_ORDER)
 
 
 def _found(model: str, seed: int):

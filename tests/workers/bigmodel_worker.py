@@ -54,8 +54,8 @@ def batches(n: int) -> list:
     return out
 
 
-def reference(nmicros: int, seed: int = SEED) -> dict:
-    """The single-device procedure: to_empty, apply(_init_weights) from ``seed``, STEPS AdamW steps."""
+def reference(nmicros: int, seed: int = SEED, steps: int = STEPS) -> dict:
+    """The single-device procedure: to_empty, apply(_init_weights) from ``seed``, ``steps`` AdamW steps."""
     model = meta_model()
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
@@ -63,9 +63,9 @@ def reference(nmicros: int, seed: int = SEED) -> dict:
     initial = {k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    data = batches(STEPS * nmicros)
+    data = batches(steps * nmicros)
     losses = []
-    for i in range(STEPS):
+    for i in range(steps):
         loss = torch.stack([model(*b) for b in data[i * nmicros:(i + 1) * nmicros]]).mean()
         loss.backward()
         opt.step()
