@@ -370,3 +370,17 @@ def test_sampler_sees_a_busy_program_during_its_span():
     time.sleep(0.2)
     assert sampler.during([(t0, t1)]) > 0.5   # a program spinning on a core (and whatever else runs)
     assert sampler.mean() > 0
+
+
+@pytest.mark.parametrize("example", ["examples/mlp/linears.py", "examples/gpt/train.py", "examples/bigmodel/train.py"])
+def test_the_readme_simulator_command_runs_on_every_example(example):
+    """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as the README shows."""
+    import subprocess
+    import sys
+    from tests.launch import ROOT
+    done = subprocess.run([sys.executable, "-m", "cube.sim", example, "--ngpus", "4", "--policy", "PASData",
+                           "--estimate"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "predicted step time" in done.stdout, done.stdout[-3000:]
+    ranks = [line.split()[0] for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert ranks[-4:] == ["0", "1", "2", "3"], done.stdout[-3000:]

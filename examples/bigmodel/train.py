@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=4 examples/bigmodel/train.py              # tp2 x pp2, 1F1B
     SINGLE_DEV_MODE=1 python examples/bigmodel/train.py                  # the same steps in one process
     torchrun --nproc_per_node=4 examples/bigmodel/train.py --weights DIR --per-rank-data
+    python -m cube.sim examples/bigmodel/train.py --ngpus 4 --policy PASData --estimate   # predicted step
 
 The recipe:
 
@@ -79,6 +80,24 @@ class Batches:
         return tuple(ids.clone() if item is not None else torch.zeros_like(ids) for item in part.items)
 
 
+def meta_model(hidden: int = 128, layers: int = 4, intermediate: int = 352, heads: int = 4, kv_heads: int = 2,
+               vocab: int = 1024, seq: int = 64):
+    """The Llama, built on the meta device (shapes only: nothing is allocated)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=seq, use_cache=False,
+                         attention_dropout=0.0, attn_implementation="eager")
+    with torch.device("meta"):
+        return CausalLM(LlamaForCausalLM(config))
+
+
+def build(rows: int = 8, seq: int = 64, vocab: int = 1024):
+    """The meta model and one batch of ``rows`` sequences (what ``python -m cube.sim
+    examples/bigmodel/train.py`` plans; the simulator splits it as the policy says)."""
+    return meta_model(seq=seq, vocab=vocab), next(Batches(rows, seq, vocab))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=128)
@@ -101,15 +120,9 @@ def main(argv=None):
     if args.batch % args.nmicros:
         raise ValueError(f"--batch {args.batch} must be a multiple of --nmicros {args.nmicros}")
 
-    from transformers import LlamaConfig, LlamaForCausalLM
     env = cube.init()
     tp, pp = (args.tp, args.pp) if env.world_size > 1 else (1, 1)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq, use_cache=False,
-                         attention_dropout=0.0, attn_implementation="eager")
-    with torch.device("meta"):   # shapes only: nothing is allocated
-        model = CausalLM(LlamaForCausalLM(config))
+    model = meta_model(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads, args.vocab, args.seq)
     dataloader = Batches(args.batch // args.nmicros, args.seq, args.vocab)
 
     @cube.compile(model, dataloader, PAS=functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=args.nmicros))

@@ -2,6 +2,7 @@
 
     SINGLE_DEV_MODE=1 python examples/gpt/train.py --policy PASSingle
     torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --zero 2 --precision bf16
+    python -m cube.sim examples/gpt/train.py --ngpus 4 --policy PASData --estimate   # predicted step
 
 Restarts: with ``--ckpt DIR`` the script saves a checkpoint every
 ``--save-every`` steps and, when DIR already holds one, resumes from the latest
@@ -48,6 +49,13 @@ class StepBatches:
         return ids, torch.roll(ids, -1, dims=1)
 
 
+def build(layers: int = 4, dim: int = 256, heads: int = 4, seq: int = 64, batch: int = 16):
+    """The model and its first global batch (what ``python -m cube.sim examples/gpt/train.py`` plans)."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim)
+    return GPT(config), next(StepBatches(config, batch))
+
+
 def _latest(ckpt: Path):
     """The newest complete checkpoint under ``ckpt`` (its ``latest`` file names it), or None."""
     pointer = ckpt / "latest"
@@ -84,9 +92,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
     policy = resolve(args.policy)
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=512, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.dim)
-    model = GPT(config)
+    model, _ = build(args.layers, args.dim, args.heads, args.seq, args.batch)
+    config = model.config
     dataloader = StepBatches(config, args.batch)
 
     @cube.compile(model, dataloader, PAS=policy, zero=3 if args.zero == 3 else 0, precision=args.precision)

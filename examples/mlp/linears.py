@@ -2,6 +2,7 @@
 
     SINGLE_DEV_MODE=1 python examples/mlp/linears.py --policy PASSingle
     torchrun --nproc_per_node=2 examples/mlp/linears.py --policy PASSingle
+    python -m cube.sim examples/mlp/linears.py --ngpus 4 --policy PASData --estimate   # predicted step
 """
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ class MLP(nn.Module):
         return loss
 
 
+def build(dim: int = 256, layers: int = 8, batch: int = 16):
+    """The model and one global batch (what ``python -m cube.sim examples/mlp/linears.py`` plans)."""
+    torch.manual_seed(0)
+    model = MLP(dim, layers)
+    return model, torch.randn(dim).unsqueeze(0).repeat(batch, 1)   # one sample, repeated
+
+
 def main(argv=None):
     import argparse
     import logging
@@ -43,9 +51,8 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
     policy = resolve(args.policy)
-    torch.manual_seed(0)
-    model = MLP(args.dim, args.layers)
-    dataloader = cube.runtime.utils.create_dummy_dataloader(torch.randn(args.dim), args.batch)
+    model, batch = build(args.dim, args.layers, args.batch)
+    dataloader = cube.runtime.utils.create_dummy_dataloader(batch)
 
     @cube.compile(model, dataloader, PAS=policy)
     def train_iter(model, dataloader):
