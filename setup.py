@@ -6,6 +6,6 @@ setup(
     description="Compile single-device PyTorch training into distributed training from a policy.",
     packages=find_packages(include=["cube", "cube.*", "policies", "policies.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors"],
+    install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors", "rich"],
     extras_require={"test": ["pytest", "hypothesis", "transformers", "viztracer"]},
 )

@@ -5,7 +5,8 @@ functions ``save_checkpoint``/``merge_checkpoint``/``load_checkpoint``, and the
 ``ir``, ``runtime`` and ``schedule`` subpackages a policy or training script uses.
 A model built on the meta device compiles as it is and gets its values from
 ``load_model(init=..., weights=...)`` (``cube.runtime.materialize``);
-``cube.runtime.data.part()`` tells a rank which part of the global batch it reads.
+``cube.runtime.data.part()`` tells a rank which part of the global batch it reads;
+``Metrics`` measures and reports each training step (time, tokens/s, MFU, peak memory).
 """
 from cube import ir, runtime, schedule
 import cube.runtime.data  # noqa: F401  (cube.runtime.data: a rank's part of the batch)
@@ -13,6 +14,7 @@ from cube.compiler import CompiledStep, compile, load_model
 from cube.runtime.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from cube.codegen.report import explain
 from cube.runtime.device import init
+from cube.runtime.metrics import Metrics
 from cube.runtime.norm import clip_grad_norm_
 from cube.runtime.zero import build_optimizer
 from cube.trace.custom import register_op
@@ -21,5 +23,5 @@ from cube.trace.export import TraceError
 from cube.version import __version__
 
 __all__ = ["compile", "load_model", "init", "register_op", "save_checkpoint", "merge_checkpoint",
-           "load_checkpoint", "build_optimizer", "clip_grad_norm_", "explain", "CompiledStep", "TraceError", "ir",
-           "runtime", "schedule", "__version__"]
+           "load_checkpoint", "build_optimizer", "clip_grad_norm_", "Metrics", "explain", "CompiledStep",
+           "TraceError", "ir", "runtime", "schedule", "__version__"]

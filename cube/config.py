@@ -47,6 +47,20 @@ def bucket_bytes(default: int) -> int:
     return int(mb * 2**20)
 
 
+def peak_tflops() -> Optional[float]:
+    """``CUBE_PEAK_TFLOPS``: one device's peak TFLOP/s for the MFU of ``cube.Metrics`` (unset: None)."""
+    env = os.environ.get("CUBE_PEAK_TFLOPS", "").strip()
+    if not env:
+        return None
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"CUBE_PEAK_TFLOPS must be a number of TFLOP/s such as 989, got {env!r}") from None
+    if not value > 0:
+        raise ValueError(f"CUBE_PEAK_TFLOPS must be positive, got {env!r}")
+    return value
+
+
 def _positive_int(name: str, default: int) -> int:
     env = os.environ.get(name)
     if not env:

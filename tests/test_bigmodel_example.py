@@ -10,7 +10,7 @@ ARGS = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--vocab", "
 
 
 def _losses(stdout: str) -> list:
-    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)$", stdout, re.M)]
+    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)(?: \|.*)?$", stdout, re.M)]
 
 
 def _rank_lines(stdout: str) -> dict:

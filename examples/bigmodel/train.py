@@ -116,6 +116,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="the seed init draws from")
     ap.add_argument("--weights", default=None, help="a Hugging Face safetensors directory of the LlamaForCausalLM")
     ap.add_argument("--per-rank-data", action="store_true", help="make only what cube.runtime.data.part() reads")
+    ap.add_argument("--log-every", type=int, default=1, help="steps between metrics lines")
+    ap.add_argument("--metrics-csv", default=None, metavar="PATH", help="append every step's metrics to PATH")
     args = ap.parse_args(argv)
     if args.batch % args.nmicros:
         raise ValueError(f"--batch {args.batch} must be a multiple of --nmicros {args.nmicros}")
@@ -142,12 +144,14 @@ def main(argv=None):
     else:
         model = cube.load_model(init=model.model._init_weights)
     optimizer = cube.build_optimizer(model, torch.optim.AdamW, lr=args.lr)
+    # each line: "step N: loss X | s/step | tok/s | MFU | peak memory" (rank 0)
+    metrics = cube.Metrics(model, tokens_per_step=args.batch * args.seq, log_every=args.log_every,
+                           csv=args.metrics_csv, total_steps=args.steps, loss_format=".7f")
     for step in range(args.steps):
         loss = train_iter(model, dataloader)
         optimizer.step()
         optimizer.zero_grad()
-        if env.rank == 0:
-            print(f"step {step}: loss {loss.item():.7f}", flush=True)
+        metrics.step(loss)
     reads = [i for i, item in enumerate(part.items) if item is not None]
     print(f"rank {env.rank}: reads batch tensors {reads} (rows part {part.dp_rank} of {part.dp_size}), "
           f"took {dataloader.taken - taken_at_compile} batches after compile", flush=True)

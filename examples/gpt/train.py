@@ -2,6 +2,7 @@
 
     SINGLE_DEV_MODE=1 python examples/gpt/train.py --policy PASSingle
     torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --zero 2 --precision bf16
+    torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --log-every 2 --metrics-csv m.csv
     python -m cube.sim examples/gpt/train.py --ngpus 4 --policy PASData --estimate   # predicted step
 
 Restarts: with ``--ckpt DIR`` the script saves a checkpoint every
@@ -87,6 +88,8 @@ def main(argv=None):
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (resume from it)")
     parser.add_argument("--save-every", type=int, default=1)
     parser.add_argument("--crash-at-step", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines")
+    parser.add_argument("--metrics-csv", default=None, metavar="PATH", help="append every step's metrics to PATH")
     parser.add_argument("--verbose", action="store_true", help="log compile phases")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -113,17 +116,18 @@ def main(argv=None):
         dataloader = StepBatches(config, args.batch, start)
         if env.rank == 0:
             print(f"resumed from {_latest(args.ckpt)} at step {start}")
+    # each line: "step N: loss X | s/step | tok/s | MFU | peak memory" (rank 0)
+    metrics = cube.Metrics(model, tokens_per_step=args.batch * args.seq, log_every=args.log_every,
+                           csv=args.metrics_csv, total_steps=args.steps, start_step=start, loss_format=".6f")
     for step in range(start, args.steps):
         if step == args.crash_at_step and env.rank == env.world_size - 1 \
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
             os.kill(os.getpid(), signal.SIGKILL)   # a rank dies without a word, as on a lost machine
         loss = train_iter(model, dataloader)
-        if args.clip:
-            cube.clip_grad_norm_(model, args.clip, optimizer=optimizer)
+        norm = cube.clip_grad_norm_(model, args.clip, optimizer=optimizer) if args.clip else None
         optimizer.step()
         optimizer.zero_grad()
-        if env.rank == 0:
-            print(f"step {step}: loss {loss.item():.6f}", flush=True)
+        metrics.step(loss, grad_norm=norm)
         if args.ckpt is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             _save(args.ckpt, model, optimizer, step + 1, env.rank)
 

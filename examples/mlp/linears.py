@@ -46,6 +46,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines")
+    parser.add_argument("--metrics-csv", default=None, metavar="PATH", help="append every step's metrics to PATH")
     parser.add_argument("--verbose", action="store_true", help="log compile phases")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -63,13 +65,14 @@ def main(argv=None):
 
     model = cube.load_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    env = cube.init()
+    # a sample counts as one token; each line: "step N: loss X | s/step | tok/s | MFU | peak memory" (rank 0)
+    metrics = cube.Metrics(model, tokens_per_step=args.batch, log_every=args.log_every, csv=args.metrics_csv,
+                           total_steps=args.steps, loss_format=".6f")
     for step in range(args.steps):
         loss = train_iter(model, dataloader)
         optimizer.step()
         optimizer.zero_grad()
-        if env.rank == 0:
-            print(f"step {step}: loss {loss.item():.6f}")
+        metrics.step(loss)
 
 
 if __name__ == "__main__":
