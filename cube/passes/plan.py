@@ -275,6 +275,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         calls[q].append(Call([finals[q]], [], step=Step("send", (q, r), box=(), grad="none", tag=tag)))
         finals[r] = IRTensor((), loss.dtype, False, TensorKind.ACTIVATION, "loss")
         calls[r].append(Call([], [finals[r]], step=Step("recv", (q, r), box=(), grad="none", tag=tag)))
+    _keep_collectives_of_cut_runs(calls)
     plans = {}
     for r in range(world):
         data_piece = data_pieces[r]
@@ -410,6 +411,44 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
         calls[r].append(Call([v for v, _ in values], [out],
                              step=Step("assemble", (r,), box=need, parts=tuple(relative(b, need) for _, b in values))))
         subst[r][id(t)] = out
+
+
+_P2P_KINDS = ("send", "recv", "gather", "grad_to")
+_RERUNNABLE = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "chunk", "identity_all_reduce")
+
+
+def _keep_collectives_of_cut_runs(calls: Dict[int, List[Call]]) -> None:
+    """No collective of a recompute group is re-run in backward, on any rank, once a point-to-point
+    transfer sits inside the group's stretch on some rank.
+
+    Such a transfer cuts the rank's stretch into several runs (cube.codegen.recompute), each
+    re-run at its own point of backward, while a member without it re-runs one run: the
+    collectives re-run in backward would come in another order on each member. Kept (not re-run),
+    they run once, in forward, in the order every member shares.
+    """
+    cut: set = set()
+    for rank_calls in calls.values():
+        group = [None] * len(rank_calls)
+        nxt = None
+        for i in range(len(rank_calls) - 1, -1, -1):   # the group of the next op piece
+            if rank_calls[i].op is not None:
+                nxt = rank_calls[i].op.recompute
+            group[i] = nxt
+        prev = None
+        for i, c in enumerate(rank_calls):
+            if c.op is not None:
+                prev = c.op.recompute
+            elif c.step.kind in _P2P_KINDS and prev is not None and prev == group[i]:
+                cut.add(prev)
+    if not cut:
+        return
+    for rank_calls in calls.values():
+        nxt = None
+        for c in reversed(rank_calls):
+            if c.op is not None:
+                nxt = c.op.recompute
+            elif nxt in cut and c.step.kind in _RERUNNABLE:
+                c.rerun = False
 
 
 def _ops_passing_gradients(logical: List[IROperator], loss: IRTensor) -> set:

@@ -48,7 +48,12 @@ TIED_BUCKET_ORDER = ("a tied weight read by other ops on other ranks of its sum'
                      "another point of backward on each rank, and the bucket all-reduce launched from there met "
                      "another rank's all-gather of an activation in the same group (mismatched collectives)")
 
+CUT_RECOMPUTE_RUN = ("a recompute group holding collectives whose stretch a point-to-point transfer cuts on some "
+                     "ranks only: those ranks re-ran its collectives in two runs at two points of backward, the "
+                     "others in one (collectives in another order on each member)")
+
 FOUND = {
+    ("mlp", 100630): CUT_RECOMPUTE_RUN,
     ("gpt_nobias", 100231): TIED_BUCKET_ORDER,
     ("hf_bart", 5104): SHAPE_ONLY_READ,
     ("hf_t5", 1103): TIED_MIXED_READINGS,

@@ -52,6 +52,14 @@ TIED_BUCKET_ORDER = Plan(
     ndev=4, groups=((0, 3, 1, 2),), base=("rep",), data=(Place((0, 1, 2, 3), ((None, None, 4),)),),
     ops={13: Place((0, 1, 2, 3), ((0, 2, 4),)), 45: Place((1, 3), ((0, 1, 2),))})
 
+# mlp seed 100630 shrunk: tensor parallel on [2, 3, 0, 1], the last linear's reduction split over the
+# devices in another order (ranks 1 and 3 swap their inputs point to point), everything recomputed:
+# the transfer cut ranks 1 and 3's run in two, each re-run at its own point of backward, and their
+# re-run collectives came in another order than on ranks 0 and 2
+CUT_RECOMPUTE_RUN = Plan(
+    ndev=4, schedule="1f1b", nmicros=1, groups=((2, 3, 0, 1),), base=("tp",),
+    data=(Place((0, 1, 2, 3), ((0, 0, 4),)),), ops={3: Place((2, 1, 0, 3), ((0, 1, 4),))}, recompute=((0, 5),))
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -99,6 +107,11 @@ def test_shape_only_read_moves_no_gradient(worker):
 @pytest.mark.fuzz
 def test_tied_weight_summed_after_backward_meets_no_other_collective(worker):
     _exact(worker, "gpt_nobias", plan=TIED_BUCKET_ORDER)
+
+
+@pytest.mark.fuzz
+def test_recompute_run_cut_by_a_transfer_reruns_no_collective(worker):
+    _exact(worker, "mlp", plan=CUT_RECOMPUTE_RUN)
 
 
 def _found(model: str, seed: int):

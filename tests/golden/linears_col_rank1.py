@@ -52,27 +52,27 @@ class GenModel(runtime.CubeModule):
         self.setup_communication()
 
     def forward(self, data):
-        # linears.py:22: x = layer(x)  [layers.0]
+        # linears.py:23: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
         linear_ag = runtime.collectives.all_gather(linear, ranks=(0, 1), dim=1)
         del linear
-        # linears.py:22: x = layer(x)  [layers.1]
+        # linears.py:23: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear_ag, self.layers_1_weight, self.layers_1_bias)
         del linear_ag
         linear_1_ag = runtime.collectives.all_gather(linear_1, ranks=(0, 1), dim=1)
         del linear_1
-        # linears.py:22: x = layer(x)  [layers.2]
+        # linears.py:23: x = layer(x)  [layers.2]
         linear_2 = aten.linear.default(linear_1_ag, self.layers_2_weight, self.layers_2_bias)
         del linear_1_ag
         linear_2_ag = runtime.collectives.all_gather(linear_2, ranks=(0, 1), dim=1)
         del linear_2
-        # linears.py:22: x = layer(x)  [layers.3]
+        # linears.py:23: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2_ag, self.layers_3_weight, self.layers_3_bias)
         del linear_2_ag
         linear_3_ag = runtime.collectives.all_gather(linear_3, ranks=(0, 1), dim=1, grad='R')
         del linear_3
-        # linears.py:23: loss = torch.sum(x * x) / x.numel()
+        # linears.py:24: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3_ag, linear_3_ag)
         del linear_3_ag
         sum_1 = aten.sum.default(mul)

@@ -63,19 +63,19 @@ class GenModel(runtime.CubeModule):
     def forward(self, data):
         # the whole batch comes in; this rank keeps its part
         data = runtime.piece(data, [(0, 2, 4)])
-        # linears.py:22: x = layer(x)  [layers.0]
+        # linears.py:23: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
-        # linears.py:22: x = layer(x)  [layers.1]
+        # linears.py:23: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear, self.layers_1_weight, self.layers_1_bias)
         del linear
-        # linears.py:22: x = layer(x)  [layers.2]
+        # linears.py:23: x = layer(x)  [layers.2]
         linear_2 = aten.linear.default(linear_1, self.layers_2_weight, self.layers_2_bias)
         del linear_1
-        # linears.py:22: x = layer(x)  [layers.3]
+        # linears.py:23: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2, self.layers_3_weight, self.layers_3_bias)
         del linear_2
-        # linears.py:23: loss = torch.sum(x * x) / x.numel()
+        # linears.py:24: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3, linear_3)
         del linear_3
         sum_1 = aten.sum.default(mul)

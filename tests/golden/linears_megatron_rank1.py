@@ -46,25 +46,25 @@ class GenModel(runtime.CubeModule):
         self.setup_communication()
 
     def forward(self, data):
-        # linears.py:22: x = layer(x)  [layers.0]
+        # linears.py:23: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
-        # linears.py:22: x = layer(x)  [layers.1]
+        # linears.py:23: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear, self.layers_1_weight, None)
         del linear
         linear_1_sum = runtime.collectives.all_reduce(linear_1, ranks=(0, 1), inplace=True)
         del linear_1
         linear_1_f = runtime.collectives.identity_fw_all_reduce_bw(linear_1_sum, ranks=(0, 1))
         del linear_1_sum
-        # linears.py:22: x = layer(x)  [layers.2]
+        # linears.py:23: x = layer(x)  [layers.2]
         linear_2 = aten.linear.default(linear_1_f, self.layers_2_weight, self.layers_2_bias)
         del linear_1_f
-        # linears.py:22: x = layer(x)  [layers.3]
+        # linears.py:23: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2, self.layers_3_weight, None)
         del linear_2
         linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1), inplace=True)
         del linear_3
-        # linears.py:23: loss = torch.sum(x * x) / x.numel()
+        # linears.py:24: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3_sum, linear_3_sum)
         del linear_3_sum
         sum_1 = aten.sum.default(mul)

@@ -42,27 +42,27 @@ class GenModel(runtime.CubeModule):
     def forward(self, data):
         data_chunk = runtime.collectives.chunk(data, ranks=(0, 1), dim=1)
         del data
-        # linears.py:22: x = layer(x)  [layers.0]
+        # linears.py:23: x = layer(x)  [layers.0]
         linear = aten.linear.default(data_chunk, self.layers_0_weight, None)
         del data_chunk
         linear_rs = runtime.collectives.reduce_scatter(linear, ranks=(0, 1), dim=1)
         del linear
-        # linears.py:22: x = layer(x)  [layers.1]
+        # linears.py:23: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear_rs, self.layers_1_weight, None)
         del linear_rs
         linear_1_rs = runtime.collectives.reduce_scatter(linear_1, ranks=(0, 1), dim=1)
         del linear_1
-        # linears.py:22: x = layer(x)  [layers.2]
+        # linears.py:23: x = layer(x)  [layers.2]
         linear_2 = aten.linear.default(linear_1_rs, self.layers_2_weight, None)
         del linear_1_rs
         linear_2_rs = runtime.collectives.reduce_scatter(linear_2, ranks=(0, 1), dim=1)
         del linear_2
-        # linears.py:22: x = layer(x)  [layers.3]
+        # linears.py:23: x = layer(x)  [layers.3]
         linear_3 = aten.linear.default(linear_2_rs, self.layers_3_weight, None)
         del linear_2_rs
         linear_3_sum = runtime.collectives.all_reduce(linear_3, ranks=(0, 1), inplace=True)
         del linear_3
-        # linears.py:23: loss = torch.sum(x * x) / x.numel()
+        # linears.py:24: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_3_sum, linear_3_sum)
         del linear_3_sum
         sum_1 = aten.sum.default(mul)

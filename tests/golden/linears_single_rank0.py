@@ -46,16 +46,16 @@ class GenModel(runtime.CubeModule):
         self.setup_communication()
 
     def forward(self, data):
-        # linears.py:22: x = layer(x)  [layers.0]
+        # linears.py:23: x = layer(x)  [layers.0]
         linear = aten.linear.default(data, self.layers_0_weight, self.layers_0_bias)
         del data
-        # linears.py:22: x = layer(x)  [layers.1]
+        # linears.py:23: x = layer(x)  [layers.1]
         linear_1 = aten.linear.default(linear, self.layers_1_weight, self.layers_1_bias)
         del linear
-        # linears.py:22: x = layer(x)  [layers.2]
+        # linears.py:23: x = layer(x)  [layers.2]
         linear_2 = aten.linear.default(linear_1, self.layers_2_weight, self.layers_2_bias)
         del linear_1
-        # linears.py:23: loss = torch.sum(x * x) / x.numel()
+        # linears.py:24: loss = torch.sum(x * x) / x.numel()
         mul = aten.mul.Tensor(linear_2, linear_2)
         del linear_2
         sum_1 = aten.sum.default(mul)
