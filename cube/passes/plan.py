@@ -659,28 +659,26 @@ def _tied_across_groups(t: IRTensor, mine, sets, groups, out, held: Dict[int, Bo
     shares = all(len(steps) == 1 or all(s and s[-1].kind == "identity_all_reduce" and s[-1].ranks == tuple(sorted(steps))
                                         for s in steps.values()) for _, steps in mine)
     whole = all(all(groups[r] == {()} for r in steps) for _, steps in mine)
-    if not shares and sum(len(s) for s in distinct) != len(union):
-        if _one_copy_each(mine, held):
-            ranks_of = {r: tuple(sorted(union)) for r in union}
-        else:
-            raise ValueError(f"parameter {t.name!r} is read by ops on overlapping but different devices "
-                             f"({[sorted(s) for s in distinct]}) that do not each sum its gradient over all "
-                             f"their devices, and its devices hold different pieces of it; place all its readers "
-                             f"on the same devices, or on disjoint device groups (e.g. a tied embedding and LM "
-                             f"head in two stages)")
-    elif shares:
+    ranks_of = None
+    if shares:
         ranks_of = {r: tuple(sorted(union)) for r in union}
+    elif sum(len(s) for s in distinct) != len(union):   # overlapping groups: only one sum over all fits
+        ranks_of = None
     elif whole and len({len(s) for s in distinct}) == 1:
         ordered = [sorted(s) for s in distinct]
         ranks_of = {r: tuple(sorted(o[k] for o in ordered)) for o in ordered for k, r in enumerate(o)}
     elif _matched_subgroups(distinct, groups) is not None:   # data parallel inside tensor parallel groups
         ranks_of = _matched_subgroups(distinct, groups)
-    elif _one_copy_each(mine, held):
+    # a sum is only well formed over devices holding the same piece (tensor parallel readers hold
+    # different ones): else one sum over all the readers' devices, each reader's gradient once
+    if ranks_of is not None and any(len({held[q] for q in ranks}) != 1 for ranks in ranks_of.values()):
+        ranks_of = None
+    if ranks_of is None:
+        if not _one_copy_each(mine, held):
+            raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by "
+                             f"ops that mix whole and split readings of it, and its devices hold different "
+                             f"pieces of it through collectives; split its readers alike in every group")
         ranks_of = {r: tuple(sorted(union)) for r in union}
-    else:
-        raise ValueError(f"parameter {t.name!r} is read on device groups {[sorted(s) for s in distinct]} by ops "
-                         f"that mix whole and split readings of it, and its devices hold different pieces of "
-                         f"it; split its readers alike in every group")
     for _, steps in mine:
         for s in steps.values():
             if s and s[-1].kind == "identity_all_reduce":

@@ -52,7 +52,12 @@ CUT_RECOMPUTE_RUN = ("a recompute group holding collectives whose stretch a poin
                      "ranks only: those ranks re-ran its collectives in two runs at two points of backward, the "
                      "others in one (collectives in another order on each member)")
 
+TIED_HALVES_AND_WHOLE = ("a tied weight held in halves on one pipeline stage (embedding split along its hidden dim) "
+                         "and whole on the other (replicated LM head): its gradient sum paired a device holding "
+                         "half the weight with one holding all of it (mismatched buckets)")
+
 FOUND = {
+    ("gpt_nobias", 100736): TIED_HALVES_AND_WHOLE,
     ("mlp", 100630): CUT_RECOMPUTE_RUN,
     ("gpt_nobias", 100231): TIED_BUCKET_ORDER,
     ("hf_bart", 5104): SHAPE_ONLY_READ,

@@ -60,6 +60,13 @@ CUT_RECOMPUTE_RUN = Plan(
     ndev=4, schedule="1f1b", nmicros=1, groups=((2, 3, 0, 1),), base=("tp",),
     data=(Place((0, 1, 2, 3), ((0, 0, 4),)),), ops={3: Place((2, 1, 0, 3), ((0, 1, 4),))}, recompute=((0, 5),))
 
+# gpt_nobias seed 100736 shrunk: two GPipe stages on [0, 3] and [2, 1]; the tied embedding split along
+# its hidden dim over [0, 3] (each holds half the weight), the LM head replicated on [2, 1]: the
+# tied weight's sum paired device 0 (half of it) with device 1 (all of it)
+TIED_HALVES_AND_WHOLE = Plan(
+    ndev=4, schedule="gpipe", nmicros=1, groups=((0, 3), (2, 1)), cuts=(0, 10), base=("rep", "rep"),
+    data=(Place((0, 3), ((None, None, 2),)), Place((1, 2), ((None, None, 2),))), ops={1: Place((0, 3), ((0, 1, 2),))})
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -112,6 +119,11 @@ def test_tied_weight_summed_after_backward_meets_no_other_collective(worker):
 @pytest.mark.fuzz
 def test_recompute_run_cut_by_a_transfer_reruns_no_collective(worker):
     _exact(worker, "mlp", plan=CUT_RECOMPUTE_RUN)
+
+
+@pytest.mark.fuzz
+def test_tied_weight_held_in_halves_on_one_stage_and_whole_on_another(worker):
+    _exact(worker, "gpt_nobias", plan=TIED_HALVES_AND_WHOLE)
 
 
 def _found(model: str, seed: int):
