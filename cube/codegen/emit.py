@@ -57,7 +57,7 @@ _STEP_CALL = {
     "all_to_all": "runtime.collectives.all_to_all({x}, ranks={ranks}, split_dim={dim}, concat_dim={dim2})",
     "chunk": "runtime.collectives.chunk({x}, ranks={ranks}, dim={dim})",
     "narrow": "runtime.narrow({x}, {dim}, {start}, {stop})",
-    "detach": "{x}.detach()",
+    "detach": "runtime.drop_grad({x})",
 }
 
 

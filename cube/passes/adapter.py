@@ -39,7 +39,7 @@ class Step:
 
     kind: ``all_reduce``, ``reduce_scatter``, ``all_gather``, ``all_to_all``,
     ``chunk``, ``narrow`` (local, no group), ``identity_all_reduce``, ``detach`` (a
-    parameter read without its gradient: another device keeps that copy),
+    parameter read whose gradient is dropped: another device keeps that copy),
     ``send`` / ``recv`` between device groups (``ranks`` = (source, destination)), or,
     for a point-to-point exchange, ``region``, ``grad_to``, ``assemble`` and ``gather`` (every
     region of a reader's box received and placed in one call; ``ranks`` = (reader,)).

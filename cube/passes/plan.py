@@ -217,8 +217,6 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 value = base.get(r, t)
                 for s in steps[r]:
                     out = _moved(t, s.box, _SHORT[s.kind])
-                    if s.kind == "detach":   # one of several copies of a gradient: another device's is kept
-                        out.requires_grad = False
                     calls[r].append(Call([value], [out], step=s))
                     value = out
                 local[r][key] = value
@@ -695,9 +693,10 @@ def _one_copy_each(mine, held: Dict[int, Box]) -> bool:
     and a share of one sum over its ``identity_all_reduce`` group otherwise.
     Pieces reading the same box in one such unit (a group, or a lone device)
     are copies across units: the unit of the lowest rank keeps its gradient,
-    the others read the parameter detached (``detach`` step, no gradient, and
-    no weight-gradient work). The reducer then sums every device's gradient
-    over all of them: each piece's once.
+    the others read the parameter through a ``detach`` step (``runtime.drop_grad``:
+    the values made from it still need gradients, so every rank runs the same
+    backward, but the copy is not added to the parameter's). The reducer then
+    sums every device's gradient over all of them: each piece's once.
 
     One sum over all the devices needs them to hold the same piece of the
     parameter: a device holding less (a reader split along the weight's dims

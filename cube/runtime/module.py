@@ -112,6 +112,23 @@ def piece(full: torch.Tensor, splits: Sequence[Tuple[int, int, int]]) -> torch.T
     return t
 
 
+class _DropGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def drop_grad(x: torch.Tensor) -> torch.Tensor:
+    """``x`` whose gradient stops here (another rank keeps that copy of it): what is made from
+    it still needs a gradient, as on the ranks that keep theirs, so every rank runs the same
+    backward; only the copy is not added to ``x``'s gradient."""
+    return _DropGrad.apply(x) if x.requires_grad and torch.is_grad_enabled() else x
+
+
 def narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     """A local part of ``x`` that no other rank's part complements (gradient zero elsewhere)."""
     return x.narrow(dim, start, stop - start)

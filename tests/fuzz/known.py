@@ -56,7 +56,13 @@ TIED_HALVES_AND_WHOLE = ("a tied weight held in halves on one pipeline stage (em
                          "and whole on the other (replicated LM head): its gradient sum paired a device holding "
                          "half the weight with one holding all of it (mismatched buckets)")
 
+DROPPED_TIED_COPY = ("a tied weight's copy read detached on one rank: the values made from it no longer needed a "
+                     "gradient there (while the plan and the other ranks said they did), so a send to another "
+                     "stage waited for no gradient (hang) and a stash to a later stage kept one")
+
 FOUND = {
+    ("hf_bart", 101874): DROPPED_TIED_COPY,
+    ("hf_t5", 101553): DROPPED_TIED_COPY,
     ("gpt_nobias", 100736): TIED_HALVES_AND_WHOLE,
     ("mlp", 100630): CUT_RECOMPUTE_RUN,
     ("gpt_nobias", 100231): TIED_BUCKET_ORDER,

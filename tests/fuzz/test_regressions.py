@@ -67,6 +67,14 @@ TIED_HALVES_AND_WHOLE = Plan(
     ndev=4, schedule="gpipe", nmicros=1, groups=((0, 3), (2, 1)), cuts=(0, 10), base=("rep", "rep"),
     data=(Place((0, 3), ((None, None, 2),)), Place((1, 2), ((None, None, 2),))), ops={1: Place((0, 3), ((0, 1, 2),))})
 
+# like hf_bart seed 101874 (a hang) and hf_t5 seed 101553: the tied embedding replicated on stage 0's
+# [1, 2] (copies: device 2's is dropped), the batch split over them, the LM head on device 0: what
+# device 2 made from its dropped copy stopped needing a gradient, so its send carried no gradient
+# back while device 0 returned one (a stash between two stages of a rank likewise kept a gradient)
+DROPPED_TIED_COPY_SENT = Plan(
+    ndev=3, schedule="1f1b", nmicros=2, groups=((1, 2), (0,)), cuts=(0, 10), base=("dp", "rep"),
+    data=(Place((1, 2), ((0, 0, 2),)), Place((0,),)), ops={1: Place((1, 2), ((None, None, 2),))})
+
 
 @pytest.fixture(scope="module")
 def worker():
@@ -124,6 +132,11 @@ def test_recompute_run_cut_by_a_transfer_reruns_no_collective(worker):
 @pytest.mark.fuzz
 def test_tied_weight_held_in_halves_on_one_stage_and_whole_on_another(worker):
     _exact(worker, "gpt_nobias", plan=TIED_HALVES_AND_WHOLE)
+
+
+@pytest.mark.fuzz
+def test_value_made_from_a_dropped_tied_copy_still_returns_its_gradient(worker):
+    _exact(worker, "gpt_nobias", plan=DROPPED_TIED_COPY_SENT)
 
 
 def _found(model: str, seed: int):
