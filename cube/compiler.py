@@ -1,4 +1,12 @@
-"""``cube.compile``: drives trace -> policy -> codegen -> load, with a code cache."""
+"""``cube.compile``: drives trace -> policy -> passes -> codegen -> load, with a code cache.
+
+The compile itself is a value: ``cube.trace_model(model, batch)`` gives a ``Traced``
+graph that is never changed, ``Traced.plan(policy, world)`` (or ``cube.plan``)
+runs the policy on a copy of it and the passes, and returns a ``Plan``: the
+placed graph, every rank's program and, on demand, its Python source. Nothing
+there starts a process group, reads data or writes files; ``CompiledStep``
+(behind ``@cube.compile``) does those around it.
+"""
 from __future__ import annotations
 
 import gc
@@ -9,19 +17,24 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Dict, Iterator, Optional, Sequence, Union
 
 import torch
 
 from cube import config
-from cube.codegen import generate, generate_all
+from cube.codegen import emit_all
+from cube.codegen.report import write_report
+from cube.ir.graph import IRGraph
 from cube.passes import check_graph
+from cube.passes.program import Program, build_program
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import data as rt_data
 from cube.runtime import device as rt_device
 from cube.runtime import materialize
 from cube.runtime import profile as rt_profile
+from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
 from cube.trace.rules import REGISTRY
@@ -29,7 +42,6 @@ from cube.trace.rules import REGISTRY
 log = logging.getLogger("cube")
 
 from cube.version import __version__ as VERSION
-_last_step: list = []   # the most recent compile, for cube.load_model() without arguments
 
 
 @contextmanager
@@ -92,7 +104,12 @@ class _Prepend:
         return next(self.rest)
 
 
-def _structure(batch):
+def batch_structure(batch):
+    """``(structure, tensors)`` of a batch: ``"tensor"`` for one tensor, ``"tuple"`` for a tuple or list.
+
+    Raises:
+        TypeError: anything else.
+    """
     if isinstance(batch, torch.Tensor):
         return "tensor", (batch,)
     if isinstance(batch, (tuple, list)) and batch and all(isinstance(t, torch.Tensor) for t in batch):
@@ -131,8 +148,10 @@ class CompiledStep:
     """
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
-                 use_cache: bool = True, zero: int = 0, precision: Optional[str] = None):
+                 use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
+                 options: Optional[dict] = None):
         self.fn = fn
+        self.options = dict(options or {})
         self.steps_run = 0
         self.zero = zero
         self.precision = precision
@@ -140,7 +159,7 @@ class CompiledStep:
         self.timings: dict = {}
         self.env = rt_device.init()
         self.batches = _Batches(dataloader)
-        self.structure, sample = _structure(self.batches.first)
+        self.structure, sample = batch_structure(self.batches.first)
         self.policy = load_policy(pas)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else config.cache_dir()
         self.key = self._key(sample)
@@ -171,7 +190,7 @@ class CompiledStep:
         user_rules = sorted(f"{k}={v if isinstance(v, str) else policy_source(v)}"
                             for k, v in REGISTRY.rules.items() if k not in REGISTRY.builtin)
         for part in (VERSION, torch.__version__, _model_fingerprint(self.user_model),
-                     policy_source(self.policy), self.structure,
+                     policy_source(self.policy, self.options), self.structure,
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}"):
@@ -181,13 +200,13 @@ class CompiledStep:
 
     def _compile(self, sample) -> None:
         with _gc_paused():
-            graph, consts = trace_and_plan(self.user_model, sample, self.structure, self.policy,
-                                           self.env.world_size, self.timings, zero=self.zero,
-                                           precision=self.precision)
-            source = generate(graph, self.env.rank, self.env.world_size, policy_name(self.policy),
-                              timings=self.timings)
-        self.graph = graph
-        self.consts = consts
+            traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision, timings=self.timings,
+                           structure=self.structure)
+            planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank])
+            source = planned.source(self.env.rank)
+        self.timings.update(planned.timings)
+        self.graph = planned.graph
+        self.consts = planned.consts
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.consts:
             atomic_write(self.consts_path, lambda f: torch.save(self.consts, f))
@@ -217,7 +236,8 @@ class CompiledStep:
             batches = self._placeholders
         else:
             batches = self.batches.take(dataloader)
-        with rt_profile.record(self.env.rank, step):   # CUBE_PROFILE: a trace file of this step
+        # the model's runtime state is active for the whole step; CUBE_PROFILE: a trace file of this step
+        with rt_session.running(model), rt_profile.record(self.env.rank, step):
             return self.module.train_step(model, batches)
 
     @property
@@ -242,15 +262,119 @@ def _plan_summary(cls, path: Path) -> str:
     return "plan: " + ", ".join(parts) + f"; code in {path.parent}"
 
 
-def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy: Callable,
-                   world_size: int, timings: Optional[dict] = None, zero: int = 0,
-                   precision: Optional[str] = None):
-    """Traces ``model(*sample)``, builds the IR and applies the policy (``zero``: the ZeRO stage,
-    ``precision``: None, "bf16" or "fp16").
+@dataclass
+class Plan:
+    """A compile as a value: what ``world`` ranks run for one policy.
 
-    Returns:
-        ``(graph, consts)``: the planned graph and the lifted constant tensors it uses.
+    Attributes:
+        graph: the placed graph (the policy's copy of the trace).
+        program: every planned rank's program (``cube.passes.program``).
+        consts: the lifted constant tensors the graph reads.
+        policy: the policy's name (printed in the generated code).
+        timings: seconds per phase: ``trace``, ``ir``, ``policy``, ``plan`` (and ``codegen`` once printed).
     """
+
+    graph: IRGraph
+    program: Program
+    consts: dict
+    policy: str
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def world(self) -> int:
+        return self.program.world
+
+    def sources(self) -> Dict[int, str]:
+        """The generated Python module of every rank the plan holds."""
+        return emit_all(self.program, self.policy, self.timings)
+
+    def source(self, rank: int) -> str:
+        """The generated Python module of rank ``rank``."""
+        if rank not in self.program.ranks:
+            raise ValueError(f"this plan holds the programs of ranks {sorted(self.program.ranks)}, not {rank}; "
+                             f"plan with ranks=None for all of them")
+        return emit_all(Program(self.graph, self.world, {rank: self.program[rank]}, self.program.groups),
+                        self.policy, self.timings)[rank]
+
+
+@dataclass
+class Traced:
+    """A traced model: its IR graph before any policy, never changed (each plan works on a copy).
+
+    Attributes:
+        graph: the unplaced graph.
+        consts: the lifted constant tensors.
+        structure: ``"tensor"`` or ``"tuple"``: how a batch is passed to the model.
+        timings: seconds of ``trace`` and ``ir``.
+    """
+
+    graph: IRGraph
+    consts: dict
+    structure: str
+    timings: dict = field(default_factory=dict)
+
+    def place(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
+              zero: Optional[int] = None, timings: Optional[dict] = None) -> IRGraph:
+        """The placed graph: the policy run on a copy of the trace for ``world`` ranks (no passes).
+
+        ``zero``: the ZeRO stage of this plan (default: the one traced with).
+
+        Raises:
+            ValueError, TypeError: the policy failed or left ops unplaced (the message says how to fix it).
+        """
+        policy = load_policy(PAS)
+        graph = self.graph.copy()
+        if zero is not None:
+            graph.zero = zero
+        with _phase("policy", {} if timings is None else timings):
+            graph = apply_policy(policy, graph, Resource(world), options)
+            check_graph(graph, placed=True, stage="policy")
+        return graph
+
+    def plan(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
+             zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None) -> Plan:
+        """Runs the policy on a copy of the graph for ``world`` ranks, then the passes.
+
+        Args:
+            PAS: the policy (a callable, ``"file.py:Name"``, ``"module:Name"`` or a shipped name).
+            world: the number of ranks.
+            options: keyword options for the policy (``tp``, ``pp``, ``nmicros``, ...).
+            zero: the ZeRO stage of this plan (default: the one traced with).
+            ranks: the ranks whose programs to lay out (default all; every rank is planned).
+
+        Raises:
+            ValueError, TypeError: the policy's plan cannot run (the message says why and how to fix it).
+        """
+        policy = load_policy(PAS)
+        timings = dict(self.timings)
+        graph = self.place(policy, world, options=options, zero=zero, timings=timings)
+        with _phase("plan", timings):
+            program = build_program(graph, world, ranks)
+        return Plan(graph, program, self.consts_of(graph), policy_name(policy), timings)
+
+    def consts_of(self, graph: IRGraph) -> dict:
+        """The constants a placed copy of the graph reads."""
+        used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
+        return {k: v for k, v in self.consts.items() if k in used}
+
+
+def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Optional[str] = None,
+          timings: Optional[dict] = None, structure: Optional[str] = None) -> Traced:
+    """Traces ``model`` on one batch into an IR graph (no policy yet).
+
+    Args:
+        model: the single-device module (it may live on the meta device).
+        batch: a tensor or a tuple/list of tensors, as the dataloader yields it (or, with
+            ``structure``, the tuple of its tensors).
+        zero: the ZeRO stage the plan is for (3 shards parameters in the plan).
+        precision: None, ``"bf16"`` or ``"fp16"``.
+        timings: a dict that also gets the seconds of ``trace`` and ``ir``.
+        structure: how ``batch`` is passed when it is already a tuple of tensors.
+    """
+    if structure is None:
+        structure, sample = batch_structure(batch)
+    else:
+        sample = tuple(batch)
     timings = {} if timings is None else timings
     with _phase("trace", timings):
         ep = export(model, sample)
@@ -258,16 +382,35 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero
         graph.precision = precision
-        check_graph(graph)
-    with _phase("policy", timings):
-        graph = apply_policy(policy, graph, Resource(world_size))
-        check_graph(graph, placed=True)
-    used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
-    return graph, {k: v for k, v in consts.items() if k in used}
+        check_graph(graph, stage="ir")
+    return Traced(graph, consts, structure, timings)
+
+
+def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 1, *,
+         options: Optional[dict] = None, zero: int = 0, precision: Optional[str] = None,
+         ranks: Optional[Sequence[int]] = None) -> Plan:
+    """Compiles ``model`` for ``world`` ranks in this process, as a value: trace, policy, passes.
+
+    Nothing is launched, read or written (no process group, no cache); ``Plan.sources()``
+    gives every rank's generated code. ``cube.trace_model(...).plan(...)`` does the same in
+    two steps, so one trace serves many plans.
+    """
+    return trace_model(model, batch, zero=zero, precision=precision).plan(PAS, world, options=options, ranks=ranks)
+
+
+def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy: Callable,
+                   world_size: int, timings: Optional[dict] = None, zero: int = 0,
+                   precision: Optional[str] = None, options: Optional[dict] = None):
+    """``(graph, consts)``: the placed graph of ``policy`` and the constants it reads (see ``plan``)."""
+    timings = {} if timings is None else timings
+    traced = trace_model(model, sample, zero=zero, precision=precision, structure=structure, timings=timings)
+    graph = traced.place(policy, world_size, options=options, timings=timings)
+    return graph, traced.consts_of(graph)
 
 
 def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1,
-                  zero: int = 0, precision: Optional[str] = None, timings: Optional[dict] = None) -> dict:
+                  zero: int = 0, precision: Optional[str] = None, timings: Optional[dict] = None,
+                  options: Optional[dict] = None) -> dict:
     """Every rank's generated source for a plan, in this process (no launch, no cache): a dry run.
 
     Args:
@@ -278,16 +421,49 @@ def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], worl
     Returns:
         ``{rank: source}`` for ranks ``0..world_size-1``.
     """
-    timings = {} if timings is None else timings
-    structure, sample = _structure(batch)
-    policy = load_policy(PAS)
     with _gc_paused():
-        graph, _ = trace_and_plan(model, sample, structure, policy, world_size, timings, zero=zero,
-                                  precision=precision)
-        sources = generate_all(graph, world_size, policy_name(policy), timings=timings)
-    log.info("cube: dry run of %s for %s (world %d): %s", policy_name(policy), type(model).__name__,
-             world_size, _format_phases(timings))
+        planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision)
+        sources = planned.sources()
+    if timings is not None:
+        timings.update(planned.timings)
+    log.info("cube: dry run of %s for %s (world %d): %s", planned.policy, type(model).__name__,
+             world_size, _format_phases(planned.timings))
     return sources
+
+
+def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequence[int]] = None,
+                 timings: Optional[dict] = None) -> Dict[int, str]:
+    """Python source of each rank's module of a placed ``graph`` (``ranks``: which; default all).
+
+    ``timings`` gets the seconds of ``plan`` (every rank's plan) and ``codegen``.
+
+    Raises:
+        ValueError: the placement cannot run (see ``cube.passes.program.build_program``).
+    """
+    timings = {} if timings is None else timings
+    with _phase("plan", timings):
+        program = build_program(graph, world, ranks)
+    return emit_all(program, policy, timings)
+
+
+def generate(graph: IRGraph, rank: int, world: int, policy: str, timings: Optional[dict] = None) -> str:
+    """Python source of rank ``rank``'s module of a placed ``graph`` (see ``generate_all``)."""
+    return generate_all(graph, world, policy, [rank], timings)[rank]
+
+
+def explain(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int, folder, zero: int = 0,
+            precision: Optional[str] = None, options: Optional[dict] = None) -> list:
+    """Plans ``model`` for ``world_size`` ranks in this process and writes the report into ``folder``.
+
+    Nothing is launched: this traces, applies the policy and plans every rank,
+    as ``cube.compile`` would, then writes ``plan.txt``, ``placement.svg`` and
+    (for pipeline plans) ``schedule.svg`` (``cube.codegen.report``).
+
+    Returns:
+        The paths written.
+    """
+    planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision)
+    return write_report(planned.program, folder)
 
 
 def _format_phases(timings: dict) -> str:
@@ -303,7 +479,7 @@ def _load_source(path: Path, name: str):
 
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
-            zero: int = 0, precision: Optional[str] = None) -> Callable:
+            zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -325,6 +501,9 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             ``torch.autocast`` over float32 parameters and optimizer state; fp16
             adds a dynamic loss scale (build the optimizer with
             ``cube.build_optimizer`` so overflowed steps are skipped).
+        options: keyword options for the policy (``{"tp": 2, "nmicros": 8}``): the
+            shipped policies take ``tp``, ``pp``, ``nmicros``, ``nvirtual``,
+            ``recompute`` (see each policy); they are part of the code cache key.
 
     Returns:
         A decorator turning the step into a ``CompiledStep``.
@@ -338,8 +517,8 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
 
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
-                            precision=precision)
-        _last_step[:] = [step]
+                            precision=precision, options=options)
+        rt_session.register(step)
         return step
 
     return decorator
@@ -376,8 +555,8 @@ def load_model(step: Optional[CompiledStep] = None, *, init: Optional[Callable] 
             tensor nothing gives a value; ``init`` touched another module's tensors.
     """
     if step is None:
-        if not _last_step:
+        step = rt_session.latest()
+        if step is None:
             raise ValueError("cube.load_model(): nothing was compiled yet; decorate the training step "
                              "with @cube.compile(model, dataloader, PAS=...) first")
-        step = _last_step[0]
     return step.load_model(init=init, weights=weights, rename=rename, strict=strict)

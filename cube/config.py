@@ -129,9 +129,74 @@ def recompute() -> Optional[Union[str, Tuple[int, ...]]]:
     return tuple(int(p) for p in parts)
 
 
+def auto_plan_path(default: str = "cube_auto_plan.json") -> str:
+    """``CUBE_AUTO_PLAN``: the plan file ``policies.auto.PASAuto`` reads (unset: ``default``)."""
+    return os.environ.get("CUBE_AUTO_PLAN") or default
+
+
 def plan_settings() -> str:
     """The variables that change what the shipped policies plan or what codegen emits (``CUBE_PROFILE``
     adds profiling regions), for the code cache key."""
     names = ("CUBE_TP", "CUBE_PP", "CUBE_MICROS", "CUBE_VIRTUAL", "CUBE_RECOMPUTE", "CUBE_PROFILE",
              "CUBE_STAGE_RANKS")
     return " ".join(f"{k}={os.environ.get(k, '')}" for k in names)
+
+
+def trace_repeat() -> bool:
+    """``CUBE_TRACE_REPEAT``: export a long stack of alike blocks once and repeat it
+    (``cube.trace.repeat``; default on, ``0``/``false``/``off`` turns it off)."""
+    return os.environ.get("CUBE_TRACE_REPEAT", "1").strip() not in ("0", "false", "False", "off")
+
+
+def restart_attempt() -> str:
+    """``TORCHELASTIC_RESTART_COUNT``: which restart of the job this is under ``torchrun --max-restarts``
+    (``"0"`` for the first run and outside torchrun)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+
+PROFILERS = ("torch", "viztracer")
+
+
+def profiler() -> Optional[str]:
+    """``CUBE_PROFILE``: the profiler of the compiled step, ``torch`` or ``viztracer`` (unset, ``0``,
+    ``off`` or ``none``: None).
+
+    Raises:
+        ValueError: an unknown profiler name.
+    """
+    value = os.environ.get("CUBE_PROFILE", "").strip().lower()
+    if not value or value in ("0", "off", "none"):
+        return None
+    if value not in PROFILERS:
+        raise ValueError(f"CUBE_PROFILE={value!r}: use one of {', '.join(PROFILERS)} (or leave it unset)")
+    return value
+
+
+def profile_steps() -> range:
+    """``CUBE_PROFILE_STEPS``: the (0-based) steps to record, ``2`` (the default) or a range ``1-3``.
+
+    Raises:
+        ValueError: neither a step number nor a range.
+    """
+    value = os.environ.get("CUBE_PROFILE_STEPS", "2").strip()
+    try:
+        lo, _, hi = value.partition("-")
+        return range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise ValueError(f"CUBE_PROFILE_STEPS={value!r}: give a step number or a range such as 1-3") from None
+
+
+def profile_dir() -> Path:
+    """``CUBE_PROFILE_DIR``: where step traces are written (default ``./cube_traces``)."""
+    return Path(os.environ.get("CUBE_PROFILE_DIR", "cube_traces"))
+
+
+def child_env(pythonpath: str) -> dict:
+    """The environment for a child Python process: this one's, with ``pythonpath`` first on ``PYTHONPATH``."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([pythonpath, os.environ.get("PYTHONPATH", "")]))
+
+
+def check_graphs() -> bool:
+    """``CUBE_CHECK_GRAPHS=1``: run the graph checker after every compile stage and pass
+    (``cube.passes.check.check_stage``); the test suite turns it on."""
+    return os.environ.get("CUBE_CHECK_GRAPHS", "0") not in ("", "0", "false", "False")

@@ -5,12 +5,12 @@ A plan is a small configuration (JSON)::
     {"dp": 2, "tp": 1, "pp": 2, "nmicros": 4, "schedule": "1f1b", "starts": [0, 41],
      "recompute": false, "zero": 1, "micro_batch": 4, "world": 4}
 
-Devices form a ``pp x dp x tp`` grid: stage ``s`` runs on devices
-``s*dp*tp .. (s+1)*dp*tp - 1``; inside a stage, device ``s*dp*tp + i*tp + j``
-holds batch part ``i`` and Megatron tensor-parallel piece ``j`` (as
-``PASHybrid``). ``starts`` lists the index (among the forward ops) of the first
-op of each stage; with ``pp > 1`` a step runs ``nmicros`` micro-batches through
-the ``schedule`` (``1f1b`` or ``gpipe``), each of ``micro_batch`` samples.
+Devices form a ``(pp, dp, tp)`` ``DeviceMesh`` (``cube.toolkit.grid_plan``
+applies it): stage ``s`` runs on the mesh's ``pp = s`` devices, data parallel
+over ``dp`` and Megatron tensor parallel over ``tp`` (as ``PASHybrid``).
+``starts`` lists the index (among the forward ops) of the first op of each
+stage; with ``pp > 1`` a step runs ``nmicros`` micro-batches through the
+``schedule`` (``1f1b`` or ``gpipe``), each of ``micro_batch`` samples.
 ``recompute: true`` recomputes every block. ``zero`` is the ZeRO stage: pass
 ``zero=3`` to ``cube.compile`` for stage 3 and ``zero=cfg["zero"]`` to
 ``cube.build_optimizer``.
@@ -27,18 +27,16 @@ import json
 import os
 from typing import Optional
 
-from cube import schedule
-from cube.ir import IRDataOperation, IRFwOperation, IRGraph
-from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import batch_flow, megatron_flow, place
+from cube import config
+from cube.ir import IRGraph
+from cube.toolkit import grid_plan as plan   # the policy of a configuration (cube.sim.search applies it too)
 
 DEFAULT_FILE = "cube_auto_plan.json"
-SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe}
 
 
 def plan_path() -> str:
     """The configuration file ``PASAuto`` reads: ``CUBE_AUTO_PLAN``, else ``./cube_auto_plan.json``."""
-    return os.environ.get("CUBE_AUTO_PLAN") or DEFAULT_FILE
+    return config.auto_plan_path(DEFAULT_FILE)
 
 
 def load_config(path: Optional[str] = None) -> dict:
@@ -60,57 +58,6 @@ def load_config(path: Optional[str] = None) -> dict:
     if missing:
         raise ValueError(f"PASAuto: {path!r} lacks {missing}; it must be a plan written by the search")
     return cfg
-
-
-def plan(graph: IRGraph, resource, config: dict) -> IRGraph:
-    """Applies a ``pp x dp x tp`` plan (see the module docstring) to ``graph``.
-
-    Raises:
-        ValueError: the grid does not match the devices, a stage start is out of
-            range or out of order, an unknown schedule, or ZeRO-3 asked for but
-            not compiled for.
-    """
-    dp, tp, pp = int(config["dp"]), int(config["tp"]), int(config.get("pp", 1))
-    if dp * tp * pp != resource.ngpus:
-        raise ValueError(f"PASAuto: the plan is for dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} devices but "
-                         f"{resource.ngpus} are launched; launch {dp * tp * pp} processes or search again")
-    if config.get("zero", 0) == 3 and getattr(graph, "zero", 0) != 3:
-        raise ValueError("PASAuto: the plan uses ZeRO-3; compile with cube.compile(..., zero=3)")
-    data_flow = batch_flow(graph, dp) if dp > 1 else None
-    tensor_flow = megatron_flow(graph, tp) if tp > 1 else None
-    group = dp * tp
-
-    def put(node, base: int) -> None:
-        dsplit = (0, 0) if isinstance(node, IRDataOperation) else (data_flow.split_of(node) if data_flow else None)
-        for i, piece in enumerate(place(graph, node, dsplit, [base + i * tp for i in range(dp)])):
-            tsplit = tensor_flow.split_of(node) if tensor_flow and not isinstance(node, IRDataOperation) else None
-            place(graph, piece, tsplit, [base + i * tp + j for j in range(tp)])
-
-    if pp == 1:
-        for node in graph.nodes():
-            put(node, 0)
-    else:
-        fw = graph.select(ntype=IRFwOperation)
-        starts = list(config.get("starts") or [k * len(fw) // pp for k in range(pp)])
-        if len(starts) != pp or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
-                or starts[-1] >= len(fw):
-            raise ValueError(f"PASAuto: stage starts {starts} must be {pp} increasing forward-op indices from 0 "
-                             f"below {len(fw)}; search again for this model")
-        stages = graph.staging([fw[i] for i in starts])
-        for node in graph.select(ntype=IRDataOperation):
-            for s, piece in enumerate(graph.replicate(node, times=pp)):
-                put(piece, s * group)
-        for s, stage in enumerate(stages):
-            for op in stage:
-                put(op, s * group)
-    if config.get("recompute"):
-        recompute_blocks(graph, config["recompute"] if isinstance(config["recompute"], (list, str)) else "all")
-    if pp > 1:
-        name = config.get("schedule", "1f1b")
-        if name not in SCHEDULES:
-            raise ValueError(f"PASAuto: unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
-        SCHEDULES[name](graph, int(config.get("nmicros", pp)), pp)
-    return graph
 
 
 class _Auto:

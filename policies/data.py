@@ -6,16 +6,18 @@ whole on every device. cube inserts the communication: partial sums of the
 loss are all-reduced, and the gradients of the parameters every device holds
 are summed in buckets while backward runs.
 """
-from cube.ir import IRDataOperation, IRGraph
-from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import batch_flow, place
+from cube.ir import IRGraph
+from cube.mesh import DeviceMesh
+from cube.toolkit import Recompute, apply_recompute, data_parallel, place_all
 
 
-def PASData(graph: IRGraph, resource) -> IRGraph:
-    devices = list(range(resource.ngpus))
-    flow = batch_flow(graph, resource.ngpus)
-    for node in graph.nodes():
-        split = (0, 0) if isinstance(node, IRDataOperation) else flow.split_of(node)
-        place(graph, node, split, devices)
-    recompute_blocks(graph)   # CUBE_RECOMPUTE
+def PASData(graph: IRGraph, resource, recompute: Recompute = None) -> IRGraph:
+    """Data parallel over every device (module docstring).
+
+    Args:
+        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+    """
+    mesh = DeviceMesh(("dp", resource.ngpus))
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]))
+    apply_recompute(graph, recompute)
     return graph

@@ -1,26 +1,23 @@
 """PASHybrid: data parallel across groups of devices, Megatron tensor parallel inside each.
 
-Devices form a ``dp x tp`` grid: device ``i * tp + j`` holds batch part ``i``
-and tensor-parallel piece ``j``. ``tp`` defaults to 2 (set ``CUBE_TP`` to
-change it); ``dp = ngpus // tp``.
+Devices form a ``dp x tp`` mesh (tensor parallel innermost: devices ``0..tp-1``
+hold batch part 0). ``tp`` defaults to ``CUBE_TP`` (2); ``dp = ngpus // tp``.
 """
+from typing import Optional
+
 from cube import config
-from cube.ir import IRDataOperation, IRGraph
-from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import batch_flow, megatron_flow, place
+from cube.ir import IRGraph
+from cube.toolkit import Recompute, apply_recompute, data_parallel, grid, place_all, tensor_parallel
 
 
-def PASHybrid(graph: IRGraph, resource, tp: int = 0) -> IRGraph:
-    tp = tp or config.tensor_parallel_degree()
-    if resource.ngpus % tp:
-        raise ValueError(f"PASHybrid: {resource.ngpus} devices do not form a grid with tp={tp}; "
-                         f"use a device count divisible by tp")
-    dp = resource.ngpus // tp
-    data_flow = batch_flow(graph, dp)
-    tensor_flow = megatron_flow(graph, tp)
-    for node in graph.nodes():
-        dsplit = (0, 0) if isinstance(node, IRDataOperation) else data_flow.split_of(node)
-        for i, piece in enumerate(place(graph, node, dsplit, [i * tp for i in range(dp)])):
-            place(graph, piece, tensor_flow.split_of(node), [i * tp + j for j in range(tp)])
-    recompute_blocks(graph)   # CUBE_RECOMPUTE
+def PASHybrid(graph: IRGraph, resource, tp: Optional[int] = None, recompute: Recompute = None) -> IRGraph:
+    """Data parallel over ``dp`` groups, tensor parallel over ``tp`` devices in each.
+
+    Args:
+        tp: tensor-parallel degree (default ``CUBE_TP``, 2).
+        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+    """
+    mesh = grid(resource.ngpus, tp=tp or config.tensor_parallel_degree(), policy="PASHybrid")
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), tp=tensor_parallel(graph, mesh["tp"]))
+    apply_recompute(graph, recompute)
     return graph

@@ -8,14 +8,17 @@ projection) or a reduction. Attention is then split by heads. Everything else
 module names are used, so it plans the shipped GPT, HF GPT-2 and HF Llama alike.
 """
 from cube.ir import IRGraph
-from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import megatron_flow, place
+from cube.mesh import DeviceMesh
+from cube.toolkit import Recompute, apply_recompute, place_all, tensor_parallel
 
 
-def PASMegatronTP(graph: IRGraph, resource) -> IRGraph:
-    devices = list(range(resource.ngpus))
-    flow = megatron_flow(graph, resource.ngpus)
-    for node in graph.nodes():
-        place(graph, node, flow.split_of(node), devices)
-    recompute_blocks(graph)   # CUBE_RECOMPUTE
+def PASMegatronTP(graph: IRGraph, resource, recompute: Recompute = None) -> IRGraph:
+    """Tensor parallel over every device (module docstring).
+
+    Args:
+        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+    """
+    mesh = DeviceMesh(("tp", resource.ngpus))
+    place_all(graph, mesh, tp=tensor_parallel(graph, mesh["tp"]))
+    apply_recompute(graph, recompute)
     return graph

@@ -4,15 +4,15 @@ With one device this is plain single-device training. With more, every rank
 runs the same full step, so results match and no communication is needed.
 """
 from cube.ir import IRGraph
-from cube.ir.blocks import recompute_blocks
+from cube.toolkit import Recompute, apply_recompute, whole
 
 
-def PASSingle(graph: IRGraph, resource) -> IRGraph:
-    for node in graph.nodes():
-        if resource.ngpus == 1:
-            graph.assign(node, 0)
-            continue
-        for dev, piece in enumerate(graph.replicate(node, times=resource.ngpus)):
-            graph.assign(piece, dev)
-    recompute_blocks(graph)   # CUBE_RECOMPUTE
+def PASSingle(graph: IRGraph, resource, recompute: Recompute = None) -> IRGraph:
+    """Every op whole on every device.
+
+    Args:
+        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+    """
+    whole(graph, resource)
+    apply_recompute(graph, recompute)
     return graph

@@ -2,7 +2,7 @@
 import pytest
 
 from cube.compiler import trace_and_plan
-from cube.codegen.emit import generate_all
+from cube.compiler import generate_all
 from cube.ir.layout import piece_layout
 from cube.passes.adapter import transitions
 from cube.passes.plan import build_plans

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from cube.codegen.recompute import check_recompute
+from cube.passes.recompute import check_recompute
 from cube.compiler import generate_code
 from cube.ir import IRDataOperation, IRFwOperation
 from cube.ir.blocks import block_of, blocks, recompute_blocks

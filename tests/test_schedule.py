@@ -111,7 +111,7 @@ def _staged(schedule):
 
 
 def test_scheduled_plan_generates_a_pipelined_step():
-    from cube.codegen import generate_all
+    from cube.compiler import generate_all
     model, sample = build("gpt_nobias")
     graph, _ = trace_and_plan(model, sample, "tuple", load_policy(_staged("1f1b")), 2)
     sources = generate_all(graph, 2, "staged")
@@ -127,7 +127,7 @@ MISFITS = [("nostages", "no stages: call graph.staging"),
 
 @pytest.mark.parametrize("kind,match", MISFITS)
 def test_schedules_that_do_not_fit_the_placement_are_clear_errors(kind, match):
-    from cube.codegen import generate
+    from cube.compiler import generate
     model, sample = build("gpt_nobias")
     graph, _ = trace_and_plan(model, sample, "tuple", load_policy(_staged(kind)), 2)
     with pytest.raises(ValueError, match=match):

@@ -1,4 +1,4 @@
-"""Execution plan -> per-rank Python source."""
-from cube.codegen.emit import generate, generate_all
+"""Per-rank programs (``cube.passes.program``) -> per-rank Python source."""
+from cube.codegen.emit import emit_all
 
-__all__ = ["generate", "generate_all"]
+__all__ = ["emit_all"]

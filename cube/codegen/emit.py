@@ -1,4 +1,7 @@
-"""Execution plan of one rank -> a readable Python module.
+"""A rank's program (``cube.passes.program``) -> a readable Python module.
+
+Everything printed here was decided by the passes: this module only chooses
+names and writes lines.
 
 The module holds a ``GenModel`` (an ``nn.Module`` owning this rank's pieces of
 the parameters and buffers, with a straight-line forward that frees values
@@ -6,25 +9,25 @@ after their last use, comments each line with the model source it came from,
 and moves values between ranks with ``runtime.collectives``) and
 ``train_step(model, dataloader)``. A rank holding several pipeline stages gets
 one such method per stage (``stage_2``) and a forward that runs the stage it is
-given (``cube.codegen.stages``).
+given (``cube.passes.stages``).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from cube.codegen.local import local_call
 from cube.codegen.names import Namer
-from cube.codegen.recompute import Run, check_recompute, find_runs, gather_transfers
-from cube.codegen.stages import held_stages, stage_calls, stages_of
 from cube.ir.graph import IRGraph
 from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.plan import Call, RankPlan, build_plans
+from cube.passes.plan import Call
+from cube.passes.program import Program, RankProgram, Segment
+from cube.passes.recompute import Run
 from cube.runtime import profile
 
 HEADER = '''\
@@ -67,17 +70,16 @@ def _splits(box: Box, shape) -> List[Tuple[int, int, int]]:
 
 
 class _Emitter:
-    def __init__(self, graph: IRGraph, plan: RankPlan, groups, actions: Optional[List[str]] = None):
-        self.actions = actions
-        held = stages_of(actions)
-        self.stages = stage_calls(graph, plan, held) if held else None   # stage -> its calls, when several
+    def __init__(self, graph: IRGraph, program: RankProgram, groups):
         self.graph = graph
-        self.plan = plan
+        self.program = program
+        self.plan = program.plan
         self.groups = groups
         self.namer = Namer()
         self.attr_names: Dict[int, str] = {}
         self.subst: Dict[int, IRTensor] = {}
-        self.counts: Dict[int, IRTensor] = {}   # call id -> value counting a mean loss's targets
+        # call id -> value counting a mean loss's targets
+        self.counts: Dict[int, IRTensor] = {id(c.call): c.value for seg in program.segments for c in seg.counts}
         self.profiling = profile.mode() is not None
         self.methods: List[str] = []   # recompute runs' methods, after forward and the stages
 
@@ -118,7 +120,7 @@ class _Emitter:
         self.subst = {}
         return f"{fn or _target_str(op.target)}({', '.join(parts)})"
 
-    def step_call(self, call: Call) -> str:
+    def step_call(self, call: Call, inplace: bool = False) -> str:
         s = call.step
         if s.kind == "unstash":
             return f"runtime.p2p.unstash(tag={s.tag}, requires_grad={s.grad != 'none'})"
@@ -160,7 +162,8 @@ class _Emitter:
             start, stop = s.part[s.dim]
             return _STEP_CALL["narrow"].format(x=x, dim=s.dim, start=start, stop=stop)
         grad = ", grad='R'" if s.kind == "all_gather" and s.grad == "R" else ""
-        return _STEP_CALL[s.kind].format(x=x, ranks=s.ranks, dim=s.dim, dim2=s.dim2, grad=grad)
+        text = _STEP_CALL[s.kind].format(x=x, ranks=s.ranks, dim=s.dim, dim2=s.dim2, grad=grad)
+        return text[:-1] + ", inplace=True)" if inplace else text
 
     # ------------------------------------------------------------------ module
     def emit(self, policy: str) -> str:
@@ -232,36 +235,34 @@ class _Emitter:
     def forward(self) -> List[str]:
         """The forward: the rank's calls, or, on a rank holding several pipeline stages, a forward
         running the stage it is given and one method per stage."""
-        if self.stages is None:
-            return self._calls_method(None, self.plan.calls)
+        prog = self.program
+        if not prog.staged:
+            return self._calls_method(prog.segments[0])
         inputs = ", ".join(self.value(t) for t in self.plan.data.outputs)
+        stages = [seg.stage for seg in prog.segments]
         lines = [f"    def forward(self, stage, {inputs}):",
                  f'        """Pipeline stage ``stage`` on one micro-batch (this rank holds stages '
-                 f'{", ".join(map(str, self.stages))})."""',
+                 f'{", ".join(map(str, stages))})."""',
                  f'        return getattr(self, f"stage_{{stage}}")({inputs})']
-        for k, calls in self.stages.items():
-            lines += [""] + self._calls_method(k, calls)
+        for seg in prog.segments:
+            lines += [""] + self._calls_method(seg)
         return lines
 
-    def _calls_method(self, stage: Optional[int], calls: List[Call]) -> List[str]:
-        """A method running ``calls`` straight through: ``forward``, or ``stage_<k>`` for stage ``k``."""
+    def _calls_method(self, seg: Segment) -> List[str]:
+        """A method running a segment's calls straight through: ``forward``, or ``stage_<k>``."""
         plan = self.plan
+        stage = seg.stage
         inputs = [self.value(t) for t in plan.data.outputs]
         if stage is None:
             lines = [f"    def forward(self, {', '.join(inputs)}):"]
         else:
             lines = [f"    def stage_{stage}(self, {', '.join(inputs)}):",
                      f'        """Pipeline stage {stage}: this rank\'s part of it, on one micro-batch."""']
-        lines += self.batch_intake(calls)
-        if self._zero3():
+        lines += self.batch_intake(seg)
+        if self.program.zero3:
             lines.append("        self.zero_begin()   # ZeRO-3: start gathering the sharded parameters")
-        waited: set = set()
-        calls = gather_transfers(calls)   # sends/recvs out of recompute runs
-        last_use = _last_uses(calls, plan.loss)
-        runs = {r.start: r for r in find_runs(calls, plan.loss, lambda t: id(t) in self.attr_names, self.counts)}
-        if stage is not None:   # a recompute group may have runs in several stages
-            for r in runs.values():
-                r.name += f"_s{stage}"
+        calls = seg.calls
+        runs = {r.start: r for r in seg.runs}
         head, run = lines, None   # inside a recompute run, `lines` is the body of its method
         in_no_grad = False
         last_comment = None
@@ -287,14 +288,12 @@ class _Emitter:
                 if self.profiling:   # CUBE_PROFILE: a named region per model line in the trace
                     lines.append(f"{ind}runtime.profile.region({f'{op.module_path or op.name} {f}:{line}'!r})")
                 last_comment = (op.source, op.module_path)
-            lines += self._zero_wait(call, ind, waited)
+            if i in seg.zero_waits:   # ZeRO-3: before the first op reading a sharded parameter
+                lines.append(f"{ind}self.zero_wait({', '.join(self.value(t) for t in seg.zero_waits[i])})")
             if op is None and not call.outputs:
                 lines.append(f"{ind}{self.step_call(call)}")
             elif op is None:
-                text = self.step_call(call)
-                if run is None and _sums_in_place(calls, i, last_use.get(i, ())):
-                    text = text[:-1] + ", inplace=True)"
-                lines.append(f"{ind}{self.value(call.outputs[0])} = {text}")
+                lines.append(f"{ind}{self.value(call.outputs[0])} = {self.step_call(call, i in seg.in_place)}")
             else:
                 text = self.op_call(call)
                 if not op.outputs:
@@ -304,20 +303,15 @@ class _Emitter:
                 else:
                     outs = ", ".join(self.value(o) for o in op.outputs)
                     lines.append(f"{ind}{outs}{',' if len(op.outputs) == 1 else ''} = {text}")
-            dead = [t for t in last_use.get(i, []) if id(t) not in self.attr_names]
-            if run is not None:   # a run's inputs are freed after its call, in forward
-                dead = [t for t in dead if not any(t is x for x in run.inputs)]
-            if dead:
-                lines.append(f"{ind}del {', '.join(self.value(t) for t in dead)}")
+            if i in seg.frees:
+                lines.append(f"{ind}del {', '.join(self.value(t) for t in seg.frees[i])}")
             if run is not None and i == run.stop - 1:
                 lines.append(f"        return {', '.join(self.value(t) for t in run.outputs)}")
                 self.methods += [""] + lines
                 lines, run, in_no_grad, last_comment = head, None, False, None
         if self.profiling:
             lines.append("        runtime.profile.region(None)")
-        makes_loss = plan.loss_from is None and (stage is None or any(t is plan.loss for c in calls
-                                                                       for t in c.outputs))
-        if not makes_loss:
+        if not seg.returns_loss:
             lines.append("        return None   # the loss is made on the last stage")
         elif getattr(self.graph, "precision", None) == "fp16":
             lines.append(f"        return runtime.amp.scale_loss_grad({self.value(plan.loss)}, self)   "
@@ -349,46 +343,21 @@ class _Emitter:
         return [f"    def {run.name}(self{args}):",
                 f'        """Recompute group {run.group}{where}: runs in forward and again in backward."""']
 
-    def _zero3(self) -> bool:
-        return getattr(self.graph, "zero", 0) == 3 and bool(self.plan.reduce)
-
-    def _zero_wait(self, call: Call, ind: str, waited: set) -> List[str]:
-        """ZeRO-3: before the first op reading a sharded parameter, wait until it is gathered."""
-        if not self._zero3():
-            return []
-        if not hasattr(self, "_sharded"):
-            self._sharded = {id(t) for t, ranks in self.plan.reduce if len(ranks) > 1}
-        new = [t for t in call.inputs if id(t) in self._sharded and id(t) not in waited]
-        if not new:
-            return []
-        waited.update(id(t) for t in new)
-        return [f"{ind}self.zero_wait({', '.join(self.value(t) for t in new)})"]
-
-    def batch_intake(self, calls: List[Call]) -> List[str]:
-        """Counts what the mean losses of ``calls`` average over on the whole batch, then keeps this
-        rank's part."""
+    def batch_intake(self, seg: Segment) -> List[str]:
+        """Counts what the mean losses of the segment average over on the whole batch, then keeps
+        this rank's part."""
         plan = self.plan
-        lines = []
-        parts = [(t, _splits(box, t.shape)) for t, box in zip(plan.data.outputs, plan.data_boxes)]
-        if not any(p for _, p in parts):
-            return lines
-        lines.append("        # the whole batch comes in; this rank keeps its part")
-        for call in calls:
-            if call.count_of is None:
-                continue
-            op = call.op
-            names = [a.name for a in op.target._schema.arguments]
-            weight = op.args[2] if len(op.args) > 2 else op.kwargs.get("weight")
-            if weight is not None and id(weight) not in self.attr_names:
-                continue   # a weight computed in forward: the pieces sum the count instead
-            ignore = op.args[names.index("ignore_index")] if len(op.args) > names.index("ignore_index") \
-                else op.kwargs.get("ignore_index", -100)
-            count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "valid_targets")
+        if not self.program.splits_batch:
+            return []
+        lines = ["        # the whole batch comes in; this rank keeps its part"]
+        for c in seg.counts:
+            op = c.call.op
             where = f" at {op.source[0]}:{op.source[1]}" if op.source else ""
-            self.counts[id(call)] = count
-            lines.append(f"        {self.value(count)} = runtime.ops.valid_count({self.value(call.count_of)}, {ignore!r}, "
-                         f"weight={self.value(weight)}, dtype={op.inputs[0].dtype})   # {op.name}{where}")
-        for t, part in parts:
+            lines.append(f"        {self.value(c.value)} = runtime.ops.valid_count({self.value(c.call.count_of)}, "
+                         f"{c.ignore_index!r}, weight={self.value(c.weight)}, dtype={op.inputs[0].dtype})   "
+                         f"# {op.name}{where}")
+        for t, box in zip(plan.data.outputs, plan.data_boxes):
+            part = _splits(box, t.shape)
             if part:
                 lines.append(f"        {self.value(t)} = runtime.piece({self.value(t)}, {part!r})")
         return lines
@@ -405,18 +374,19 @@ class _Emitter:
             '    return the loss of the whole batch."""',
             f"    {lhs} = runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})",
         ]
-        if self.actions is not None:
+        actions = self.program.actions
+        if actions is not None:
             sched = self.graph.schedule
             call = f"runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})"
             wrap = f"({call},)" if data.structure == "tensor" else call
             return [lines[0], '    """One step: micro-batches through the pipeline schedule; returns their mean loss."""',
-                    f"    # {sched.name}: {sched.nmicros} micro-batches, this rank: {' '.join(self.actions)}",
+                    f"    # {sched.name}: {sched.nmicros} micro-batches, this rank: {' '.join(actions)}",
                 f"    batches = [{wrap} for _ in range({sched.nmicros})]",
-                f"    return runtime.pipeline.run(model, batches, {self.actions!r}, loss_from={plan.loss_from!r}, "
+                f"    return runtime.pipeline.run(model, batches, {actions!r}, loss_from={plan.loss_from!r}, "
                 f"loss_to={plan.loss_to!r})",
             ]
         # values that move point to point: backward also runs from the sends' markers
-        p2p = any(c.step is not None and c.step.kind in ("send", "recv", "grad_to", "gather") for c in plan.calls)
+        p2p = self.program.uses_p2p
         backward = ["    runtime.p2p.backward(loss)", "    runtime.p2p.finish()"] if p2p else ["    loss.backward()"]
         if plan.loss_sum:
             return lines + [
@@ -432,99 +402,16 @@ def _returns_tuple(op: IRFwOperation) -> bool:
     return len(returns) != 1 or str(returns[0].type).startswith("List")
 
 
-# ops whose backward needs their inputs only, never their output: a partial sum one of them
-# has just made may be summed in place
-_OUTPUT_NOT_SAVED = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "embedding",
-                               "convolution", "conv1d", "conv2d", "conv3d"})
+def emit_all(program: Program, policy: str, timings: Optional[dict] = None) -> Dict[int, str]:
+    """Python source of the module of each rank the program holds.
 
-
-def _sums_in_place(calls: List[Call], i: int, dying) -> bool:
-    """Whether the all-reduce ``calls[i]`` of a partial sum may sum into it: an op that does not
-    keep its output for backward made it, no call between read it, and none reads it afterwards
-    (not inside a recompute run, whose values its method returns)."""
-    call = calls[i]
-    if call.step.kind != "all_reduce":
-        return False
-    x = call.inputs[0]
-    if not any(t is x for t in dying):
-        return False
-    for c in reversed(calls[:i]):
-        if c.op is not None and any(o is x for o in c.op.outputs):
-            return c.op.name in _OUTPUT_NOT_SAVED
-        if any(t is x for t in c.inputs):
-            return False
-    return False
-
-
-def _last_uses(calls: List[Call], keep: IRTensor) -> Dict[int, List[IRTensor]]:
-    """Maps call index -> the values whose last use is that call (to ``del`` there)."""
-    last: Dict[int, Tuple[int, IRTensor]] = {}
-    for i, call in enumerate(calls):
-        for t in call.inputs:
-            last[id(t)] = (i, t)
-        for t in call.outputs:  # outputs never read are freed where they are made
-            last.setdefault(id(t), (i, t))
-    out: Dict[int, List[IRTensor]] = {}
-    for i, t in last.values():
-        if t is keep:
-            continue
-        out.setdefault(i, []).append(t)
-    return out
-
-
-def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
-    """Every process group any rank uses, sorted so all ranks create them in the same order."""
-    groups = set()
-    for plan in plans.values():
-        for call in plan.calls:
-            if call.step is not None and len(call.step.ranks) > 1:
-                groups.add(tuple(sorted(call.step.ranks)))
-            if len(call.term_ranks) > 1:
-                groups.add(tuple(sorted(call.term_ranks)))
-        for _, ranks in plan.reduce:
-            groups.add(tuple(sorted(ranks)))
-        if len(plan.loss_sum) > 1:
-            groups.add(tuple(sorted(plan.loss_sum)))
-    return sorted(groups, key=lambda g: (len(g), g))
-
-
-def generate_all(graph: IRGraph, world: int, policy: str, ranks: Optional[Sequence[int]] = None,
-                 timings: Optional[dict] = None) -> Dict[int, str]:
-    """Python source of each rank's module (``ranks``: which ones; default all).
-
-    Every rank is planned, whichever ranks are printed. ``timings``, when given,
-    gets the seconds of each phase: ``plan`` (all ranks' plans, process groups
-    and schedule) and ``codegen`` (printing the modules).
-
-    Raises:
-        ValueError: the placement cannot run (see ``cube.passes.plan.build_plans``).
+    Args:
+        program: the ranks' programs (``cube.passes.program.build_program``).
+        policy: the policy's name, for the header.
+        timings: gets the seconds of printing (``codegen``), when given.
     """
     start = time.perf_counter()
-    check_recompute(graph)
-    plans = build_plans(graph, world)
-    groups = all_groups(plans)
-    actions = _schedule_actions(graph, plans) if graph.schedule is not None else {}
-    planned = time.perf_counter()
-    ranks = range(world) if ranks is None else ranks
-    sources = {r: _Emitter(graph, plans[r], groups, actions.get(r)).emit(policy) for r in ranks}
+    sources = {r: _Emitter(program.graph, prog, program.groups).emit(policy) for r, prog in program.ranks.items()}
     if timings is not None:
-        timings["plan"], timings["codegen"] = planned - start, time.perf_counter() - planned
+        timings["codegen"] = time.perf_counter() - start
     return sources
-
-
-def _schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, List[str]]:
-    """Each device's actions in the schedule: those of its pipeline rank, naming the stage
-    (``F0.s2``) when a pipeline rank holds several.
-
-    Raises:
-        ValueError: the stages do not fit the schedule (see ``cube.codegen.stages.held_stages``).
-    """
-    sched = graph.schedule
-    virtual = sched.nstages > sched.nranks
-    return {r: [a.label(virtual) for a in sched.ranks[stages[0]]]   # stages[0] is the pipeline rank
-            for r, stages in held_stages(graph, plans).items()}
-
-
-def generate(graph: IRGraph, rank: int, world: int, policy: str, timings: Optional[dict] = None) -> str:
-    """Python source of rank ``rank``'s module (see ``generate_all``)."""
-    return generate_all(graph, world, policy, [rank], timings)[rank]

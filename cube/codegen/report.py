@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
-from cube.ir.graph import IRGraph
 from cube.ir.tensor import TensorKind
 from cube.passes.plan import Call, RankPlan
+from cube.passes.program import Program
 from cube.schedule.plan import Schedule, validate
 
 COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
@@ -73,8 +73,9 @@ def _call_line(call: Call) -> str:
     return f"{op.name:<20} {ins} -> {outs}{where}"
 
 
-def plan_text(graph: IRGraph, plans: Dict[int, RankPlan], actions: Optional[Dict[int, List[str]]] = None) -> str:
+def plan_text(program: Program) -> str:
     """Every rank's plan as text (see the module docstring)."""
+    graph, plans, actions = program.graph, program.plans, program.actions
     out = [f"plan of {graph.name}: {len(plans)} ranks" + (f", ZeRO-{graph.zero}" if getattr(graph, "zero", 0) else "")
            + (f", {graph.precision}" if getattr(graph, "precision", None) else "")]
     for r in sorted(plans):
@@ -156,37 +157,15 @@ def schedule_svg(schedule: Schedule) -> str:
     return _svg(left + steps * w + 10, top + schedule.nranks * (h + 4) + 10, body)
 
 
-def write_report(graph: IRGraph, plans: Dict[int, RankPlan], folder: Path,
-                 actions: Optional[Dict[int, List[str]]] = None) -> List[Path]:
+def write_report(program: Program, folder: Path) -> List[Path]:
     """Writes ``plan.txt``, ``placement.svg`` and (with a schedule) ``schedule.svg`` into ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    files = {"plan.txt": plan_text(graph, plans, actions), "placement.svg": placement_svg(plans)}
-    if graph.schedule is not None:
-        files["schedule.svg"] = schedule_svg(graph.schedule)
+    files = {"plan.txt": plan_text(program), "placement.svg": placement_svg(program.plans)}
+    if program.graph.schedule is not None:
+        files["schedule.svg"] = schedule_svg(program.graph.schedule)
     paths = []
     for name, text in files.items():
         (folder / name).write_text(text)
         paths.append(folder / name)
     return paths
-
-
-def explain(model, batch, PAS, world_size: int, folder, zero: int = 0, precision: Optional[str] = None) -> List[Path]:
-    """Plans ``model`` for ``world_size`` ranks in this process and writes the report into ``folder``.
-
-    Nothing is launched: this traces, applies the policy and plans every rank,
-    as ``cube.compile`` would, then writes ``plan.txt``, ``placement.svg`` and
-    (for pipeline plans) ``schedule.svg``.
-
-    Returns:
-        The paths written.
-    """
-    from cube.codegen.emit import _schedule_actions
-    from cube.compiler import _structure, trace_and_plan
-    from cube.passes.plan import build_plans
-    from cube.policy import load_policy
-    structure, sample = _structure(batch)
-    graph, _ = trace_and_plan(model, sample, structure, load_policy(PAS), world_size, zero=zero, precision=precision)
-    plans = build_plans(graph, world_size)
-    actions = _schedule_actions(graph, plans) if graph.schedule is not None else None
-    return write_report(graph, plans, folder, actions)

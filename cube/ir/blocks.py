@@ -79,8 +79,8 @@ def rerun_hazard(op: IRFwOperation) -> str:
     return ""
 
 
-def recompute_blocks(graph: "IRGraph", which: Union[None, str, Sequence[int]] = None
-                     ) -> List[List[IRFwOperation]]:
+def recompute_blocks(graph: "IRGraph", which: Union[None, str, Sequence[int]] = None,
+                     source: Optional[str] = None) -> List[List[IRFwOperation]]:
     """Marks blocks as recompute groups, one group per block.
 
     Ops that must not run twice (:func:`rerun_hazard`) are left out of their
@@ -91,6 +91,7 @@ def recompute_blocks(graph: "IRGraph", which: Union[None, str, Sequence[int]] = 
             join its group; call it before ``graph.staging`` or after, alike).
         which: ``"all"``, block indices (``blocks(graph)`` order, e.g. layer
             numbers), or None: what ``CUBE_RECOMPUTE`` says (unset: nothing).
+        source: how the caller names the request in errors (e.g. a policy's ``recompute=`` option).
 
     Returns:
         The groups marked.
@@ -102,14 +103,16 @@ def recompute_blocks(graph: "IRGraph", which: Union[None, str, Sequence[int]] = 
     if which is None:
         which = config.recompute()
         source = f"CUBE_RECOMPUTE={config.recompute_text()}"
+        fix = "unset CUBE_RECOMPUTE"
     else:
-        source = f"recompute_blocks(graph, {which!r})"
+        source = source or f"recompute_blocks(graph, {which!r})"
+        fix = "do not ask for recompute"
     if which is None:
         return []
     found = blocks(graph)
     if not found:
         raise ValueError(f"{source}: {graph.name} has no repeated blocks (ops under children of a ModuleList or "
-                         f"Sequential such as layers.0, h.3); unset CUBE_RECOMPUTE, or mark ops with "
+                         f"Sequential such as layers.0, h.3); {fix}, or mark ops with "
                          f"graph.recompute(ops) in a policy")
     if which == "all":
         chosen = found

@@ -25,15 +25,20 @@ class Flow:
         tracked: tensor id -> the dim of the tensor the split runs along.
         blocked: ops that read a split tensor but cannot be split along it.
         reduced: ops where the split ends in a partial sum (e.g. a row linear).
+        batch: the split is the batch's, so the data operation splits too (dim 0 of its tensors).
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
     tracked: Dict[int, int] = field(default_factory=dict)
     blocked: List[IRFwOperation] = field(default_factory=list)
     reduced: List[IRFwOperation] = field(default_factory=list)
+    batch: bool = False
 
     def split_of(self, op) -> Optional[Tuple[int, int]]:
-        e = self.splits.get(id(op.origin or op))
+        """The (idx, dim) to split ``op`` (or a piece of it) on, or None: replicate it."""
+        if isinstance(op, IRDataOperation):
+            return (0, 0) if self.batch else None
+        e = self.splits.get(id(op.root))
         return None if e is None else e[1:]
 
 
@@ -46,7 +51,8 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             (e.g. a column linear split on its weight).
         flow: an earlier result to extend (it is copied, not changed).
     """
-    out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced)) if flow else Flow()
+    out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced),
+               flow.batch) if flow else Flow()
     out.tracked.update(seeds)
     start = start or {}
     for op in graph.ops:
@@ -109,7 +115,9 @@ def _choose(op: IRFwOperation, flow: Flow, num: int) -> Optional[Tuple[int, int]
 def batch_flow(graph: IRGraph, num: int) -> Flow:
     """Follows the batch (dim 0 of every batch tensor) split ``num`` ways."""
     data = graph.select(ntype=IRDataOperation)[0]
-    return follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num)
+    flow = follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num)
+    flow.batch = True
+    return flow
 
 
 _MATMULS = ("linear", "addmm", "matmul", "mm")

@@ -86,16 +86,42 @@ class IRGraph:
         self._pos.update((id(p), i + k) for k, p in enumerate(pieces))
         self._next = i + len(pieces)
 
-    def partition(self, node: IROperator, algo, idx: int, dim: int, num: int) -> List[IROperator]:
+    def partition(self, node: IROperator, algo, idx: Optional[int] = None, dim: Optional[int] = None,
+                  num: Optional[int] = None, *, over=None) -> List[IROperator]:
         """Splits ``node`` into ``num`` pieces along input ``idx``'s dimension ``dim``.
+
+        Two forms: ``graph.partition(node, node.algorithms("dim"), idx=1, dim=0, num=2)``,
+        or by a letter of ``node.anno``: ``graph.partition(node, "h", over=mesh["tp"])``
+        (``over``: a mesh dimension, one piece per coordinate; or ``num=``).
 
         Returns:
             The pieces in order; each still needs a device.
 
         Raises:
-            ValueError: the split is illegal or uneven (the message lists the legal pairs).
+            ValueError: the split is illegal or uneven (the message lists the legal pairs
+                or letters).
+            TypeError: neither a letter nor ``idx``/``dim`` given, or no ``num``/``over``.
         """
         self._check_member(node, "partition")
+        if over is not None:
+            size = getattr(over, "size", None)
+            if not isinstance(size, int):
+                raise TypeError(f"graph.partition: over= takes a mesh dimension such as mesh['tp'], got {over!r}")
+            if num is not None and num != size:
+                raise ValueError(f"graph.partition({node!r}): num={num} disagrees with over={over!r}; give one")
+            num = size
+        if num is None:
+            raise TypeError(f"graph.partition({node!r}) needs the number of pieces: num=n or over=mesh['dim']")
+        if isinstance(algo, str) and algo != "dim":
+            if idx is not None or dim is not None:
+                raise TypeError(f"graph.partition({node!r}, {algo!r}): name the dimension by its letter or by "
+                                f"idx=/dim=, not both")
+            idx, dim = _by_letter(node, algo)
+        elif idx is None or dim is None:
+            raise TypeError(f"graph.partition({node!r}) needs idx= and dim= (or a letter of its annotation "
+                            f"in place of the algorithm, e.g. graph.partition(node, 'h', num=2))")
+        if isinstance(algo, str) and isinstance(node, IRFwOperation):
+            algo = node.algorithms("dim")
         if isinstance(node, IRDataOperation):
             return self._partition_data(node, idx, dim, num)
         if algo is None or getattr(algo, "op", None) is not node:
@@ -191,7 +217,7 @@ class IRGraph:
 
         Pieces that ``graph.partition``/``graph.replicate`` make later join the
         group of their op. Each rank runs every stretch of consecutive calls of
-        one group as one checkpointed function (see ``cube.codegen.recompute``).
+        one group as one checkpointed function (see ``cube.passes.recompute``).
 
         Returns:
             The group's id.
@@ -219,11 +245,58 @@ class IRGraph:
         return gid
 
     # ------------------------------------------------------------------ display
+    def copy(self) -> "IRGraph":
+        """A copy a policy may change without touching this graph: its own ops (own input and
+        output lists, own placement, stages, schedule and recompute marks), the same tensors
+        (plain data no policy changes). One trace then serves many plans (``cube.plan``, the
+        search).
+        """
+        ops = [_copy(op, origin=op.origin, device=op.device) for op in self.ops]
+        twin = {id(a): b for a, b in zip(self.ops, ops)}
+        out = IRGraph(ops, self.attrs, self.loss, self.name)
+        for op in ops:   # pieces point at the copies of what they were cut from
+            if op.origin is not None:
+                op.origin = twin.get(id(op.origin), op.origin)
+        out.recompute_groups = [[twin.get(id(o), o) for o in g] for g in self.recompute_groups]
+        out.stages = [[twin.get(id(o), o) for o in st] for st in self.stages]
+        out.schedule, out.zero, out.precision = self.schedule, self.zero, self.precision
+        return out
+
     def __repr__(self) -> str:
         lines = [f"IRGraph({self.name}, {len(self.ops)} ops, loss={self.loss!r})"]
         for op in self.ops:
             lines.append(f"  {op!r}")
         return "\n".join(lines)
+
+
+def _by_letter(node: IROperator, letter: str) -> tuple:
+    """The legal (idx, dim) whose dimension is ``letter`` in ``node.anno``.
+
+    Raises:
+        ValueError: the op has no annotation, or ``letter`` is absent, marked ``^`` or only
+            an inner factor of a merged dimension; the message lists the letters that may be split.
+    """
+    if not isinstance(node, IRFwOperation):
+        raise ValueError(f"graph.partition: the data operation has no annotation; split the batch with "
+                         f"graph.partition(data, None, idx=0, dim=0, num=n), got letter {letter!r}")
+    algo = node.algorithms("dim")
+    if node.anno is None:
+        algo.ident(0, 0)   # raises: no partition rule, and how to register one
+    legal = algo.legal()
+    for idx, dim in legal:
+        if node.anno.inputs[idx][dim].head.name == letter:
+            return idx, dim
+    letters = list(dict.fromkeys(node.anno.inputs[i][d].head.name for i, d in legal))
+    try:
+        ident = node.anno.ident(letter)
+    except KeyError:
+        ident = None
+    why = (f"its annotation has no dimension {letter!r}" if ident is None else
+           f"'{ident}' may not be split" if ident.frozen else
+           f"{letter!r} is not a splittable dimension of an input (an inner factor of a merged dimension, "
+           f"or on outputs only)")
+    raise ValueError(f"graph.partition: cannot split op {node.name!r} ({node.where()}) along {letter!r}: {why}. "
+                     f"Annotation: '{node.anno}'. Letters that may be split: {', '.join(letters) or 'none'}.")
 
 
 def _copy(node: IROperator, **changes) -> IROperator:
@@ -236,6 +309,6 @@ def _copy(node: IROperator, **changes) -> IROperator:
     piece = object.__new__(type(node))
     fields = piece.__dict__
     fields.update(node.__dict__)
-    fields.update(origin=node.origin or node, device=None, inputs=list(node.inputs), outputs=list(node.outputs))
+    fields.update(origin=node.root, device=None, inputs=list(node.inputs), outputs=list(node.outputs))
     fields.update(changes)
     return piece

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from cube.errors import CubeInternalError
 from cube.ir.operator import IRDataOperation, IROperator
 
 Interval = Tuple[int, int]
@@ -38,7 +39,8 @@ def box_shape(box: Box) -> Tuple[int, ...]:
 def narrow(iv: Interval, index: int, num: int) -> Interval:
     start, stop = iv
     step = (stop - start) // num
-    assert step * num == stop - start, (iv, index, num)
+    if step * num != stop - start:
+        raise CubeInternalError(f"interval {iv} does not split into {num} equal pieces (piece {index})")
     return start + index * step, start + (index + 1) * step
 
 
@@ -87,7 +89,7 @@ def piece_layout(op: IROperator, cache: Optional[dict] = None) -> PieceLayout:
             boxes and the dims each factor splits once.
     """
     cache = {} if cache is None else cache
-    origin = op.origin or op
+    origin = op.root
     key = (id(origin), op.splits)
     layout = cache.get(key)
     if layout is None:
@@ -123,7 +125,8 @@ def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayou
         return PieceLayout((), tuple(tuple(b) for b in outs), tuple(() for _ in outs), ())
     anno = getattr(op, "anno", None)
     for level, (factor, i, n) in enumerate(op.splits):
-        assert anno is not None, f"split of an op without annotation: {op!r}"
+        if anno is None:
+            raise CubeInternalError(f"split of an op without annotation: {op!r}")
         in_dims, out_dims = _factor_dims(anno, factor, cache)
         for boxes, split_dims, terms, is_out in ((ins, in_dims, in_terms, False), (outs, out_dims, out_terms, True)):
             for k, (box, dims) in enumerate(zip(boxes, split_dims)):
@@ -133,7 +136,8 @@ def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayou
                     continue
                 if is_out:
                     ident = anno.ident(factor)
-                    assert ident.reduce, f"output {k} of {op!r} lacks the split factor {factor!r}"
+                    if not ident.reduce:
+                        raise CubeInternalError(f"output {k} of {op!r} lacks the split factor {factor!r}")
                 terms[k].append((level, factor, i, n))
     unread = ()
     bias = ADDED_ONCE.get(op.name)

@@ -29,6 +29,11 @@ class IROperator:
     replicas: Tuple[Tuple[int, int], ...] = ()      # (index, times) of each replicate, outer first
 
     @property
+    def root(self) -> "IROperator":
+        """The op of the traced model this piece was cut from (``origin``), or the op itself."""
+        return self.origin or self
+
+    @property
     def split(self) -> Optional[Tuple[str, int, int]]:
         """The innermost partition that made this piece, or None."""
         return self.splits[-1] if self.splits else None

@@ -32,6 +32,14 @@ from cube.ir.layout import Box, Term, contains, tile_dim
 
 Ranks = Tuple[int, ...]
 
+# Step kinds by what they do; the one place the planner, the recompute pass and the simulator read
+# them from.
+P2P_KINDS = ("send", "recv", "gather", "grad_to")      # move a value (or its gradient) point to point
+STASH_KINDS = ("stash", "unstash")                      # hand a value to a later pipeline stage of the rank
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")   # communicate in forward
+# steps a recompute run may run again in backward (collectives, and those whose backward is one)
+RERUNNABLE_KINDS = COLLECTIVE_KINDS + ("chunk", "identity_all_reduce")
+
 
 @dataclass(frozen=True)
 class Step:

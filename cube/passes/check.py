@@ -1,27 +1,89 @@
-"""The graph checker: cube's invariants, run after tracing and after the policy."""
+"""The graph checker: cube's invariants, run after tracing, after the policy and (in tests) after every pass."""
 from __future__ import annotations
 
+from fractions import Fraction
+from typing import Dict, Optional
+
+from cube import config
+from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 
 
-def check_graph(graph: IRGraph, placed: bool = False) -> None:
-    """Asserts the graph is well formed.
+def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = None) -> None:
+    """Raises when the graph breaks one of cube's own invariants.
 
-    Every value is defined before use (by the data operation, an attribute or an
-    earlier op), there is one data operation, the loss is produced, and when
-    ``placed`` every op has a device. These are cube's own invariants (the
-    policy's mistakes are reported earlier as ValueError/TypeError).
+    Always: every op is in the graph once; every value is defined before use
+    (by the data operation, an attribute or an earlier op); there is a data
+    operation; every forward op has a target; the loss is produced; a piece
+    points at the traced op it was cut from (not at another piece).
+
+    With ``placed`` (the graph came back from a policy): the pieces of every
+    traced op add up to it exactly once (and the op is not left in the graph
+    beside its pieces). A partition into ``n`` or a replicate
+    ``n`` times turns a piece of weight ``w`` into ``n`` pieces of weight ``w / n``,
+    so the weights of an op's pieces sum to 1 unless a piece was lost or made
+    twice. Devices are not checked here: ``apply_policy`` reports a policy's
+    unplaced ops as a ValueError.
+
+    Args:
+        graph: the graph to check.
+        placed: also check that the pieces of every op add up to it.
+        stage: the compile stage that made the graph, named in the error.
+
+    Raises:
+        CubeInternalError: the first broken invariant (a bug in cube, never a user's mistake).
     """
+    where = f" (after {stage})" if stage else ""
+
+    def fail(message: str) -> None:
+        raise CubeInternalError(f"graph check failed{where}: {message}")
+
+    members = {id(op) for op in graph.ops}
+    if len(members) != len(graph.ops):
+        seen: set = set()
+        twice = next(op for op in graph.ops if id(op) in seen or seen.add(id(op)))
+        fail(f"{twice!r} is in the graph more than once")
     defined = {id(t) for t in graph.attrs}
-    datas = [op for op in graph.ops if isinstance(op, IRDataOperation)]
-    assert datas, "graph has no data operation"
+    if not any(isinstance(op, IRDataOperation) for op in graph.ops):
+        fail("graph has no data operation")
+    weights: Dict[int, Fraction] = {}
+    roots: Dict[int, object] = {}
     for op in graph.ops:
         for t in op.inputs:
-            assert id(t) in defined, f"{op!r} reads {t!r} before it is defined"
+            if id(t) not in defined:
+                fail(f"{op!r} reads {t!r} before it is defined")
         defined.update(id(t) for t in op.outputs)
-        if placed:
-            assert op.device is not None, f"{op!r} has no device"
-        if isinstance(op, IRFwOperation):
-            assert op.target is not None, f"{op!r} has no target"
-    assert id(graph.loss) in defined, f"the loss {graph.loss!r} is never produced"
+        if isinstance(op, IRFwOperation) and op.target is None:
+            fail(f"{op!r} has no target")
+        if op.origin is not None and op.origin.origin is not None:
+            fail(f"{op!r} was cut from {op.origin!r}, itself a piece of {op.origin.origin!r}")
+        if placed and op.origin is not None:   # a whole op weighs 1: only pieces need adding up
+            roots[id(op.origin)] = op.origin
+            weights[id(op.origin)] = weights.get(id(op.origin), Fraction(0)) + _weight(op)
+    if id(graph.loss) not in defined:
+        fail(f"the loss {graph.loss!r} is never produced")
+    for key, weight in weights.items():
+        if key in members:
+            weight += 1
+        if weight != 1:
+            pieces = [op for op in graph.ops if op.root is roots[key]]
+            fail(f"the pieces of {roots[key]!r} add up to {weight} of it, not once: "
+                 + ", ".join(f"splits {list(p.splits)} replicas {list(p.replicas)}" for p in pieces))
+
+
+def _weight(op) -> Fraction:
+    """The share of its traced op that a piece computes: 1 / (product of its partitions' and replicates' counts)."""
+    parts = 1
+    for _, _, n in op.splits:
+        parts *= n
+    for _, n in op.replicas:
+        parts *= n
+    return Fraction(1, parts)
+
+
+def check_stage(graph: IRGraph, stage: str, placed: bool = True) -> None:
+    """The graph checker after the compile stage ``stage``, when ``CUBE_CHECK_GRAPHS=1``
+    (``cube.config.check_graphs``; the test suite turns it on); nothing otherwise."""
+    if config.check_graphs():
+        check_graph(graph, placed=placed, stage=stage)

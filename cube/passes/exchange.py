@@ -27,12 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
+from cube.errors import CubeInternalError  # noqa: F401  (raised here, and importable from here)
 from cube.ir.layout import Box, Term, box_shape
 from cube.passes.adapter import LayoutError
-
-
-class CubeInternalError(RuntimeError):
-    """An invariant of cube's own planning broke: a bug in cube, never a user's mistake."""
 
 
 @dataclass(frozen=True)

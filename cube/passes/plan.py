@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
+from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box, piece_layout
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.adapter import LayoutError, Step, narrow_step, transitions
+from cube.passes.adapter import P2P_KINDS, RERUNNABLE_KINDS, LayoutError, Step, narrow_step, transitions
 from cube.passes.exchange import Take, check, exchange, relative
 
 
@@ -56,10 +57,6 @@ class RankPlan:
     reduce_after: frozenset = frozenset()
 
 
-def _origin(op: IROperator) -> IROperator:
-    return op.origin or op
-
-
 def _describe(op: IROperator) -> str:
     return f"op {op.name!r} ({op.where()})" if isinstance(op, IRFwOperation) else "the data operation"
 
@@ -75,7 +72,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
     logical: List[IROperator] = []
     pieces: Dict[int, Dict[int, IROperator]] = {}
     for op in graph.ops:
-        lop = _origin(op)
+        lop = op.root
         if id(lop) not in pieces:
             logical.append(lop)
             pieces[id(lop)] = {}
@@ -224,7 +221,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         fed = [c for r in calls for c in calls[r][before[r]:]]
         if any(c.step.kind in ("recv", "gather") for c in fed):
             # some rank receives an input of this op point to point, which cuts a recompute run there:
-            # no member may re-run this op's collectives in backward (cube.codegen.recompute)
+            # no member may re-run this op's collectives in backward (cube.passes.recompute)
             for c in fed:
                 c.rerun = False
         term_groups: dict = {}
@@ -411,15 +408,11 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
         subst[r][id(t)] = out
 
 
-_P2P_KINDS = ("send", "recv", "gather", "grad_to")
-_RERUNNABLE = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "chunk", "identity_all_reduce")
-
-
 def _keep_collectives_of_cut_runs(calls: Dict[int, List[Call]]) -> None:
     """No collective of a recompute group is re-run in backward, on any rank, once a point-to-point
     transfer sits inside the group's stretch on some rank.
 
-    Such a transfer cuts the rank's stretch into several runs (cube.codegen.recompute), each
+    Such a transfer cuts the rank's stretch into several runs (cube.passes.recompute), each
     re-run at its own point of backward, while a member without it re-runs one run: the
     collectives re-run in backward would come in another order on each member. Kept (not re-run),
     they run once, in forward, in the order every member shares.
@@ -436,7 +429,7 @@ def _keep_collectives_of_cut_runs(calls: Dict[int, List[Call]]) -> None:
         for i, c in enumerate(rank_calls):
             if c.op is not None:
                 prev = c.op.recompute
-            elif c.step.kind in _P2P_KINDS and prev is not None and prev == group[i]:
+            elif c.step.kind in P2P_KINDS and prev is not None and prev == group[i]:
                 cut.add(prev)
     if not cut:
         return
@@ -445,7 +438,7 @@ def _keep_collectives_of_cut_runs(calls: Dict[int, List[Call]]) -> None:
         for c in reversed(rank_calls):
             if c.op is not None:
                 nxt = c.op.recompute
-            elif nxt in cut and c.step.kind in _RERUNNABLE:
+            elif nxt in cut and c.step.kind in RERUNNABLE_KINDS:
                 c.rerun = False
 
 
@@ -607,7 +600,8 @@ def _defer_param_reductions(graph: IRGraph, raw, world: int, alloc: Dict[int, Di
         for r, g in groups.items():
             (ranks,) = g
             if ranks not in checked:
-                assert all(groups.get(q) == g for q in ranks), f"asymmetric gradient groups of {t!r}: {groups}"
+                if not all(groups.get(q) == g for q in ranks):
+                    raise CubeInternalError(f"asymmetric gradient groups of {t!r}: {groups}")
                 checked.add(ranks)
             if ranks:
                 out.setdefault(r, []).append((t, ranks))

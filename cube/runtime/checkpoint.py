@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime import safetensors_file as sfile
+from cube.runtime import session
 from cube.runtime.module import CubeModule, piece
 from cube.runtime.utils import atomic_write
 from cube.runtime.zero import whole_parameters
@@ -153,15 +154,13 @@ def _user_layout(model: CubeModule) -> Optional[dict]:
     """The user model's ``state_dict()`` names and ``parameters()`` order, for merging without it.
 
     The generated module does not know its user model; the compiled step that
-    made it does. The latest compile (``cube.load_model()``'s default) is used
-    when ``model`` comes from its plan: an instance of its generated class, or of
-    another rank's class of the same plan (``python -m cube.debug`` runs every
-    rank in one process; the plan's key names the generated modules). None
-    otherwise: then ``merge_checkpoint`` needs ``model=`` to leave out
-    non-persistent buffers.
+    made it does. A compile of this process still alive is used when ``model``
+    comes from its plan: an instance of its generated class, or of another
+    rank's class of the same plan (``python -m cube.debug`` runs every rank in
+    one process; the plan's key names the generated modules). None otherwise:
+    then ``merge_checkpoint`` needs ``model=`` to leave out non-persistent buffers.
     """
-    from cube import compiler   # the compiler imports the runtime
-    for step in compiler._last_step:
+    for step in session.steps():
         if isinstance(model, step.module.GenModel) or \
                 type(model).__module__.startswith(f"cube_gen_{step.key[:16]}_rank"):
             return _layout_of(step.user_model)

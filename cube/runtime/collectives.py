@@ -23,73 +23,29 @@ primitive returns its input without touching ``torch.distributed``.
 """
 from __future__ import annotations
 
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from cube.runtime import session
+
 Ranks = Tuple[int, ...]
 
 
-class Groups:
-    """Process groups keyed by the sorted tuple of their global ranks."""
-
-    def __init__(self):
-        self._groups: Dict[Ranks, Optional[dist.ProcessGroup]] = {}
-        self._created_by_all: set = set()
-
-    def create(self, rank_tuples: Iterable[Sequence[int]]) -> None:
-        """Creates groups up front; all ranks, members or not, call it with the same list.
-
-        Args:
-            rank_tuples: the groups to create; the world and single ranks are skipped.
-        """
-        world = tuple(range(dist.get_world_size()))
-        for ranks in rank_tuples:
-            key = tuple(sorted(ranks))
-            if key == world or len(key) < 2 or key in self._created_by_all:
-                continue
-            # made again even where get() made it already, so new_group calls match across ranks
-            self._groups[key] = dist.new_group(list(key))
-            self._created_by_all.add(key)
-
-    def get(self, ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
-        """The group of ``ranks``: None (the default group) for the whole world.
-
-        A group not made by :meth:`create` is made here once by its members
-        only (``use_local_synchronization=True``), all asking in the same order.
-
-        Args:
-            ranks: global ranks, in any order.
-
-        Returns:
-            The process group, or None for the world.
-        """
-        key = tuple(sorted(ranks))
-        if key == tuple(range(dist.get_world_size())):
-            return None
-        if key not in self._groups:
-            self._groups[key] = dist.new_group(list(key), use_local_synchronization=True)
-        return self._groups[key]
-
-    def clear(self) -> None:
-        """Forgets the cached groups (they are not destroyed)."""
-        self._groups.clear()
-        self._created_by_all.clear()
-
-
-GROUPS = Groups()
-
-
 def group(ranks: Sequence[int]) -> Optional[dist.ProcessGroup]:
-    """The cached process group of ``ranks`` (None for the world); see :meth:`Groups.get`."""
-    return GROUPS.get(ranks)
+    """The cached process group of ``ranks`` (None for the world); see :meth:`cube.runtime.session.Groups.get`.
+
+    The groups are those of the active runtime state, a table every compile of the
+    process shares (``cube.runtime.session``).
+    """
+    return session.current().groups.get(ranks)
 
 
 def create_groups(rank_tuples: Iterable[Sequence[int]]) -> None:
-    """Creates groups on every rank at start-up; see :meth:`Groups.create`."""
-    GROUPS.create(rank_tuples)
+    """Creates groups on every rank at start-up; see :meth:`cube.runtime.session.Groups.create`."""
+    session.current().groups.create(rank_tuples)
 
 
 # ---------------------------------------------------------------- raw communication
@@ -132,7 +88,9 @@ def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return y
 
 
-_NO_TENSOR_OPS: set = set()   # (backend, op) found missing: all_gather_into_tensor, reduce_scatter_tensor
+# (backend, op) found missing: all_gather_into_tensor, reduce_scatter_tensor. A fact about this
+# process's torch build, the same for every compile, so it is not runtime state.
+_NO_TENSOR_OPS: set = set()
 
 
 def _tensor_op(op, out: torch.Tensor, x: torch.Tensor, grp) -> bool:

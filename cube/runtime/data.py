@@ -18,6 +18,8 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from cube.runtime import session
+
 
 @dataclass(frozen=True)
 class BatchPart:
@@ -49,11 +51,10 @@ def part(step=None) -> BatchPart:
         ValueError: nothing was compiled yet.
     """
     if step is None:
-        from cube.compiler import _last_step
-        if not _last_step:
+        step = session.latest()
+        if step is None:
             raise ValueError("cube.runtime.data.part(): nothing was compiled yet; decorate the training step "
                              "with @cube.compile(model, dataloader, PAS=...) first")
-        step = _last_step[0]
     return read_part(Path(step.path))
 
 

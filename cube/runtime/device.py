@@ -93,12 +93,14 @@ def _attempt_store():
 def _shutdown() -> None:
     """At exit: wait for posted sends and take the process group down in order, so no
     communication thread is left running while the interpreter tears down."""
-    from cube.runtime import p2p
+    from cube.runtime import p2p, session
     failfast.uninstall()
     if failfast.failed_here():
         return   # this rank failed: waiting for its peers could hang; the process is ending anyway
+    states = session.live_states()
     try:
-        p2p.finish()
+        for state in states:   # every program's posted sends
+            p2p.finish(state.p2p)
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception as e:  # exiting anyway: say why the shutdown was not clean
@@ -107,8 +109,9 @@ def _shutdown() -> None:
     # them now: left to the interpreter's teardown, a group's C++ destructor (which joins its
     # communication threads, and frees tensors held by finished work) can run after Python is half
     # gone and abort the process ("terminate called without an active exception").
-    from cube.runtime.collectives import GROUPS
-    GROUPS.clear()
-    p2p.forget()
+    session.process_groups().clear()
+    for state in states:
+        p2p.forget(state.p2p)
+    del states
     failfast.forget()
     gc.collect()

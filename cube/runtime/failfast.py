@@ -21,10 +21,17 @@ import threading
 import traceback
 from typing import Optional
 
+from cube import config
+
 log = logging.getLogger("cube")
 
-# the agent's store outlives a restart under torchrun --max-restarts: one key per attempt
-KEY = f"cube/failed/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+def key() -> str:
+    """The store key of a failure: the agent's store outlives a restart under torchrun
+    --max-restarts, so each attempt has its own."""
+    return f"cube/failed/attempt{config.restart_attempt()}"
+
+
 POLL_SECONDS = 0.5
 _state = {"rank": None, "store": None, "failed_here": False, "stop": threading.Event()}
 
@@ -69,7 +76,7 @@ def report(message: str) -> None:
     if store is None:
         return
     try:
-        store.compare_set(KEY, "", f"rank {_state['rank']} failed: {message}")
+        store.compare_set(key(), "", f"rank {_state['rank']} failed: {message}")
     except Exception as e:   # the store's host already exited: nothing left to tell
         log.debug("cube: could not report the failure to the other ranks: %s", e)
 
@@ -78,18 +85,18 @@ def _failure() -> Optional[str]:
     """The first failure any rank reported, or None (also when the store is gone)."""
     store = _state["store"]
     try:
-        return store.get(KEY).decode() if store is not None and store.check([KEY]) else None
+        return store.get(key()).decode() if store is not None and store.check([key()]) else None
     except Exception:
         return None
 
 
 def _watch() -> None:
-    store, stop = _state["store"], _state["stop"]
+    store, stop, name = _state["store"], _state["stop"], key()
     while not stop.wait(POLL_SECONDS):
         try:
-            if not store.check([KEY]):
+            if not store.check([name]):
                 continue
-            message = store.get(KEY).decode()
+            message = store.get(name).decode()
         except Exception:   # the store is gone (rank 0 ended): stop watching
             return
         if _state["failed_here"]:

@@ -6,7 +6,7 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from cube.runtime import amp, collectives
+from cube.runtime import amp, collectives, session
 from cube.runtime.reducer import Reducer
 
 
@@ -17,6 +17,10 @@ class CubeModule(torch.nn.Module):
     (names in the user's model, this rank's piece as ``[(dim, start, stop)]``);
     ``REDUCE``: ``(local parameter name, ranks)`` whose gradients are summed over
     ``ranks`` after backward; ``GROUPS``: every process group of the plan.
+
+    Each instance owns the runtime state of its program (``cube.runtime.session``):
+    its call, ``setup_communication`` and ``reduce_gradients`` make it the active
+    state, as the compiled step does for the whole step.
     """
 
     PARAMS: Dict[str, Tuple[List[str], list]] = {}
@@ -29,16 +33,18 @@ class CubeModule(torch.nn.Module):
 
     def __init__(self, device):
         super().__init__()
+        self._runtime = session.RuntimeState()
         self.device = torch.device(device)
         self._reducer = None
         self._zero = None   # a ZeRO optimizer (cube.runtime.zero); stage 3 gathers the parameters
         self.loss_scale = amp.LossScale() if self.PRECISION == "fp16" else None
 
     def __call__(self, *args, **kwargs):
-        if self.PRECISION is None:
-            return super().__call__(*args, **kwargs)
-        with torch.autocast(self.device.type, dtype=amp.DTYPES[self.PRECISION]):
-            return super().__call__(*args, **kwargs)
+        with session.activate(self._runtime):
+            if self.PRECISION is None:
+                return super().__call__(*args, **kwargs)
+            with torch.autocast(self.device.type, dtype=amp.DTYPES[self.PRECISION]):
+                return super().__call__(*args, **kwargs)
 
     def gradients(self) -> List[torch.Tensor]:
         """Every gradient this rank holds, each memory once: the parameters' and a ZeRO
@@ -68,7 +74,8 @@ class CubeModule(torch.nn.Module):
         if not dist.is_initialized():
             raise ValueError(f"{type(self).__name__} is a plan for several ranks, but torch.distributed is not "
                              f"initialized: launch with torchrun --nproc_per_node=N (N = the plan's world size)")
-        collectives.create_groups(self.GROUPS)
+        with session.activate(self._runtime):
+            collectives.create_groups(self.GROUPS)
         # the buckets share the groups of the step's collectives: separate groups measured
         # slower on CPU (more gloo threads than cores), and collectives stay in one order
         after = set(getattr(self, "REDUCE_AFTER", ()))
@@ -77,12 +84,13 @@ class CubeModule(torch.nn.Module):
 
     def reduce_gradients(self) -> None:
         """Sums the gradients of parameters shared by several ranks (waits for the overlapped buckets)."""
-        if self._reducer is not None:
-            self._reducer.finish()
-        if self.loss_scale is not None:
-            amp.unscale(self, self.gradients())
-        if self._zero is not None:
-            self._zero.after_reduce()
+        with session.activate(self._runtime):
+            if self._reducer is not None:
+                self._reducer.finish()
+            if self.loss_scale is not None:
+                amp.unscale(self, self.gradients())
+            if self._zero is not None:
+                self._zero.after_reduce()
 
     @torch.no_grad()
     def load_from(self, model: torch.nn.Module, consts: Dict[str, torch.Tensor]) -> None:

@@ -6,6 +6,9 @@ a ZeRO optimizer holds each gradient only in the chunk its rank owns. The norm
 counts every element of every full gradient exactly once: a piece held by
 several ranks counts at the lowest of them, or, when its gradient is sharded
 by ZeRO, in the chunks of the group that contains that rank.
+
+Which rank counts which piece is fixed by the plan: it is learned once per
+generated module and kept in its runtime state (``cube.runtime.session``).
 """
 from __future__ import annotations
 
@@ -15,14 +18,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-_OWNERS: Dict[int, Dict[str, int]] = {}   # id(model) -> local name -> lowest rank holding that piece
-_MASKS: Dict[Tuple[int, int], torch.Tensor] = {}   # (id(model), id(ZeRO chunk)) -> what this rank counts
+from cube.runtime import session
 
 
 def _owners(model) -> Dict[str, int]:
     """Local parameter name -> the lowest rank holding an identical piece (collective, cached)."""
-    key = id(model)
-    if key not in _OWNERS:
+    cache = session.state_of(model).norm
+    if cache.owners is None:
         mine = [(local, names[0], tuple(map(tuple, splits))) for local, (names, splits) in model.PARAMS.items()]
         if dist.is_initialized() and dist.get_world_size() > 1:
             every: List[list] = [None] * dist.get_world_size()
@@ -33,15 +35,15 @@ def _owners(model) -> Dict[str, int]:
         for r, entries in enumerate(every):
             for piece in entries:
                 lowest.setdefault(piece, r)
-        _OWNERS[key] = {local: lowest[(n, s)] for local, n, s in mine}
-    return _OWNERS[key]
+        cache.owners = {local: lowest[(n, s)] for local, n, s in mine}
+    return cache.owners
 
 
 def _mask(model, shard, owners: Dict[str, int]) -> torch.Tensor:
     """0/1 per element of this rank's chunk of ``shard``: 1 where the chunk's group counts the
     parameter (it holds the lowest rank holding that piece). Fixed by the plan, so made once."""
-    key = (id(model), id(shard))
-    if key not in _MASKS:
+    masks = session.state_of(model).norm.masks
+    if shard not in masks:
         local_of = {id(p): n for n, p in model.named_parameters()}
         grad = shard.param.grad
         mask = torch.zeros(shard.padded, dtype=grad.dtype, device=grad.device)
@@ -52,8 +54,8 @@ def _mask(model, shard, owners: Dict[str, int]) -> torch.Tensor:
                 mask[off:off + n] = 1
             off += n
         lo = shard.index * shard.chunk
-        _MASKS[key] = mask[lo:lo + shard.chunk]
-    return _MASKS[key]
+        masks[shard] = mask[lo:lo + shard.chunk]
+    return masks[shard]
 
 
 def _counted(model, optimizer) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:

@@ -20,48 +20,54 @@ A rank running several pipeline stages hands a value from one of its stages to
 a later one with :func:`stash` and :func:`unstash` (same ``tag``): no message,
 but the same autograd cut as a send, so each stage's backward runs through its
 own graph once; the gradient waits in memory until the earlier stage's backward.
+
+What is in flight (posted sends and receives, send markers, stashes, the
+micro-batch offset) belongs to the running program: a
+:class:`~cube.runtime.session.P2PState` of the active runtime state
+(:func:`cube.runtime.session.current`). The module functions act on it; an
+autograd function keeps the one it was made under for its backward.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from cube.runtime import session
 from cube.runtime.collectives import wire
+from cube.runtime.session import P2PState
 
-_PENDING: List = []     # posted sends of this step
-_MARKERS: List[torch.Tensor] = []
-_MICRO = [0]            # the micro-batch being run: tags are offset by it
 TAG_STRIDE = 1 << 16
-_POSTED: Dict[Tuple[int, int], Tuple[object, torch.Tensor]] = {}   # (src, tag) -> posted irecv and its buffer
-_RECVS: List[tuple] = []   # (src, tag, shape, dtype, device) of the receives made since the last ``recorded``
-_EARLY = [False]           # post each send's gradient receive when the send is made
-_STASHED: Dict[Tuple[int, str], torch.Tensor] = {}   # (tag, "value" or "grad") -> what waits for a later stage
+
+
+def _state() -> P2PState:
+    return session.current().p2p
 
 
 def set_micro(i: int) -> None:
     """Offsets the tags of the following sends and receives by micro-batch ``i``."""
-    _MICRO[0] = i
+    _state().micro = i
 
 
 def take_markers() -> List[torch.Tensor]:
     """The send markers made since the last call (one micro-batch's), forgotten here."""
-    out = list(_MARKERS)
-    _MARKERS.clear()
+    st = _state()
+    out = list(st.markers)
+    st.markers.clear()
     return out
 
 
-def _tag(tag: int) -> int:
-    return tag + _MICRO[0] * TAG_STRIDE
+def _tag(st: P2PState, tag: int) -> int:
+    return tag + st.micro * TAG_STRIDE
 
 
-def _take(src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
+def _take(st: P2PState, src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
     """The value of the receive ``(src, tag)`` (tag with its micro-batch offset): its posted
     ``irecv`` if there is one, else a blocking receive."""
-    posted = _POSTED.pop((src, tag), None)
+    posted = st.posted.pop((src, tag), None)
     if posted is not None:
         posted[0].wait()
         return posted[1].to(device)
@@ -70,23 +76,25 @@ def _take(src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor
     return y.to(device)
 
 
-def _post(src: int, tag: int, shape, dtype: torch.dtype, device) -> None:
-    if (src, tag) not in _POSTED:
+def _post(st: P2PState, src: int, tag: int, shape, dtype: torch.dtype, device) -> None:
+    if (src, tag) not in st.posted:
         y = torch.empty(tuple(shape), dtype=dtype, device=wire(device))
-        _POSTED[(src, tag)] = (dist.irecv(y, src, tag=tag), y)
+        st.posted[(src, tag)] = (dist.irecv(y, src, tag=tag), y)
 
 
 def post(recvs: Sequence[tuple], micro: int) -> None:
     """Posts the receives ``recvs`` (as :func:`recorded` lists them) of micro-batch ``micro``."""
+    st = _state()
     for src, tag, shape, dtype, device in recvs:
-        _post(src, tag + micro * TAG_STRIDE, shape, dtype, device)
+        _post(st, src, tag + micro * TAG_STRIDE, shape, dtype, device)
 
 
 def recorded() -> List[tuple]:
     """The receives made since the last call (``(src, tag, shape, dtype, device)``, tags without
     the micro-batch offset), forgotten here."""
-    out = list(_RECVS)
-    _RECVS.clear()
+    st = _state()
+    out = list(st.recvs)
+    st.recvs.clear()
     return out
 
 
@@ -94,101 +102,104 @@ def recorded() -> List[tuple]:
 def early_gradients():
     """Inside, each send posts the receive of its gradient at once (every forward of the
     block must get its backward before the block ends, as a pipeline schedule does)."""
-    _EARLY[0] = True
+    st = _state()
+    st.early = True
     try:
         yield
     finally:
-        _EARLY[0] = False
+        st.early = False
 
 
-def _isend(x: torch.Tensor, dst: int, tag: int) -> None:
+def _isend(st: P2PState, x: torch.Tensor, dst: int, tag: int) -> None:
     """Posts a send; ``tag`` already carries the micro-batch offset."""
     x = x.detach().contiguous().to(wire(x.device))
-    _PENDING.append((dist.isend(x, dst, tag=tag), x))
+    st.pending.append((dist.isend(x, dst, tag=tag), x))
 
 
 class _Send(Function):
     @staticmethod
-    def forward(ctx, x, dst, tag, value=True):
-        tag = _tag(tag)
-        ctx.args = (dst, tag, x.shape, x.dtype, x.device)
+    def forward(ctx, x, st, dst, tag, value=True):
+        tag = _tag(st, tag)
+        ctx.st, ctx.args = st, (dst, tag, x.shape, x.dtype, x.device)
         if value:
-            _isend(x, dst, tag)
-        if _EARLY[0]:
-            _post(*ctx.args)
+            _isend(st, x, dst, tag)
+        if st.early:
+            _post(st, *ctx.args)
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad):
-        return _take(*ctx.args), None, None, None
+        return _take(ctx.st, *ctx.args), None, None, None, None
 
 
 class _GradTo(Function):
     @staticmethod
-    def forward(ctx, x, dst, tag):
-        ctx.args = (dst, _tag(tag))
+    def forward(ctx, x, st, dst, tag):
+        ctx.st, ctx.args = st, (dst, _tag(st, tag))
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        _isend(grad, *ctx.args)
-        return grad, None, None
+        _isend(ctx.st, grad, *ctx.args)
+        return grad, None, None, None
 
 
 class _Recv(Function):
     @staticmethod
-    def forward(ctx, anchor, src, tag, shape, dtype):
-        ctx.args = (src, _tag(tag))
-        return _take(src, _tag(tag), shape, dtype, anchor.device)
+    def forward(ctx, anchor, st, src, tag, shape, dtype):
+        ctx.st, ctx.args = st, (src, _tag(st, tag))
+        return _take(st, src, _tag(st, tag), shape, dtype, anchor.device)
 
     @staticmethod
     def backward(ctx, grad):
         src, tag = ctx.args
-        _isend(grad, src, tag)
-        return None, None, None, None, None
+        _isend(ctx.st, grad, src, tag)
+        return None, None, None, None, None, None
 
 
 class _Stash(Function):
     @staticmethod
-    def forward(ctx, x, tag):
-        ctx.tag = tag
-        _STASHED[(tag, "value")] = x.detach()
+    def forward(ctx, x, st, tag):
+        ctx.st, ctx.tag = st, tag
+        st.stashed[(tag, "value")] = x.detach()
         return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, _grad):
-        return _STASHED.pop((ctx.tag, "grad"), None), None
+        return ctx.st.stashed.pop((ctx.tag, "grad"), None), None, None
 
 
 class _Unstash(Function):
     @staticmethod
-    def forward(ctx, anchor, tag):
-        ctx.tag = tag
-        return _STASHED.pop((tag, "value"))
+    def forward(ctx, anchor, st, tag):
+        ctx.st, ctx.tag = st, tag
+        return st.stashed.pop((tag, "value"))
 
     @staticmethod
     def backward(ctx, grad):
-        _STASHED[(ctx.tag, "grad")] = grad
-        return None, None
+        ctx.st.stashed[(ctx.tag, "grad")] = grad
+        return None, None, None
 
 
 def stash(x: torch.Tensor, tag: int, grad: bool = True) -> None:
     """Keeps ``x`` for a later pipeline stage of this rank (:func:`unstash` with the same ``tag``);
     with ``grad`` and when ``x`` needs one, its gradient comes back in backward, like a send's."""
+    st = _state()
     if grad and torch.is_grad_enabled() and x.requires_grad:
-        _MARKERS.append(_Stash.apply(x, _tag(tag)))
+        st.markers.append(_Stash.apply(x, st, _tag(st, tag)))
     else:
-        _STASHED[(_tag(tag), "value")] = x.detach()
+        st.stashed[(_tag(st, tag), "value")] = x.detach()
 
 
 def unstash(tag: int, requires_grad: bool) -> torch.Tensor:
     """The value an earlier stage of this rank stashed; with ``requires_grad`` its gradient goes
     back to that stage (a new leaf of autograd, as a received value is)."""
-    key = (_tag(tag), "value")
+    st = _state()
+    key = (_tag(st, tag), "value")
     if requires_grad and torch.is_grad_enabled():
-        anchor = torch.empty(0, device=_STASHED[key].device, requires_grad=True)
-        return _Unstash.apply(anchor, key[0])
-    return _STASHED.pop(key)
+        anchor = torch.empty(0, device=st.stashed[key].device, requires_grad=True)
+        return _Unstash.apply(anchor, st, key[0])
+    return st.stashed.pop(key)
 
 
 def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None,
@@ -201,17 +212,18 @@ def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional
     """
     if dtype is not None and x.dtype != dtype:
         x = x.to(dtype)
+    st = _state()
     if grad and torch.is_grad_enabled() and x.requires_grad:
-        _MARKERS.append(_Send.apply(x, dst, tag, value))
+        st.markers.append(_Send.apply(x, st, dst, tag, value))
     elif value:
-        _isend(x, dst, _tag(tag))
+        _isend(st, x, dst, _tag(st, tag))
 
 
 def grad_to(x: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
     """``x`` itself; in backward its gradient is also sent to ``dst`` (which holds a replica of the
     piece ``x`` came from and waits for it with ``send(..., value=False)``)."""
     if torch.is_grad_enabled() and x.requires_grad:
-        return _GradTo.apply(x, dst, tag)
+        return _GradTo.apply(x, _state(), dst, tag)
     return x
 
 
@@ -223,11 +235,12 @@ def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: t
     like those on the ranks that do send it back: their collectives must meet), but it is not
     sent: another reader of the same piece returns it (:mod:`cube.passes.exchange`).
     """
-    _RECVS.append((src, tag, tuple(shape), dtype, device))
+    st = _state()
+    st.recvs.append((src, tag, tuple(shape), dtype, device))
     if requires_grad and grad_back and torch.is_grad_enabled():
         anchor = torch.empty(0, dtype=dtype, device=device, requires_grad=True)
-        return _Recv.apply(anchor, src, tag, tuple(shape), dtype)
-    y = _take(src, _tag(tag), shape, dtype, device)
+        return _Recv.apply(anchor, st, src, tag, tuple(shape), dtype)
+    y = _take(st, src, _tag(st, tag), shape, dtype, device)
     return y.requires_grad_() if requires_grad and dtype.is_floating_point and torch.is_grad_enabled() else y
 
 
@@ -235,17 +248,18 @@ def _box(part) -> tuple:
     return tuple(slice(s, e) for s, e in part)
 
 
-def _gather_forward(x: Optional[torch.Tensor], remote, local, shape, dtype: torch.dtype, device) -> torch.Tensor:
+def _gather_forward(st: P2PState, x: Optional[torch.Tensor], remote, local, shape, dtype: torch.dtype,
+                    device) -> torch.Tensor:
     """Every remote region received at once, straight into its place in the result where that
     place is contiguous (a posted receive's own buffer, or a staging one, is copied in); the
     local regions copied in while the messages land."""
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     landing = []
     for src, tag, place, _, _ in remote:
-        _RECVS.append((src, tag, tuple(e - s for s, e in place), dtype, device))
-        tag = _tag(tag)
+        st.recvs.append((src, tag, tuple(e - s for s, e in place), dtype, device))
+        tag = _tag(st, tag)
         dst = out[_box(place)]
-        posted = _POSTED.pop((src, tag), None)
+        posted = st.posted.pop((src, tag), None)
         if posted is not None:
             landing.append((posted[0], posted[1], dst))
         elif dst.is_contiguous() and wire(device) == device:
@@ -264,35 +278,38 @@ def _gather_forward(x: Optional[torch.Tensor], remote, local, shape, dtype: torc
 
 class _Gather(Function):
     @staticmethod
-    def forward(ctx, anchor, x, remote, local, shape, dtype):
-        ctx.remote = [(src, _tag(tag), place, back, tuple((q, _tag(t)) for q, t in links))
+    def forward(ctx, anchor, x, st, remote, local, shape, dtype):
+        ctx.st = st
+        ctx.remote = [(src, _tag(st, tag), place, back, tuple((q, _tag(st, t)) for q, t in links))
                       for src, tag, place, back, links in remote]
-        ctx.local = [(part, place, back, tuple((q, _tag(t)) for q, t in links)) for part, place, back, links in local]
+        ctx.local = [(part, place, back, tuple((q, _tag(st, t)) for q, t in links))
+                     for part, place, back, links in local]
         ctx.x_meta = (x.shape, x.dtype) if x is not None else None
-        return _gather_forward(x, remote, local, shape, dtype, anchor.device)
+        return _gather_forward(st, x, remote, local, shape, dtype, anchor.device)
 
     @staticmethod
     def backward(ctx, grad):
+        st = ctx.st
         for src, tag, place, back, links in ctx.remote:
             g = grad[_box(place)]
             if back:
-                _isend(g, src, tag)
+                _isend(st, g, src, tag)
             for q, t in links:
-                _isend(g, q, t)
+                _isend(st, g, q, t)
         gx = None
         if ctx.x_meta is not None and ctx.needs_input_grad[1]:
             gx = grad.new_zeros(ctx.x_meta[0], dtype=ctx.x_meta[1])
             for part, place, back, links in ctx.local:
                 g = grad[_box(place)]
                 for q, t in links:
-                    _isend(g, q, t)
+                    _isend(st, g, q, t)
                 if back:
                     gx[_box(part)] += g
         else:
             for part, place, back, links in ctx.local:
                 for q, t in links:
-                    _isend(grad[_box(place)], q, t)
-        return None, gx, None, None, None, None
+                    _isend(st, grad[_box(place)], q, t)
+        return None, gx, None, None, None, None, None
 
 
 def gather(x: Optional[torch.Tensor], remote, local, shape: Sequence[int], dtype: torch.dtype, device,
@@ -306,10 +323,11 @@ def gather(x: Optional[torch.Tensor], remote, local, shape: Sequence[int], dtype
     piece, waiting with ``send(..., value=False)``). One call instead of a receive per region
     and an assembly: the receives are all posted before any is waited for, into the result.
     """
+    st = _state()
     if requires_grad and torch.is_grad_enabled() and dtype.is_floating_point:
         anchor = torch.empty(0, device=device, requires_grad=True)
-        return _Gather.apply(anchor, x, tuple(remote), tuple(local), tuple(shape), dtype)
-    return _gather_forward(x, remote, local, shape, dtype, device)
+        return _Gather.apply(anchor, x, st, tuple(remote), tuple(local), tuple(shape), dtype)
+    return _gather_forward(st, x, remote, local, shape, dtype, device)
 
 
 def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]] = None,
@@ -327,29 +345,36 @@ def backward(loss: Optional[torch.Tensor], markers: Optional[List[torch.Tensor]]
         torch.autograd.backward(roots, grads)
 
 
-def finish() -> None:
+def finish(state: Optional[P2PState] = None) -> None:
     """Waits for this step's sends (their buffers must live until they are out).
 
     Posted receives are left alone: a finished step has taken all it posted
     (see :func:`untaken`), and waiting for one whose message never comes (a step
-    that failed half-way, at exit) would hang."""
-    for work, _ in _PENDING:
+    that failed half-way, at exit) would hang.
+
+    Args:
+        state: whose sends (default: the active state's).
+    """
+    st = state if state is not None else _state()
+    for work, _ in st.pending:
         work.wait()
-    _PENDING.clear()
-    _RECVS.clear()
+    st.pending.clear()
+    st.recvs.clear()
 
 
-def forget() -> None:
+def forget(state: Optional[P2PState] = None) -> None:
     """Drops every posted receive, pending send and stashed value (at exit, after the process
-    group is gone)."""
-    _POSTED.clear()
-    _PENDING.clear()
-    _STASHED.clear()
-    _MARKERS.clear()
-    _RECVS.clear()
+    group is gone) of ``state`` (default: the active state's)."""
+    st = state if state is not None else _state()
+    st.posted.clear()
+    st.pending.clear()
+    st.stashed.clear()
+    st.markers.clear()
+    st.recvs.clear()
 
 
 def untaken() -> List[Tuple[object, int]]:
     """``(src, tag)`` of the receives posted ahead and not taken yet, and ``("stash", tag)`` of
     stashed values and gradients nobody took."""
-    return list(_POSTED) + [("stash", tag) for tag, _ in _STASHED]
+    st = _state()
+    return list(st.posted) + [("stash", tag) for tag, _ in st.stashed]

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from cube.runtime import p2p
+from cube.runtime import p2p, session
 from cube.runtime.collectives import wire
 
 LOSS_TAG = (1 << 30) - 1
@@ -55,7 +55,6 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
     Returns:
         The mean over micro-batches of the loss, on every rank.
     """
-    nmicros = len(batches)
     steps = [parse_action(a) for a in actions]
     if steps and steps[0][2] is not None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
         # see the module docstring: posted out of order, two same-shaped activations could swap silently
@@ -64,6 +63,13 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
             "messages in the order they are posted, and with several stages per rank cube does not yet post "
             "them in the same order on both sides. Use one stage per rank (PAS1F1B, or PASMegatron without "
             "CUBE_VIRTUAL) with NCCL, or CUBE_BACKEND=gloo.")
+    with session.running(model):   # the model's runtime state, also when called outside its step
+        return _run(model, batches, steps, loss_from, loss_to, actions)
+
+
+def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], loss_from: Optional[int],
+         loss_to: Sequence[int], actions: Sequence[str]) -> torch.Tensor:
+    nmicros = len(batches)
     forwards = [(i, s) for kind, i, s in steps if kind == "F"]
     roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros

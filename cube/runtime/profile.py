@@ -9,21 +9,25 @@ and step under ``CUBE_PROFILE_DIR`` (default ``./cube_traces``):
 ``rank{r}.step{n}.json`` (Chrome trace format: open it in Perfetto or
 chrome://tracing). The pipeline executor's backward runs outside the regions
 and appears under autograd's own names.
+
+The open region and the recording belong to the running program's runtime
+state (``cube.runtime.session``): the compiled step records inside it.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
 
+from cube import config
+from cube.runtime import session
+
 log = logging.getLogger("cube")
 
-MODES = ("torch", "viztracer")
-_open = {"handle": None, "mode": None}
+MODES = config.PROFILERS
 
 
 def mode() -> Optional[str]:
@@ -32,39 +36,30 @@ def mode() -> Optional[str]:
     Raises:
         ValueError: an unknown profiler name.
     """
-    value = os.environ.get("CUBE_PROFILE", "").strip().lower()
-    if not value or value in ("0", "off", "none"):
-        return None
-    if value not in MODES:
-        raise ValueError(f"CUBE_PROFILE={value!r}: use one of {', '.join(MODES)} (or leave it unset)")
-    return value
+    return config.profiler()
 
 
 def steps() -> range:
     """The (0-based) step numbers to record, from ``CUBE_PROFILE_STEPS`` (``2`` or ``1-3``)."""
-    value = os.environ.get("CUBE_PROFILE_STEPS", "2").strip()
-    try:
-        lo, _, hi = value.partition("-")
-        return range(int(lo), int(hi or lo) + 1)
-    except ValueError:
-        raise ValueError(f"CUBE_PROFILE_STEPS={value!r}: give a step number or a range such as 1-3") from None
+    return config.profile_steps()
 
 
 def region(name: Optional[str]) -> None:
     """Closes the open region and opens ``name`` (None: just close). A no-op unless recording."""
-    handle = _open["handle"]
+    rec = session.current().profile
+    handle = rec["handle"]
     if handle is not None:
         handle.__exit__(None, None, None)
-        _open["handle"] = None
-    if name is None or _open["mode"] is None:
+        rec["handle"] = None
+    if name is None or rec["mode"] is None:
         return
-    if _open["mode"] == "torch":
+    if rec["mode"] == "torch":
         handle = torch.autograd.profiler.record_function(name)
     else:
         from viztracer import get_tracer
         handle = get_tracer().log_event(name)
     handle.__enter__()
-    _open["handle"] = handle
+    rec["handle"] = handle
 
 
 @contextlib.contextmanager
@@ -74,10 +69,11 @@ def record(rank: int, step: int) -> Iterator[Optional[Path]]:
     if which is None or step not in steps():
         yield None
         return
-    folder = Path(os.environ.get("CUBE_PROFILE_DIR", "cube_traces"))
+    rec = session.current().profile
+    folder = config.profile_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank{rank}.step{step}.json"
-    _open["mode"] = which
+    rec["mode"] = which
     try:
         if which == "torch":
             from torch.profiler import ProfilerActivity, profile
@@ -99,5 +95,5 @@ def record(rank: int, step: int) -> Iterator[Optional[Path]]:
                 tracer.save()
     finally:
         region(None)
-        _open["mode"] = None
+        rec["mode"] = None
     log.info("cube: rank %d step %d profile written to %s", rank, step, path)

@@ -310,7 +310,11 @@ def _single_dev_mode() -> bool:
 
 # -------------------------------------------------------------------- per-rank module state
 class _PerRank:
-    """Stands in for a module-level list/dict of per-process state: each rank thread has its own."""
+    """Stands in for a module-level list/dict of per-process state: each rank thread has its own.
+
+    Runtime state needs no stand-in: each rank builds its own compiled step and
+    model, which own their state, and the active state is per thread.
+    """
 
     def __init__(self, original):
         object.__setattr__(self, "_original", original)
@@ -353,15 +357,15 @@ class _PerRank:
 
 
 def _state_modules():
-    from cube import compiler
-    from cube.runtime import p2p
-    return [(compiler, "_last_step")] + [(p2p, n) for n, v in vars(p2p).items()
-                                         if n.startswith("_") and n[1:2].isupper() and isinstance(v, (list, dict))]
+    """The module-level state each rank keeps for itself: its latest compile. (What a program
+    keeps while it runs is in its runtime state, found per thread: ``cube.runtime.session``.)"""
+    from cube.runtime import session
+    return [(session, "_LATEST")]
 
 
 @contextmanager
 def _installed():
-    """Replaces torch.distributed (for rank threads only) and per-process module state."""
+    """Replaces torch.distributed (for rank threads only) and each rank's latest compile."""
     saved = []
     made: Dict[int, Callable] = {}   # one wrapper per original: torch compares P2POp's op with c10d.isend
     for module in (dist, c10d):

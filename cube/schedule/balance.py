@@ -196,7 +196,7 @@ def forward_ops(graph: "IRGraph") -> List[IRFwOperation]:
     """The forward ops, one per op of the traced model (the first piece of a partitioned one)."""
     seen, out = set(), []
     for op in graph.select(ntype=IRFwOperation):
-        key = id(op.origin or op)
+        key = id(op.root)
         if key not in seen:
             seen.add(key)
             out.append(op)

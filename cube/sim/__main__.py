@@ -1,6 +1,6 @@
 """``python -m cube.sim``: simulate a policy, or search for the best plan.
 
-    python -m cube.sim SPEC --ngpus N --policy PASData [--trace step.json] [--memory mem.png]
+    python -m cube.sim SPEC --ngpus N --policy PASData [--option tp=2 ...] [--trace step.json] [--memory mem.png]
     python -m cube.sim SPEC --ngpus N --search [--mem-cap 16] [--out cube_auto_plan.json]
 
 SPEC names the model and one global batch: a Python file (a training script is
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from cube.policy import load_module
+from cube.policy import load_module, parse_options
 
 
 def load_spec(spec: str):
@@ -57,6 +57,9 @@ def main(argv=None) -> int:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--policy", help="a shipped policy name (PASData) or 'file.py:Name' / 'module:Name'")
     what.add_argument("--search", action="store_true", help="search data/tensor/pipeline plans")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword option of the policy (repeatable), e.g. tp=2, nmicros=8, recompute=all, "
+                        "stage_to_num_ranks=1,2; values are read as int, float, bool, a tuple of ints or text")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage of the optimizer (with --policy)")
     p.add_argument("--mem-cap", type=float, default=None, help="GiB per device (search)")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) of the step")
@@ -72,6 +75,12 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     if args.ngpus < 1:
         p.error("--ngpus must be at least 1")
+    try:
+        options = parse_options(args.option)
+    except ValueError as e:
+        p.error(str(e))
+    if options and not args.policy:
+        p.error("--option passes keyword options to --policy; the search chooses its own")
 
     from cube.sim import api
     model, batch = load_spec(args.spec)
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
         scaled(costs, model, batch)   # what ops cost in a whole step beyond alone
     if args.policy:
         result = api.simulate_policy(model, batch, args.policy, args.ngpus, costs=costs, comm=comm,
-                                     zero=args.zero, host=host)
+                                     zero=args.zero, host=host, options=options)
         print(result.summary())
         if args.trace:
             print(f"trace: {result.chrome_trace(args.trace)}")

@@ -7,8 +7,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from cube.compiler import _structure, trace_and_plan
-from cube.policy import load_policy
+from cube.compiler import batch_structure, trace_and_plan
+from cube.policy import bind_options, load_policy
 from cube.sim import comm as comm_mod
 from cube.sim.costs import Estimator
 from cube.sim.host import Host, this_host
@@ -40,14 +40,18 @@ def default_models(world: int, estimate: bool = False, calibrate: bool = True, c
 
 
 def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=None, comm=None, zero: int = 0,
-                    host: Optional[Host] = None, precision: Optional[str] = None) -> SimResult:
+                    host: Optional[Host] = None, precision: Optional[str] = None,
+                    options: Optional[dict] = None) -> SimResult:
     """Traces ``model`` on ``batch``, applies ``policy`` (a callable, ``"file.py:Name"``,
-    ``"module:Name"`` or a shipped policy name) for ``world`` ranks and simulates one step."""
-    if isinstance(policy, str) and ":" not in policy:
-        from policies import resolve
-        policy = resolve(policy)
-    structure, sample = _structure(batch)
-    graph, _ = trace_and_plan(model, sample, structure, load_policy(policy), world,
+    ``"module:Name"`` or a shipped policy name) with its keyword ``options`` for ``world`` ranks
+    and simulates one step.
+
+    Raises:
+        TypeError: an option the policy does not take.
+    """
+    structure, sample = batch_structure(batch)
+    policy = bind_options(load_policy(policy), options)   # an unknown option fails before the trace
+    graph, _ = trace_and_plan(model, sample, structure, policy, world,
                               zero=3 if zero == 3 else 0, precision=precision)
     result = simulate(graph, world, costs=costs, comm=comm, zero=zero, host=host)
     if hasattr(costs, "save"):

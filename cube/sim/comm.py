@@ -45,6 +45,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from cube import config
 from cube.sim.engine import shares
 from cube.sim.host import Sampler
 from cube.sim.store import JsonStore, default_path
@@ -226,7 +227,7 @@ def calibrate(world: int = 2, sizes: Sequence[int] = SIZES, repeats: int = 7, ti
     if world < 2:
         raise ValueError(f"calibrate needs at least 2 processes, got world={world}")
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env = config.child_env(root)
     with tempfile.TemporaryDirectory() as tmp:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

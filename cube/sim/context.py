@@ -3,9 +3,9 @@
 The profiler times each op alone, on warm caches; a real step runs them one
 after another through the generated code and autograd, on tensors that no
 longer sit in cache. ``context_factor`` runs the model's single-device plan as
-cube runs it (its generated code, ``PASSingle``, in this process), times its
-forward and backward, and divides by the sum of the profiled costs of the same
-calls. The profiler then scales every op by it (``Profiler.scale``). A model
+cube runs it (its generated code, ``cube.toolkit.whole``, in this process),
+times its forward and backward, and divides by the sum of the profiled costs of
+the same calls. The profiler then scales every op by it (``Profiler.scale``). A model
 that does not fit on one device, or cannot run here, keeps the factor 1.
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Optional
 
 import torch
 
-from cube.compiler import _structure, trace_and_plan
-from cube.passes.plan import build_plans
+from cube.compiler import batch_structure, plan
 from cube.sim.costs import needs_grad
 
 log = logging.getLogger("cube")
@@ -40,25 +39,24 @@ def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, devi
         steps: timed steps (after two untimed ones; the median of the faster half is kept, as the
             profiler keeps its samples).
     """
-    from cube.codegen import generate_all
-    from policies.single import PASSingle
+    from cube.toolkit import whole   # the whole model on the one device
     device = torch.device(device) if device is not None else profiler.device
     old = torch.get_num_threads()
     if profiler.threads:
         torch.set_num_threads(profiler.threads)
     try:
-        structure, sample = _structure(batch)
-        graph, consts = trace_and_plan(model, sample, structure, PASSingle, 1)
-        calls = [c for c in build_plans(graph, 1)[0].calls if c.op is not None]
+        structure, sample = batch_structure(batch)
+        planned = plan(model, batch, whole, 1)
+        calls = [c for c in planned.program[0].plan.calls if c.op is not None]
         scale, profiler.scale = profiler.scale, 1.0
         try:
             profiled = sum(c.fw + (c.bw if needs_grad(call) else 0.0)
                            for call in calls for c in [profiler.op_cost(call)])
         finally:
             profiler.scale = scale
-        code = _load(generate_all(graph, 1, "PASSingle")[0])
+        code = _load(planned.source(0))
         gen = code["GenModel"](device)
-        gen.load_from(model, {k: v.to(device) for k, v in consts.items()})
+        gen.load_from(model, {k: v.to(device) for k, v in planned.consts.items()})
         data = [t.to(device) for t in sample]
         times = sorted([_step(gen, data, structure, device) for _ in range(max(steps, 1) + 2)][2:])
         measured = statistics.median(times[:max(1, (len(times) + 1) // 2)])

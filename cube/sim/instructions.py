@@ -42,7 +42,7 @@ class Program:
     buckets: List[Bucket]
 
 
-def _nbytes(shape, dtype) -> int:
+def nbytes_of(shape, dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 

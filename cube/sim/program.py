@@ -1,11 +1,12 @@
 """Per-rank programs: what each rank does in one training step, as instructions for the engine.
 
-A rank's program follows its generated code: the forward calls (after the same
-``gather_transfers`` and recompute runs as codegen), then backward in reverse
+A rank's program follows its generated code: the forward calls of its
+``cube.passes.program.RankProgram`` (the calls, stages and recompute runs the
+generated code prints), then backward in reverse
 order, with each communication step replaced by its adjoint (all-gather <->
 reduce-scatter, identity <-> all-reduce, send <-> receive); under a pipeline
 schedule, one forward or backward per action and micro-batch (of one stage,
-on a rank holding several: its calls split as codegen splits them). Gradient
+on a rank holding several: the segment of that stage). Gradient
 buckets launch on the communication stream as soon as their last gradient is
 made (not during a schedule: the reducer is held until the end), the step
 waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
@@ -15,19 +16,19 @@ instructions are those of ``cube.sim.instructions``.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Dict, Hashable, List, Optional
 
-from cube.codegen.emit import _last_uses
-from cube.codegen.recompute import find_runs, gather_transfers
-from cube.codegen.stages import stage_calls, stages_of
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.plan import Call, RankPlan
+from cube.passes.adapter import P2P_KINDS
+from cube.passes.plan import Call
+from cube.passes.program import RankProgram, last_uses
 from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
-from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, _nbytes
+from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, nbytes_of
 from cube.sim.step_end import StepEnd
 
 __all__ = ["Builder", "Ins", "Program", "COLLECTIVES"]
@@ -37,29 +38,28 @@ class Builder(Writer, StepEnd):
     """Builds one rank's program; see the module docstring.
 
     Args:
-        graph, plan: the placed graph and this rank's plan.
+        graph: the placed graph.
+        program: this rank's program (its plan, segments and pipeline actions).
         costs: the compute cost model (``op_cost``, ``optimizer_cost``, ``copy_cost``).
         comm: the communication model (``cost(kind, nbytes, n)``).
         zero: the ZeRO stage (0-3).
-        actions: the rank's pipeline actions (``["F0", "B0", ...]``, ``"F0.s2"`` with several
-            stages), or None.
     """
 
-    def __init__(self, graph: IRGraph, plan: RankPlan, costs, comm, zero: int = 0,
-                 actions: Optional[List[str]] = None):
+    def __init__(self, graph: IRGraph, program: RankProgram, costs, comm, zero: int = 0):
         super().__init__(costs, comm)
+        plan = program.plan
         self.graph, self.plan, self.zero = graph, plan, zero
-        self.actions = actions
+        self.actions = actions = program.actions
         self.backend = getattr(comm, "backend", "gloo")
         self.buckets = make_buckets(graph, plan)
         self.attrs = {id(t): t for t, _ in plan.attrs}
-        self.attr_bytes = {id(t): _nbytes(box_shape(b), t.dtype) for t, b in plan.attrs}
+        self.attr_bytes = {id(t): nbytes_of(box_shape(b), t.dtype) for t, b in plan.attrs}
         self.calls: List[Call] = []
         self.spans: Dict[Optional[int], range] = {}   # stage (None: the only one) -> its calls in self.calls
         self.runs = []
-        self._lay_out(stages_of(actions))
+        self._lay_out(program)
         self.run_of = {i: r for r in self.runs for i in range(r.start, r.stop)}
-        self.last_use = _last_uses(self.calls, plan.loss)
+        self.last_use = last_uses(self.calls, plan.loss)
         self.first_read: Dict[int, int] = {}
         for i, call in enumerate(self.calls):
             for t in call.inputs:
@@ -73,17 +73,15 @@ class Builder(Writer, StepEnd):
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
 
-    def _lay_out(self, stages: List[int]) -> None:
-        """The calls of each stage (``stages``: those this rank holds, none for its only one) one after
-        the other, as codegen prints them, with their recompute runs."""
-        plan = self.plan
-        for stage, calls in (stage_calls(self.graph, plan, stages) if stages else {None: plan.calls}).items():
-            calls, start = gather_transfers(calls), len(self.calls)
-            for run in find_runs(calls, plan.loss, self.is_attr):
-                run.start, run.stop = run.start + start, run.stop + start
-                self.runs.append(run)
-            self.calls += calls
-            self.spans[stage] = range(start, len(self.calls))
+    def _lay_out(self, program: RankProgram) -> None:
+        """The calls of each segment (each stage this rank holds, or its only forward) one after
+        the other, as the generated code runs them, with their recompute runs."""
+        for seg in program.segments:
+            start = len(self.calls)
+            for run in seg.runs:
+                self.runs.append(replace(run, start=run.start + start, stop=run.stop + start))
+            self.calls += seg.calls
+            self.spans[seg.stage] = range(start, len(self.calls))
 
     # ------------------------------------------------------------------ values
     def vkey(self, t: IRTensor, micro: int):
@@ -107,7 +105,7 @@ class Builder(Writer, StepEnd):
                 self.mem.add("params", (b.padded - b.chunk) * b.itemsize)
                 self.settle()
         for t in self.plan.data.outputs:
-            self.mem.alloc(self.vkey(t, micro), _nbytes(t.shape, t.dtype))
+            self.mem.alloc(self.vkey(t, micro), nbytes_of(t.shape, t.dtype))
         waited = set()
         for i in self.spans[stage]:
             call = self.calls[i]
@@ -142,7 +140,7 @@ class Builder(Writer, StepEnd):
             if k >= 0 and not self.is_attr(self.input_value(call, k)):
                 self.mem.alias(self.vkey(o, micro), self.vkey(self.input_value(call, k), micro))
             elif k < 0:
-                self.mem.alloc(self.vkey(o, micro), _nbytes(box_shape(call.layout.outputs[j]), o.dtype))
+                self.mem.alloc(self.vkey(o, micro), nbytes_of(box_shape(call.layout.outputs[j]), o.dtype))
         if not keep_saved:
             return
         holder = ("saved", micro, i, self.tag)
@@ -163,9 +161,9 @@ class Builder(Writer, StepEnd):
             return
         if s.kind == "send":
             if s.grad != "only":   # a gradient-only link sends nothing forward
-                self.send((s.ranks, s.tag, micro, "f"), _nbytes(box_shape(s.box), call.inputs[0].dtype), cat)
+                self.send((s.ranks, s.tag, micro, "f"), nbytes_of(box_shape(s.box), call.inputs[0].dtype), cat)
         elif s.kind == "assemble":
-            self.compute(self.costs.copy_cost(_nbytes(out.shape, out.dtype)), "assemble", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "assemble", cat)
         elif s.kind == "recv":
             self.recv((s.ranks, s.tag, micro, "f"), cat)
         elif s.kind == "gather":
@@ -176,10 +174,10 @@ class Builder(Writer, StepEnd):
             local = sum(math.prod(box_shape(place)) for src, _, _, place, _, _ in s.takes if src == me)
             self.compute(self.costs.copy_cost(local * out.dtype.itemsize), "gather", cat)
         elif s.kind in COLLECTIVES:
-            nbytes = _nbytes(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
+            nbytes = nbytes_of(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
             self.coll(s.kind, s.ranks, nbytes, cat)
         elif s.kind == "chunk":
-            self.compute(self.costs.copy_cost(_nbytes(out.shape, out.dtype)), "chunk", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "chunk", cat)
         if out is None:
             return
         if self.tag:
@@ -188,7 +186,7 @@ class Builder(Writer, StepEnd):
         if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to", "detach"):
             self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
         else:
-            self.mem.alloc(self.vkey(out, micro), _nbytes(out.shape, out.dtype))
+            self.mem.alloc(self.vkey(out, micro), nbytes_of(out.shape, out.dtype))
 
     # ------------------------------------------------------------------ backward
     def backward(self, micro: int, stage: Optional[int] = None) -> None:
@@ -234,13 +232,13 @@ class Builder(Writer, StepEnd):
         out = call.outputs[0]
         if s.grad == "none" or not out.requires_grad:
             return
-        nbytes, n = _nbytes(out.shape, out.dtype), len(s.ranks)
+        nbytes, n = nbytes_of(out.shape, out.dtype), len(s.ranks)
         if s.kind in ("recv", "grad_to"):
             self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
         elif s.kind == "gather":
             me = s.ranks[0]
             for src, tag, _, place, back, links in s.takes:
-                size = _nbytes(box_shape(place), out.dtype)
+                size = nbytes_of(box_shape(place), out.dtype)
                 if back and src != me:
                     self.send(((src, me), tag, micro, "b"), size, "backward")
                 for q, t in links:
@@ -282,7 +280,7 @@ class Builder(Writer, StepEnd):
     def build(self, optimizer: bool = True) -> Program:
         base = self.base()
         plan = self.plan
-        has_p2p = any(c.step is not None and c.step.kind in ("send", "recv", "gather") for c in self.calls)
+        has_p2p = any(c.step is not None and c.step.kind in P2P_KINDS for c in self.calls)
         if self.actions is None:
             self.forward(0)
             loss_key = self.coll("all_reduce", plan.loss_sum, 4, "loss", blocking=False) if plan.loss_sum else None

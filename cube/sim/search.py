@@ -18,15 +18,12 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from cube.compiler import _structure
+from cube.compiler import Traced, batch_structure, trace_model
 from cube.ir.graph import IRGraph
-from cube.passes import check_graph
-from cube.passes.plan import build_plans
-from cube.policy import Resource, apply_policy
+from cube.passes.program import build_program
 from cube.sim import stages
 from cube.sim.host import Host
 from cube.sim.simulate import SimResult, simulate
-from cube.trace import build_graph, export
 
 EQUIVALENT = {(True, False, False): "PASData", (False, True, False): "PASMegatronTP",
               (True, True, False): "PASHybrid", (False, False, True): "pipeline"}
@@ -90,7 +87,7 @@ def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute
                     for rc in recompute:
                         for z in (zero if dp > 1 else (0,)):
                             if z == 3 and rc:
-                                continue   # not supported together yet (cube.codegen.recompute)
+                                continue   # not supported together yet (cube.passes.recompute)
                             out.append({"dp": dp, "tp": tp, "pp": pp, "nmicros": m, "schedule": sched,
                                         "recompute": bool(rc), "zero": z, "micro_batch": batch // m,
                                         "world": world})
@@ -98,38 +95,36 @@ def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute
 
 
 class _Tracer:
-    """Exports the model once per micro-batch shape; builds a fresh IR graph for each plan."""
+    """Traces the model once per micro-batch size; every plan of that size runs its policy on a copy."""
 
     def __init__(self, model: torch.nn.Module, batch):
         self.model = model
-        self.structure, self.sample = _structure(batch)
-        self.exported: Dict[int, tuple] = {}
+        self.structure, self.sample = batch_structure(batch)
+        self.traced: Dict[int, Traced] = {}
 
-    def graph(self, micro_batch: int, zero: int = 0) -> IRGraph:
-        if micro_batch not in self.exported:
+    def trace(self, micro_batch: int) -> Traced:
+        if micro_batch not in self.traced:
             sample = tuple(t[:micro_batch] for t in self.sample)
-            self.exported[micro_batch] = (export(self.model, sample), sample)
-        ep, _ = self.exported[micro_batch]
-        graph, _ = build_graph(ep, self.model, self.structure)
-        graph.zero = zero
-        check_graph(graph)
-        return graph
+            self.traced[micro_batch] = trace_model(self.model, sample, structure=self.structure)
+        return self.traced[micro_batch]
+
+    def graph(self, micro_batch: int) -> IRGraph:
+        """The unplaced graph of a micro-batch (not to be changed: it is the shared trace)."""
+        return self.trace(micro_batch).graph
 
 
 def planned(tracer: _Tracer, cfg: dict) -> IRGraph:
-    """The graph of ``cfg`` after ``policies.auto.plan``."""
-    from policies.auto import plan
-    graph = tracer.graph(cfg["micro_batch"], zero=3 if cfg.get("zero") == 3 else 0)
-    graph = apply_policy(lambda g, r: plan(g, r, cfg), graph, Resource(cfg["world"]))
-    check_graph(graph, placed=True)
-    return graph
+    """The graph of ``cfg`` after ``policies.auto.plan`` (on a copy of the micro-batch's trace)."""
+    from cube.toolkit import grid_plan as plan
+    return tracer.trace(cfg["micro_batch"]).place(lambda g, r: plan(g, r, cfg), cfg["world"],
+                                                  zero=3 if cfg.get("zero") == 3 else 0)
 
 
 def balance(tracer: _Tracer, cfg: dict, costs, comm) -> List[int]:
     """Stage starts for ``cfg`` from the op costs of its ``dp x tp`` layout (``cube.sim.stages``)."""
     flat = dict(cfg, pp=1, world=cfg["dp"] * cfg["tp"], recompute=False, zero=0, starts=None)
     graph = planned(tracer, flat)
-    per_op = stages.op_costs(graph, build_plans(graph, flat["world"])[0], costs, comm)
+    per_op = stages.op_costs(graph, build_program(graph, flat["world"], ranks=[0])[0].plan, costs, comm)
     return stages.balanced_starts(tracer.graph(cfg["micro_batch"]), cfg["pp"], per_op, comm)
 
 

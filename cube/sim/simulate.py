@@ -1,8 +1,9 @@
 """Simulating one training step of a placed graph: step time, memory per rank, a trace.
 
-``simulate(graph, world)`` plans every rank as codegen does (``build_plans``,
-the schedule's actions, the reducer's buckets, recompute runs), builds each
-rank's program (``cube.sim.program``), runs them together
+``simulate(graph, world)`` lays out every rank's program as code generation
+does (``cube.passes.program.build_program``: plans, the schedule's actions,
+recompute runs), adds the reducer's buckets and builds each rank's instructions
+(``cube.sim.program``), runs them together
 (``cube.sim.engine``) and returns a ``SimResult``: the predicted step time (the
 last rank to finish, optimizer included), per-rank compute, exposed
 communication and peak memory with its breakdown, a Chrome trace (one process
@@ -17,10 +18,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-from cube.codegen.emit import _schedule_actions
-from cube.codegen.recompute import check_recompute
 from cube.ir.graph import IRGraph
-from cube.passes.plan import build_plans
+from cube.passes.program import Program, build_program
 from cube.sim import engine
 from cube.sim.comm import CommModel
 from cube.sim.costs import Estimator
@@ -116,8 +115,9 @@ class SimResult:
 
 
 def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
-                   optimizer: bool = True, plans=None) -> dict:
-    """Every rank's program (``cube.sim.program``) for the placed ``graph``."""
+                   optimizer: bool = True, program: Optional[Program] = None) -> dict:
+    """Every rank's instructions (``cube.sim.program``) for the placed ``graph`` (``program``: its
+    ranks' programs when already built, e.g. ``cube.plan(...).program``)."""
     if zero is None:
         zero = getattr(graph, "zero", 0)
     if zero not in (0, 1, 2, 3):
@@ -128,14 +128,14 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
         raise ValueError("simulate: zero=3 needs a graph planned for it (trace_and_plan(..., zero=3))")
     costs = costs if costs is not None else Estimator()
     comm = comm if comm is not None else CommModel()
-    check_recompute(graph)
-    plans = plans if plans is not None else build_plans(graph, world)
-    actions = _schedule_actions(graph, plans) if graph.schedule is not None else {}
-    return {r: Builder(graph, plans[r], costs, comm, zero, actions.get(r)).build(optimizer) for r in range(world)}
+    if program is None or sorted(program.ranks) != list(range(world)):
+        program = build_program(graph, world)
+    return {r: Builder(graph, program[r], costs, comm, zero).build(optimizer) for r in range(world)}
 
 
 def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
-             host: Optional[Host] = None, optimizer: bool = True, coarse: bool = False) -> SimResult:
+             host: Optional[Host] = None, optimizer: bool = True, coarse: bool = False,
+             program: Optional[Program] = None) -> SimResult:
     """Predicts one training step of the placed ``graph`` on ``world`` ranks.
 
     Args:
@@ -149,11 +149,12 @@ def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] =
             None: each rank has a device of its own (GPUs).
         optimizer: include the optimizer step (and ZeRO's gathers after it).
         coarse: merge consecutive compute instructions (faster; coarser trace and memory curve).
+        program: the ranks' programs, when already built (``cube.plan(...).program``).
 
     Raises:
-        ValueError: a plan that cannot run (see ``build_plans``) or inconsistent ZeRO settings.
+        ValueError: a plan that cannot run (see ``build_program``) or inconsistent ZeRO settings.
     """
-    programs = build_programs(graph, world, costs, comm, zero, optimizer)
+    programs = build_programs(graph, world, costs, comm, zero, optimizer, program)
     stats: Dict[int, tuple] = {}
     for r, prog in programs.items():
         top, at, totals = peak(prog.base, [i.mem for i in prog.ins])

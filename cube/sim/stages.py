@@ -21,7 +21,7 @@ from cube.sim.instructions import COLLECTIVES
 
 def logical_ops(graph: IRGraph) -> List[IRFwOperation]:
     """The logical forward ops of ``graph`` in program order (one per traced op, pieces folded)."""
-    return list(dict.fromkeys(op.origin or op for op in graph.select(ntype=IRFwOperation)))
+    return list(dict.fromkeys(op.root for op in graph.select(ntype=IRFwOperation)))
 
 
 def op_costs(graph: IRGraph, plan: RankPlan, costs, comm) -> List[float]:
@@ -39,7 +39,7 @@ def op_costs(graph: IRGraph, plan: RankPlan, costs, comm) -> List[float]:
                 pending += comm.cost("all_reduce" if s.kind == "identity_all_reduce" else s.kind, nbytes,
                                      len(s.ranks))
             continue
-        k = index.get(id(call.op.origin or call.op))
+        k = index.get(id(call.op.root))
         if k is None:
             continue
         c = costs.op_cost(call)

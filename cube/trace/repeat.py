@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import re
 from collections import OrderedDict
 from types import SimpleNamespace
@@ -34,6 +33,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import torch
 import torch.fx
 import torch.nn as nn
+
+from cube import config
 
 log = logging.getLogger("cube")
 
@@ -48,7 +49,8 @@ class _NoRepeat(Exception):
 
 
 def enabled() -> bool:
-    return os.environ.get("CUBE_TRACE_REPEAT", "1").strip() not in ("0", "false", "False", "off")
+    """Whether long stacks are exported once and repeated (``CUBE_TRACE_REPEAT``, see ``cube.config``)."""
+    return config.trace_repeat()
 
 
 # ------------------------------------------------------------------ finding the stack

@@ -34,7 +34,7 @@ What a run holds, and why:
   up before it and a send down after it, past local ops only: the rank's
   communication keeps its order, so no wait is added.
 - No stash or unstash (a value handed between two pipeline stages of one
-  rank, ``cube.codegen.stages``): they sit at the edges of a stage and cut runs
+  rank, ``cube.passes.stages``): they sit at the edges of a stage and cut runs
   like a send or receive.
 - No op that must not run twice (in-place writes, running statistics):
   ``graph.recompute`` rejects those (``cube.ir.blocks.rerun_hazard``).
@@ -47,10 +47,11 @@ from typing import Callable, Dict, List, Optional
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
+from cube.passes.adapter import COLLECTIVE_KINDS, STASH_KINDS
 from cube.passes.plan import Call
 
-_P2P = ("send", "recv", "gather", "stash", "unstash")   # stash: to a later pipeline stage of the rank
-_COMMUNICATING = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")   # in forward
+# steps that cut a run: a transfer runs once (grad_to, an identity whose backward sends, may re-run)
+_CUTS = ("send", "recv", "gather") + STASH_KINDS
 
 
 @dataclass
@@ -94,7 +95,7 @@ def check_recompute(graph: IRGraph) -> None:
     for op in graph.ops:
         if not isinstance(op, IRFwOperation):
             continue
-        lop = op.origin or op
+        lop = op.root
         first = marks.setdefault(id(lop), (op.recompute, op))
         if first[0] != op.recompute:
             raise ValueError(
@@ -171,9 +172,9 @@ def gather_transfers(calls: List[Call]) -> List[Call]:
 
 def _fed_by_collective(calls: List[Call], k: int) -> bool:
     """Whether the steps right before op call ``k`` (those feeding it) hold a collective."""
-    while k > 0 and calls[k - 1].op is None and calls[k - 1].step.kind not in _P2P:
+    while k > 0 and calls[k - 1].op is None and calls[k - 1].step.kind not in _CUTS:
         k -= 1
-        if calls[k].step.kind in _COMMUNICATING and len(calls[k].step.ranks) > 1:
+        if calls[k].step.kind in COLLECTIVE_KINDS and len(calls[k].step.ranks) > 1:
             return True
     return False
 
@@ -196,7 +197,7 @@ def _call_groups(calls: List[Call]) -> List[Optional[int]]:
         if call.op is not None:
             feeds = call.op.recompute
             out[i] = feeds
-        elif call.step.kind not in _P2P and call.rerun:
+        elif call.step.kind not in _CUTS and call.rerun:
             out[i] = feeds
     return out
 
@@ -228,7 +229,7 @@ def _describe(calls: List[Call], start: int, stop: int, group: int, keep: IRTens
         if len(set(level)) != 1:
             break
         common.append(level[0])
-    collective = any(c.step is not None and c.step.kind in _COMMUNICATING and len(c.step.ranks) > 1
+    collective = any(c.step is not None and c.step.kind in COLLECTIVE_KINDS and len(c.step.ranks) > 1
                      for c in inside)
     return Run(group, start, stop, inputs=list(inputs.values()), outputs=outputs,
                freed=freed, collective=collective, where=".".join(common))

@@ -46,7 +46,7 @@ def held_stages(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Tuple[i
     stage_of = op_stages(graph)
     out = {}
     for r, plan in plans.items():
-        mine = sorted({stage_of.get(id(c.op.origin or c.op)) for c in plan.calls if c.op is not None} - {None})
+        mine = sorted({stage_of.get(id(c.op.root)) for c in plan.calls if c.op is not None} - {None})
         want = list(range(mine[0] % sched.nranks, sched.nstages, sched.nranks)) if mine else []
         if not mine or mine != want:
             raise ValueError(_misplaced(r, mine, want, sched))
@@ -67,7 +67,7 @@ def _misplaced(r: int, mine: List[int], want: List[int], sched) -> str:
 
 def op_stages(graph: IRGraph) -> Dict[int, int]:
     """Logical op id -> the stage it belongs to."""
-    return {id(op.origin or op): k for k, st in enumerate(graph.stages) for op in st}
+    return {id(op.root): k for k, st in enumerate(graph.stages) for op in st}
 
 
 def stages_of(actions: Optional[Sequence[str]]) -> List[int]:
@@ -90,14 +90,14 @@ def _split(calls: List[Call], stage_of: Dict[int, int], stages: Sequence[int]) -
     after: Optional[int] = None
     for i in range(len(calls) - 1, -1, -1):
         if calls[i].op is not None:
-            after = stage_of.get(id(calls[i].op.origin or calls[i].op), after)
+            after = stage_of.get(id(calls[i].op.root), after)
         feeds[i] = after
     parts: Dict[int, List[Call]] = {k: [] for k in stages}
     made: Dict[int, int] = {}   # value id -> the stage of the call making it
     last = stages[0]            # the stage of the last op call so far
     for i, call in enumerate(calls):
         if call.op is not None:
-            k = last = stage_of.get(id(call.op.origin or call.op), last)
+            k = last = stage_of.get(id(call.op.root), last)
         elif call.step.kind != "send" and feeds[i] is not None:
             k = feeds[i]
         else:

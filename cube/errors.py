@@ -1,0 +1,12 @@
+"""Errors cube raises that are not about a user's input.
+
+A user's mistake (a model cube cannot trace, a policy that splits an op the
+wrong way, a batch of another shape) is a ``ValueError`` or ``TypeError``
+naming the object and the fix. :class:`CubeInternalError` is the other kind:
+an invariant of cube's own work broke, so the fix belongs in cube.
+"""
+from __future__ import annotations
+
+
+class CubeInternalError(RuntimeError):
+    """An invariant of cube's own planning broke: a bug in cube, never a user's mistake."""

@@ -1,0 +1,220 @@
+"""Calls a policy is made of: place ops over a ``DeviceMesh``, feed every stage the batch, recompute.
+
+A whole plan reads as a few calls; device numbers come from the mesh::
+
+    mesh = grid(resource.ngpus, tp=2)                      # ("pp", 1), ("dp", n // 2), ("tp", 2)
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), tp=tensor_parallel(graph, mesh["tp"]))
+    apply_recompute(graph, recompute)
+
+A split for a mesh dimension is an ``(idx, dim)`` pair, a letter of the op's
+annotation (``"h"``), a ``Flow`` (``data_parallel``/``tensor_parallel``: the
+split each op gets from the graph's structure) or None (the op is whole on
+every coordinate of that dimension).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+from cube import schedule
+from cube.ir.blocks import recompute_blocks
+from cube.ir.follow import Flow, batch_flow, megatron_flow
+from cube.ir.graph import IRGraph
+from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
+from cube.mesh import DeviceMesh, MeshDim
+
+Split = Union[None, Tuple[int, int], str, Flow]
+Recompute = Union[None, bool, int, str, Sequence[int]]
+
+
+def _size(over: Union[MeshDim, int]) -> int:
+    return over.size if isinstance(over, MeshDim) else int(over)
+
+
+def data_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+    """Where the batch goes when split over ``over`` (a mesh dimension or a count): per op, its
+    ``(idx, dim)``; the data operation splits its tensors along dim 0."""
+    n = _size(over)
+    return batch_flow(graph, n) if n > 1 else Flow(batch=True)
+
+
+def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+    """Megatron's tensor parallel plan over ``over`` (column/row linear pairs, attention heads),
+    found from the graph's structure (``cube.ir.follow.megatron_flow``)."""
+    n = _size(over)
+    return megatron_flow(graph, n) if n > 1 else Flow()
+
+
+def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:
+    """The ``("pp", pp), ("dp", dp), ("tp", tp)`` mesh of ``ngpus`` devices, ``dp = ngpus // (tp * pp)``.
+
+    Raises:
+        ValueError: ``tp * pp`` does not divide ``ngpus`` (named after ``policy``).
+    """
+    if tp < 1 or pp < 1 or ngpus % (tp * pp):
+        if pp == 1:
+            raise ValueError(f"{policy}: {ngpus} devices do not split into tensor parallel groups of tp={tp}; "
+                             f"pass tp= (or set CUBE_TP) dividing the device count (the data parallel degree "
+                             f"is devices / tp)")
+        raise ValueError(f"{policy}: {ngpus} devices do not split into tensor parallel tp={tp} x pipeline "
+                         f"pp={pp} groups ({tp * pp} devices each); pass tp= and pp= (or set CUBE_TP and CUBE_PP) "
+                         f"so that their product divides the device count (the data parallel degree is "
+                         f"devices / (tp * pp))")
+    return DeviceMesh(("pp", pp), ("dp", ngpus // (tp * pp)), ("tp", tp))
+
+
+def place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, /, **splits: Split) -> List[IROperator]:
+    """Splits ``node`` over ``mesh``, one split per mesh dimension (outermost first), and puts each
+    piece on the device at its coordinates. A dimension without a split (or None) holds the op whole
+    on each of its coordinates; dimensions of size 1 do nothing.
+
+    Args:
+        splits: mesh dimension name -> ``(idx, dim)``, a letter of ``node.anno``, a ``Flow``, or None.
+
+    Returns:
+        The pieces in the mesh's device order.
+
+    Raises:
+        ValueError: a split names no dimension of ``mesh``, or is illegal for the op.
+    """
+    unknown = [k for k in splits if k not in mesh]
+    if unknown:
+        raise ValueError(f"place({node!r}): the mesh has dimensions {list(mesh.names)}, not {unknown}")
+    return _place(graph, node, mesh, splits)
+
+
+def _place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, splits: dict) -> List[IROperator]:
+    if mesh.size == 1:
+        graph.assign(node, mesh.devices[0])
+        return [node]
+    name, n = next((name, n) for name, n in mesh.dims if n > 1)
+    split = splits.get(name)
+    if isinstance(split, Flow):
+        split = split.split_of(node)
+    if split is None:
+        pieces = graph.replicate(node, times=n)
+    elif isinstance(split, str):
+        pieces = graph.partition(node, split, num=n)
+    else:
+        algo = node.algorithms("dim") if isinstance(node, IRFwOperation) else None
+        pieces = graph.partition(node, algo, idx=split[0], dim=split[1], num=n)
+    out: List[IROperator] = []
+    for piece, sub in zip(pieces, mesh.slices(name)):
+        out += _place(graph, piece, sub, splits)
+    return out
+
+
+def place_all(graph: IRGraph, mesh: DeviceMesh, ops: Optional[Sequence[IROperator]] = None, /,
+              **splits: Split) -> None:
+    """``place`` for each of ``ops`` (default: every op of the graph, the data operation included)."""
+    for op in list(graph.nodes() if ops is None else ops):
+        place(graph, op, mesh, **splits)
+
+
+def place_data(graph: IRGraph, meshes: Union[DeviceMesh, Sequence[DeviceMesh]], batch: str = "dp") -> None:
+    """Every pipeline stage reads the batch: each data operation is copied once per stage mesh and
+    split along the batch over the stage's ``batch`` dimension (whole on its other dimensions).
+
+    Args:
+        meshes: the stages' meshes (``mesh.slices("pp")``), or one mesh.
+        batch: the data parallel dimension (a stage without it reads the whole batch).
+    """
+    meshes = [meshes] if isinstance(meshes, DeviceMesh) else list(meshes)
+    for node in graph.select(ntype=IRDataOperation):
+        copies = graph.replicate(node, times=len(meshes)) if len(meshes) > 1 else [node]
+        for mesh, piece in zip(meshes, copies):
+            place(graph, piece, mesh, **({batch: (0, 0)} if batch in mesh else {}))
+
+
+def place_stages(graph: IRGraph, stages: Sequence[Sequence[IROperator]], meshes: Sequence[DeviceMesh],
+                 **splits: Split) -> None:
+    """Stage ``k``'s ops on ``meshes[k % len(meshes)]`` (more stages than meshes: interleaved, each
+    pipeline rank holds several), placed as ``place`` does."""
+    for k, stage in enumerate(stages):
+        place_all(graph, meshes[k % len(meshes)], stage, **splits)
+
+
+def apply_recompute(graph: IRGraph, recompute: Recompute = None) -> list:
+    """Recomputes transformer blocks (``cube.ir.blocks.recompute_blocks``) as a policy's
+    ``recompute`` option says.
+
+    Args:
+        recompute: None: what ``CUBE_RECOMPUTE`` says; False (or ``"none"``): nothing; True or
+            ``"all"``: every block; block indices (an int, a sequence, or ``"0,2"``).
+
+    Returns:
+        The groups marked.
+
+    Raises:
+        ValueError: anything else, or blocks the model does not have.
+    """
+    if recompute is None:
+        return recompute_blocks(graph)
+    which = recompute
+    if isinstance(which, str):
+        text = which.strip().lower()
+        parts = [p.strip() for p in text.split(",")]
+        which = (False if text in ("", "none", "off", "false") else "all" if text in ("all", "true") else
+                 tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else which)
+    elif isinstance(which, bool):
+        which = "all" if which else False
+    elif isinstance(which, int):
+        which = (which,)
+    elif isinstance(which, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in which):
+        which = tuple(which)
+    if which is False:
+        return []
+    if which != "all" and not isinstance(which, tuple):
+        raise ValueError(f"recompute={recompute!r}: use True or 'all' (every block), False (none), or block "
+                         f"indices such as (0, 2)")
+    return recompute_blocks(graph, which, source=f"recompute={recompute!r}")
+
+
+def whole(graph: IRGraph, resource) -> IRGraph:
+    """The trivial plan: every op whole on every device (the single-device step on each)."""
+    place_all(graph, DeviceMesh(("dp", resource.ngpus)))
+    return graph
+
+
+SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe}
+
+
+def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
+    """Applies a ``pp x dp x tp`` plan (what ``python -m cube.sim --search`` writes) to ``graph``.
+
+    ``config`` holds ``dp``, ``tp``, ``pp`` and optionally ``starts`` (the index among the forward
+    ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b`` or
+    ``gpipe``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``. Stage ``s`` runs on
+    the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel over ``tp``.
+
+    Raises:
+        ValueError: the grid does not match the devices, a stage start is out of range or out of
+            order, an unknown schedule, or ZeRO-3 asked for but not compiled for.
+    """
+    dp, tp, pp = int(config["dp"]), int(config["tp"]), int(config.get("pp", 1))
+    if dp * tp * pp != resource.ngpus:
+        raise ValueError(f"PASAuto: the plan is for dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} devices but "
+                         f"{resource.ngpus} are launched; launch {dp * tp * pp} processes or search again")
+    if config.get("zero", 0) == 3 and getattr(graph, "zero", 0) != 3:
+        raise ValueError("PASAuto: the plan uses ZeRO-3; compile with cube.compile(..., zero=3)")
+    mesh = DeviceMesh(("pp", pp), ("dp", dp), ("tp", tp))
+    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    if pp == 1:
+        place_all(graph, mesh, dp=data, tp=tensor)
+    else:
+        fw = graph.select(ntype=IRFwOperation)
+        starts = list(config.get("starts") or [k * len(fw) // pp for k in range(pp)])
+        if len(starts) != pp or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
+                or starts[-1] >= len(fw):
+            raise ValueError(f"PASAuto: stage starts {starts} must be {pp} increasing forward-op indices "
+                             f"from 0 below {len(fw)}; search again for this model")
+        meshes = mesh.slices("pp")
+        stages = graph.staging([fw[i] for i in starts])
+        place_data(graph, meshes)
+        place_stages(graph, stages, meshes, dp=data, tp=tensor)
+    apply_recompute(graph, config.get("recompute") or False)
+    if pp > 1:
+        name = config.get("schedule", "1f1b")
+        if name not in SCHEDULES:
+            raise ValueError(f"PASAuto: unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
+        SCHEDULES[name](graph, int(config.get("nmicros", pp)), pp)
+    return graph
