@@ -15,11 +15,10 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from cube.ir.layout import PieceLayout, box_shape
+from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 
 _SHAPE_ARGS = ("size", "shape")
-_VIEWS = ("view", "_unsafe_view")
-_MEAN_LOSSES = {"mse_loss", "l1_loss", "smooth_l1_loss"}
 
 
 def _schema_args(op: IRFwOperation) -> List[str]:
@@ -50,7 +49,8 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
     counted on the whole batch (else the pieces sum it over ``term_ranks``).
     """
     args, kwargs = list(op.args), dict(op.kwargs)
-    if op.name in _VIEWS and len(args) == 2 and not kwargs:
+    info = op_info(op.name)
+    if info.shape_view and len(args) == 2 and not kwargs:
         # a view's input may arrive with other strides than in the trace (received from another
         # rank, made by a collective, or by a kernel choosing another layout): reshape copies only then
         fn = "aten.reshape.default"
@@ -86,14 +86,14 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
         dtype = _get(op, names, "dtype") if "dtype" in names else None
         return "runtime.ops.mean_part", [x, dims, keepdim, count], ({"dtype": dtype} if dtype else {})
     reduction = _get(op, names, "reduction", 1) if "reduction" in names else None
-    if op.name in ("cross_entropy_loss", "nll_loss") and reduction == 1:
+    if info.counts_targets and reduction == 1:
         fn = "runtime.ops.cross_entropy_part" if op.name == "cross_entropy_loss" else "runtime.ops.nll_part"
         kw = {"weight": _get(op, names, "weight"), "ignore_index": _get(op, names, "ignore_index", -100)}
         kw.update({"count": count} if count is not None else {"ranks": tuple(term_ranks)})
         if op.name == "cross_entropy_loss":
             kw["label_smoothing"] = _get(op, names, "label_smoothing", 0.0)
         return fn, [op.inputs[0], op.inputs[1]], kw
-    if op.name in _MEAN_LOSSES and reduction == 1:
+    if info.mean_loss and reduction == 1:
         extra: Dict[str, Any] = {}
         if op.name == "smooth_l1_loss":
             extra["beta"] = _get(op, names, "beta", 1.0)

@@ -16,13 +16,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Union
 
 from cube import config
+from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 
 if TYPE_CHECKING:
     from cube.ir.graph import IRGraph
 
-# ops that update running statistics in place in training mode (their schemas do not say so)
-_RUNNING_STATS = {"batch_norm": "training", "native_batch_norm": "training", "instance_norm": "use_input_stats"}
 
 
 def block_of(module_path: str) -> Optional[str]:
@@ -69,7 +68,7 @@ def rerun_hazard(op: IRFwOperation) -> str:
     schema = getattr(op.target, "_schema", None)
     if schema is not None and schema.is_mutable:
         return "it writes into a tensor in place"
-    flag = _RUNNING_STATS.get(op.name)
+    flag = op_info(op.name).running_stats   # its schema does not say it writes them
     if flag is not None and schema is not None:
         names = [a.name for a in schema.arguments]
         i = names.index(flag)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
+from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
 
 
@@ -120,9 +121,6 @@ def batch_flow(graph: IRGraph, num: int) -> Flow:
     return flow
 
 
-_MATMULS = ("linear", "addmm", "matmul", "mm")
-
-
 def megatron_flow(graph: IRGraph, num: int) -> Flow:
     """Megatron's plan found from structure: column-split a linear whose input is whole
     when its output features reach, through ops that can carry the split (activations,
@@ -135,7 +133,8 @@ def megatron_flow(graph: IRGraph, num: int) -> Flow:
     flow = Flow()
     readers = _Readers(graph)
     for op in readers.ops:
-        if op.name not in _MATMULS or id(op) in flow.splits or op.anno is None:
+        info = op_info(op.name)   # a matmul of an input and a weight
+        if info.cost != "matmul" or info.batched or id(op) in flow.splits or op.anno is None:
             continue
         col = _column(op)
         if col is None or not op.algorithms("dim").satisfy(*col, num):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from cube.errors import CubeInternalError
+from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IROperator
 
 Interval = Tuple[int, int]
@@ -63,9 +64,6 @@ def tile_dim(whole: Box, parts) -> int | None:
     return d
 
 
-# op name -> tensor input added to the result (a bias): a partial-sum piece adds it
-# only when it is the first term, so the pieces sum to the exact result
-ADDED_ONCE = {"linear": 2, "conv1d": 2, "conv2d": 2, "conv3d": 2, "addmm": 0}
 
 
 @dataclass(frozen=True)
@@ -140,7 +138,8 @@ def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayou
                         raise CubeInternalError(f"output {k} of {op!r} lacks the split factor {factor!r}")
                 terms[k].append((level, factor, i, n))
     unread = ()
-    bias = ADDED_ONCE.get(op.name)
+    # a bias (``OpInfo.bias``) is added only by the first term, so the pieces sum to the exact result
+    bias = op_info(op.name).bias
     if bias is not None and bias < len(op.inputs) and out_terms and out_terms[0]:
         if all(i == 0 for _, _, i, _ in out_terms[0]):
             # the one reader of the partial sums: complete over them (other splits still add up)

@@ -16,6 +16,7 @@ from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.ir.layout import Box, PieceLayout, Term, box_shape, contains, full_box, piece_layout
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
+from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS, RERUNNABLE_KINDS, LayoutError, Step, narrow_step, transitions
 from cube.passes.exchange import Take, check, exchange, relative
@@ -228,7 +229,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
         for r, p in by.items():
             lay = layouts[id(p)]
             term_ranks = _term_ranks(p, r, by, layouts, term_groups)
-            count_of = _batch_origin(p.inputs[1], makers) if term_ranks and p.name in _COUNTED else None
+            count_of = _batch_origin(p.inputs[1], makers) if term_ranks and op_info(p.name).counts_targets else None
             reads = [subst[r].get(id(t), t) for k, t in enumerate(p.inputs) if k not in lay.unread]
             calls[r].append(Call(reads, list(p.outputs), op=p,
                                  layout=lay, subst=subst[r], term_ranks=term_ranks, count_of=count_of))
@@ -462,17 +463,16 @@ def _union(boxes) -> Box:
     return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
 
 
-_COUNTED = ("cross_entropy_loss", "nll_loss")
-_VIEWS = ("view", "reshape", "_unsafe_view", "flatten", "contiguous", "clone", "detach", "squeeze", "unsqueeze")
 
 
 def _batch_origin(t: IRTensor, makers) -> Optional[IRTensor]:
-    """The batch tensor ``t`` holds the elements of (through views only), if any."""
+    """The batch tensor ``t`` holds the elements of (through ops keeping them, ``OpInfo.same_elements``),
+    if any."""
     while True:
         maker = makers.get(id(t))
         if isinstance(maker, IRDataOperation):
             return t
-        if not isinstance(maker, IRFwOperation) or maker.name not in _VIEWS or len(maker.inputs) != 1:
+        if not isinstance(maker, IRFwOperation) or not op_info(maker.name).same_elements or len(maker.inputs) != 1:
             return None
         t = maker.inputs[0]
 

@@ -17,6 +17,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from cube.ir.graph import IRGraph
 from cube.ir.layout import full_box
+from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.check import check_stage
@@ -24,10 +25,6 @@ from cube.passes.plan import Call, RankPlan, build_plans
 from cube.passes.recompute import Run, check_recompute, find_runs, gather_transfers
 from cube.passes.stages import held_stages, stage_calls, stages_of
 
-# ops whose backward needs their inputs only, never their output: a partial sum one of them
-# has just made may be summed in place
-_OUTPUT_NOT_SAVED = frozenset({"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "einsum", "embedding",
-                               "convolution", "conv1d", "conv2d", "conv3d"})
 
 
 @dataclass(eq=False)
@@ -267,7 +264,7 @@ def _sums_in_place(calls: List[Call], i: int, dying) -> bool:
         return False
     for c in reversed(calls[:i]):
         if c.op is not None and any(o is x for o in c.op.outputs):
-            return c.op.name in _OUTPUT_NOT_SAVED
+            return not op_info(c.op.name).saves_output   # else autograd keeps what we would overwrite
         if any(t is x for t in c.inputs):
             return False
     return False

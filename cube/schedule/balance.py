@@ -24,6 +24,7 @@ import numpy as np
 
 from cube.ir.blocks import block_of
 from cube.ir.operator import IRFwOperation
+from cube.ir.ops import flops, op_info
 from cube.ir.tensor import IRTensor, TensorKind
 
 if TYPE_CHECKING:
@@ -113,13 +114,6 @@ def stage_costs(costs: Sequence[float], starts: Sequence[int],
 
 
 # ------------------------------------------------------------------ op costs
-_MATMUL = ("linear", "addmm", "matmul", "mm", "bmm")
-_CONV = ("conv1d", "conv2d", "conv3d", "convolution")
-_VIEWS = ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "expand", "unsqueeze", "squeeze",
-          "slice", "select", "alias", "detach", "unflatten", "flatten", "split", "chunk", "unbind",
-          "as_strided", "narrow", "lift_fresh_copy")
-
-
 def _bytes(t: IRTensor) -> int:
     return t.numel() * _itemsize(t)
 
@@ -132,32 +126,14 @@ def _itemsize(t: IRTensor) -> int:
 
 
 def op_flops(op: IRFwOperation) -> int:
-    """Floating point operations of ``op``'s forward, from shapes (0 for ops that only move data).
-
-    Matmul-like ops: ``2 x outputs x reduced size``; attention: the two
-    matmuls (``QK^T`` and ``PV``) over all query/key pairs; convolutions:
-    ``2 x outputs x weight size per output channel``.
-    """
-    if not op.outputs:
-        return 0
-    out = op.outputs[0].numel()
-    if op.name in _MATMUL:
-        mats = [t for t in op.inputs if t.ndim >= 2]
-        k = mats[0].shape[-1] if mats else 1
-        return 2 * out * k
-    if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 3:
-        q, k, v = op.inputs[:3]
-        pairs = q.numel() // max(q.shape[-1], 1) * k.shape[-2]
-        return 2 * pairs * (q.shape[-1] + v.shape[-1])
-    if op.name in _CONV and len(op.inputs) >= 2:
-        w = op.inputs[1]
-        return 2 * out * (w.numel() // max(w.shape[0], 1))
-    return 0
+    """Floating point operations of ``op``'s forward, from shapes (``cube.ir.ops.flops``; 0 for ops
+    that only move data)."""
+    return flops(op.name, [tuple(t.shape) for t in op.inputs], [tuple(t.shape) for t in op.outputs])
 
 
 def op_bytes(op: IRFwOperation) -> int:
     """Bytes ``op``'s forward reads and writes (0 for views, which move nothing)."""
-    if op.name in _VIEWS:
+    if op_info(op.name).alias:
         return 0
     return sum(_bytes(t) for t in op.inputs) + sum(_bytes(t) for t in op.outputs)
 

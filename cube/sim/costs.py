@@ -13,14 +13,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 from cube.ir.layout import box_shape
+from cube.ir.ops import flops as op_flops
+from cube.ir.ops import op_info
 from cube.passes.plan import Call
-
-_MATMUL = ("linear", "addmm", "matmul", "mm", "bmm", "baddbmm", "conv1d", "conv2d", "conv3d", "einsum")
-_ATTENTION = ("scaled_dot_product_attention",)
-# ops whose output is a view of input 0 (no new memory)
-VIEWS = ("view", "_unsafe_view", "reshape", "transpose", "permute", "expand", "t", "unsqueeze", "squeeze",
-         "select", "slice", "alias", "detach", "unflatten", "flatten", "split", "chunk", "unbind", "narrow",
-         "as_strided", "view_as", "expand_as")
 
 
 @dataclass
@@ -96,14 +91,8 @@ class Estimator:
         nbytes = sum(_numel(s) * t.dtype.itemsize for s, t in zip(ins, op.inputs)) + \
             sum(_numel(s) for s in outs) * itemsize
         out = sum(_numel(s) for s in outs)
-        if op.name in _MATMUL and ins:
-            flops = 2 * out * max(ins[0][-1] if ins[0] else 1, 1)
-        elif op.name in _ATTENTION and ins:
-            q = ins[0]
-            flops = 4 * _numel(q) * (ins[1][-2] if len(ins[1]) > 1 else 1)
-        else:
-            flops = out
-        is_view = op.name in VIEWS
+        flops = op_flops(op.name, ins, outs) or out   # a memory-bound op: one per output element
+        is_view = op_info(op.name).alias   # a view of input 0: no new memory
         fw = self.launch + (0.0 if is_view else max(flops / self.flops_rate, nbytes / self.mem_rate))
         bw = 2 * fw if needs_grad(call) else 0.0
         saved = tuple(("in", k) for k, t in enumerate(op.inputs)

@@ -28,6 +28,7 @@ import torch
 
 import cube.runtime
 from cube.codegen.local import local_call
+from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.plan import Call
 from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
@@ -35,7 +36,6 @@ from cube.sim.store import JsonStore, default_path
 
 log = logging.getLogger("cube")
 VERSION = 4   # part of every cache key: measurements of another version are taken again
-_COUNTED = ("cross_entropy_loss", "nll_loss")
 
 
 def resolve(name: str) -> Callable:
@@ -161,7 +161,7 @@ class Profiler:
     def _call(self, call: Call):
         op = call.op
         count = None
-        if call.term_ranks and op.name in _COUNTED:   # a known global count: no communication here
+        if call.term_ranks and op_info(op.name).counts_targets:   # a known global count: no communication here
             count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "count")
         fn, args, kwargs = local_call(op, call.layout, call.term_ranks, count)
         name = fn or str(op.target)

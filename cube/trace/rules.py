@@ -10,6 +10,7 @@ from __future__ import annotations
 import string
 from typing import Callable, Dict, List, Sequence, Union
 
+from cube.ir import ops
 from cube.ir.annotation import OpAnno, parse
 from cube.ir.operator import IRFwOperation
 
@@ -430,49 +431,19 @@ def creation(op: IRFwOperation) -> str:
 
 
 # ----------------------------------------------------------------------------- registry
-_ELEMENTWISE = """abs add add_ sub sub_ rsub mul mul_ div div_ neg exp log log1p sqrt rsqrt pow
-sin cos tanh sigmoid relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus
-erf clamp clamp_min clamp_max minimum maximum where masked_fill masked_fill_ le lt ge gt eq ne
-logical_not logical_and logical_or bitwise_not bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone
-alias detach detach_ lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like
-rand_like randn_like fill fill_ zero zero_ copy_ reciprocal square floor ceil round sign
-native_dropout""".split()
-
-_BUILTIN: Dict[str, Rule] = {name: elementwise for name in _ELEMENTWISE}
-_BUILTIN.update({
-    "linear": linear, "addmm": addmm, "matmul": matmul, "mm": matmul, "bmm": matmul,
-    "scaled_dot_product_attention": sdpa, "embedding": embedding,
-    "layer_norm": layer_norm, "rms_norm": rms_norm, "group_norm": batch_norm,
-    "batch_norm": batch_norm, "instance_norm": batch_norm,
-    "conv1d": conv, "conv2d": conv, "conv3d": conv,
-    "max_pool1d": pool, "max_pool2d": pool, "max_pool2d_with_indices": pool, "max_pool3d": pool,
-    "avg_pool1d": pool, "avg_pool2d": pool, "avg_pool3d": pool,
-    "adaptive_avg_pool1d": pool, "adaptive_avg_pool2d": pool, "adaptive_max_pool2d": pool,
-    "sum": sum_rule, "mean": sum_rule, "amax": max_rule, "amin": max_rule, "max": max_rule,
-    "min": max_rule, "argmax": max_rule, "logsumexp": max_rule, "norm": max_rule,
-    "cross_entropy_loss": loss, "nll_loss": loss, "mse_loss": pointwise_loss,
-    "l1_loss": pointwise_loss, "smooth_l1_loss": pointwise_loss,
-    "softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
-    "_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
-    "log_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
-    "_log_softmax": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
-    "cumsum": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),
-    "triu": _frozen_dims(lambda op: [-2, -1]), "tril": _frozen_dims(lambda op: [-2, -1]),
-    "view": reshape, "reshape": reshape, "_unsafe_view": reshape, "flatten": reshape,
-    "unflatten": reshape, "unsqueeze": reshape, "squeeze": reshape, "view_as": reshape,
-    "transpose": permute, "swapaxes": permute, "permute": permute, "t": permute,
-    "expand": expand, "expand_as": expand, "select": select, "slice": slice_rule,
-    "split": split, "split_with_sizes": split, "chunk": split, "unbind": unbind,
-    "slice_scatter": slice_scatter, "select_scatter": slice_scatter,
-    "cat": cat, "concat": cat, "stack": stack, "pad": pad, "constant_pad_nd": pad,
-    "arange": creation, "zeros": creation, "ones": creation, "full": creation, "empty": creation,
-    "rand": creation, "randn": creation, "randint": creation, "scalar_tensor": creation,
-    "tensor": creation, "diff": diff,
-    "new_ones": opaque, "new_zeros": opaque, "new_full": opaque, "new_empty": opaque,
-    "index": opaque, "index_put": opaque, "index_select": opaque, "gather": opaque, "scatter": opaque,
-    "masked_select": opaque, "nonzero": opaque, "one_hot": opaque, "repeat": opaque,
-    "repeat_interleave": opaque, "flip": opaque, "roll": opaque,
-})
+# rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
+RULES: Dict[str, Rule] = {
+    "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
+    "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
+    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
+    "pointwise_loss": pointwise_loss,
+    "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole
+    "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
+    "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
+    "split": split, "unbind": unbind, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
+    "creation": creation, "diff": diff, "opaque": opaque,
+}
+_BUILTIN: Dict[str, Rule] = {name: RULES[info.rule] for name, info in ops.rows().items() if info.rule}
 
 
 class Registry:

@@ -64,14 +64,16 @@ def reference(nmicros: int, seed: int = SEED, steps: int = STEPS) -> dict:
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     data = batches(steps * nmicros)
-    losses = []
+    losses, grads = [], {}
     for i in range(steps):
         loss = torch.stack([model(*b) for b in data[i * nmicros:(i + 1) * nmicros]]).mean()
         loss.backward()
+        if i == 0:
+            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"state": state, "initial": initial, "losses": losses,
+    return {"state": state, "initial": initial, "losses": losses, "grads": grads,
             "final": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
@@ -101,9 +103,13 @@ def rank_run(policy_name: str, source: str, ref: dict, cache_dir: str) -> dict:
                if not torch.equal(t, piece(ref["initial"][tables[local][0][0]], tables[local][1]))]
     still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not t.is_meta]
     opt = torch.optim.AdamW(cmodel.parameters(), lr=LR)
-    losses, param_err = [], 0.0
-    for _ in range(STEPS):
+    losses, param_err, grad_err = [], 0.0, 0.0
+    for i in range(STEPS):
         losses.append(train_iter(cmodel, loader).item())
+        if i == 0:   # the first step's gradients, before AdamW scales them entry by entry
+            for local, p in cmodel.named_parameters():
+                names, splits = cmodel.PARAMS[local]
+                grad_err = max(grad_err, rel(p.grad, piece(ref["grads"][names[0]], splits)))
         opt.step()
         opt.zero_grad()
     for local, p in cmodel.named_parameters():
@@ -114,7 +120,8 @@ def rank_run(policy_name: str, source: str, ref: dict, cache_dir: str) -> dict:
     part = cube.runtime.data.part()
     return {"rank": env.rank, "world": env.world_size, "unequal_after_load": unequal, "materialized": still_meta,
             "part": [part.reads, part.dp_rank, part.dp_size, part.nmicros],
-            "held": len(tables), "loss_err": loss_err, "param_err": param_err, "losses": losses}
+            "held": len(tables), "loss_err": loss_err, "param_err": param_err, "grad_err": grad_err,
+            "losses": losses}
 
 
 def main():

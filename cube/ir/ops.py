@@ -1,0 +1,179 @@
+"""What cube knows about each op, one ``OpInfo`` per op name, in one table.
+
+Every part of cube that treats an op differently by its name reads it here:
+the annotation rule that says how it splits (``rule``, by the name of a rule
+function in ``cube.trace.rules``), how a piece is called (a bias added once
+across partial sums, a view's shape, a mean loss's global count), what it
+costs (``flops``, ``op_bytes``), whether its output aliases its input (memory),
+whether autograd keeps its output (an all-reduce may then sum in place), and
+what makes re-running it unsafe (running statistics). Adding an op is adding a
+row; ``cube.register_op`` adds a row for a user's op. An op with no row gets
+``OpInfo(name)``: no rule (it runs replicated; a policy splitting it gets an
+error saying how to register one) and no special behaviour.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Dict, Optional, Sequence, Tuple
+
+Shape = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One op's behaviour.
+
+    Attributes:
+        name: the op name (``aten.linear.default`` -> ``linear``).
+        rule: the name of its annotation rule in ``cube.trace.rules.RULES`` (None: none).
+        cost: how its FLOPs are counted: ``"matmul"`` (``2 x outputs x reduced size``),
+            ``"conv"``, ``"attention"``, or ``"memory"`` (bound by the bytes it moves).
+        batched: a matmul of two activations (``bmm``, ``einsum``), not of an input and a weight.
+        alias: its output is a view of input 0 (no new memory, no bytes moved).
+        same_elements: its output holds input 0's elements, possibly reshaped (a loss's
+            targets are traced back to the batch through it).
+        shape_view: a ``view`` whose input may come with other strides on a rank (printed as
+            ``reshape``).
+        bias: the input added to the result (a bias), which a partial-sum piece adds once.
+        running_stats: the argument under which it updates running statistics in place
+            (re-running it in backward would update them twice).
+        counts_targets: a mean over valid targets (``ignore_index``, class weights): pieces
+            divide by the global count.
+        mean_loss: a mean over every element (``mse_loss``): pieces divide by the global size.
+        saves_output: autograd keeps its output for backward (else a partial sum it made may
+            be summed in place).
+    """
+
+    name: str
+    rule: Optional[str] = None
+    cost: str = "memory"
+    batched: bool = False
+    alias: bool = False
+    same_elements: bool = False
+    shape_view: bool = False
+    bias: Optional[int] = None
+    running_stats: Optional[str] = None
+    counts_targets: bool = False
+    mean_loss: bool = False
+    saves_output: bool = True
+
+
+_ROWS: Dict[str, OpInfo] = {}
+
+
+def _add(names: str, **fields) -> None:
+    for name in names.split():
+        _ROWS[name] = replace(_ROWS[name], **fields) if name in _ROWS else OpInfo(name, **fields)
+
+
+# annotation rules
+_add("""abs add add_ sub sub_ rsub mul mul_ div div_ neg exp log log1p sqrt rsqrt pow sin cos tanh sigmoid
+relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus erf clamp clamp_min clamp_max minimum
+maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and logical_or bitwise_not
+bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
+lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
+zero_ copy_ reciprocal square floor ceil round sign native_dropout""", rule="elementwise")
+_add("linear", rule="linear")
+_add("addmm", rule="addmm")
+_add("matmul mm bmm", rule="matmul")
+_add("scaled_dot_product_attention", rule="sdpa")
+_add("embedding", rule="embedding")
+_add("layer_norm", rule="layer_norm")
+_add("rms_norm", rule="rms_norm")
+_add("group_norm batch_norm instance_norm", rule="batch_norm")
+_add("conv1d conv2d conv3d", rule="conv")
+_add("""max_pool1d max_pool2d max_pool2d_with_indices max_pool3d avg_pool1d avg_pool2d avg_pool3d
+adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d""", rule="pool")
+_add("sum mean", rule="sum_rule")
+_add("amax amin max min argmax logsumexp norm", rule="max_rule")
+_add("cross_entropy_loss nll_loss", rule="loss")
+_add("mse_loss l1_loss smooth_l1_loss", rule="pointwise_loss")
+_add("softmax _softmax log_softmax _log_softmax cumsum", rule="along_dim")
+_add("triu tril", rule="along_last_two")
+_add("view reshape _unsafe_view flatten unflatten unsqueeze squeeze view_as", rule="reshape")
+_add("transpose swapaxes permute t", rule="permute")
+_add("expand expand_as", rule="expand")
+_add("select", rule="select")
+_add("slice", rule="slice_rule")
+_add("split split_with_sizes chunk", rule="split")
+_add("unbind", rule="unbind")
+_add("slice_scatter select_scatter", rule="slice_scatter")
+_add("cat concat", rule="cat")
+_add("stack", rule="stack")
+_add("pad constant_pad_nd", rule="pad")
+_add("arange zeros ones full empty rand randn randint scalar_tensor tensor", rule="creation")
+_add("diff", rule="diff")
+_add("""new_ones new_zeros new_full new_empty index index_put index_select gather scatter masked_select nonzero
+one_hot repeat repeat_interleave flip roll""", rule="opaque")
+
+# costs and memory
+_add("linear addmm matmul mm", cost="matmul")
+_add("bmm baddbmm einsum", cost="matmul", batched=True)
+_add("conv1d conv2d conv3d convolution", cost="conv")
+_add("scaled_dot_product_attention", cost="attention")
+_add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze select slice alias detach
+unflatten flatten split chunk unbind narrow as_strided view_as expand_as""", alias=True)
+_add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
+
+# how a piece is called
+_add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)
+_add("view _unsafe_view", shape_view=True)
+_add("linear conv1d conv2d conv3d", bias=2)
+_add("addmm", bias=0)
+_add("cross_entropy_loss nll_loss", counts_targets=True)
+_add("mse_loss l1_loss smooth_l1_loss", mean_loss=True)
+
+# what must not run twice (their schemas do not say they write)
+_add("batch_norm native_batch_norm", running_stats="training")
+_add("instance_norm", running_stats="use_input_stats")
+
+BUILTIN = frozenset(_ROWS)
+
+
+def op_info(name: str) -> OpInfo:
+    """The row of op ``name`` (``OpInfo(name)`` when cube has none)."""
+    row = _ROWS.get(name)
+    return row if row is not None else OpInfo(name)
+
+
+def register(name: str, **fields) -> OpInfo:
+    """Adds or changes the row of op ``name`` (``cube.register_op`` gives a user's op its rule)."""
+    _add(name, **fields)
+    return _ROWS[name]
+
+
+def rows() -> Dict[str, OpInfo]:
+    """Every row, by op name."""
+    return dict(_ROWS)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def flops(name: str, ins: Sequence[Shape], outs: Sequence[Shape]) -> int:
+    """Floating point operations of the op's forward at these input and output shapes (0 for an op
+    bound by memory).
+
+    Matmul-like ops: ``2 x outputs x reduced size`` (the last dim of the first matrix input);
+    attention: the two matmuls (``QK^T`` and ``PV``) over all query/key pairs; convolutions:
+    ``2 x outputs x weight size per output channel``.
+    """
+    if not outs:
+        return 0
+    info = op_info(name)
+    out = _numel(outs[0])
+    if info.cost == "matmul":
+        mats = [s for s in ins if len(s) >= 2]
+        return 2 * out * max(mats[0][-1] if mats else 1, 1)
+    if info.cost == "attention" and len(ins) >= 3:
+        q, k, v = ins[:3]
+        pairs = _numel(q) // max(q[-1], 1) * k[-2]
+        return 2 * pairs * (q[-1] + v[-1])
+    if info.cost == "conv" and len(ins) >= 2:
+        w = ins[1]
+        return 2 * out * (_numel(w) // max(w[0], 1))
+    return 0
