@@ -47,7 +47,7 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
     defined = {id(t) for t in graph.attrs}
     if not any(isinstance(op, IRDataOperation) for op in graph.ops):
         fail("graph has no data operation")
-    weights: Dict[int, Fraction] = {}
+    shares: Dict[int, Dict[int, int]] = {}   # traced op id -> {parts: pieces of weight 1 / parts}
     roots: Dict[int, object] = {}
     for op in graph.ops:
         for t in op.inputs:
@@ -60,10 +60,13 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
             fail(f"{op!r} was cut from {op.origin!r}, itself a piece of {op.origin.origin!r}")
         if placed and op.origin is not None:   # a whole op weighs 1: only pieces need adding up
             roots[id(op.origin)] = op.origin
-            weights[id(op.origin)] = weights.get(id(op.origin), Fraction(0)) + _weight(op)
+            by = shares.setdefault(id(op.origin), {})
+            parts = _parts(op)
+            by[parts] = by.get(parts, 0) + 1
     if id(graph.loss) not in defined:
         fail(f"the loss {graph.loss!r} is never produced")
-    for key, weight in weights.items():
+    for key, by in shares.items():   # counted per share, so the few fractions stay cheap
+        weight = sum((Fraction(k, parts) for parts, k in by.items()), Fraction(0))
         if key in members:
             weight += 1
         if weight != 1:
@@ -72,14 +75,15 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
                  + ", ".join(f"splits {list(p.splits)} replicas {list(p.replicas)}" for p in pieces))
 
 
-def _weight(op) -> Fraction:
-    """The share of its traced op that a piece computes: 1 / (product of its partitions' and replicates' counts)."""
+def _parts(op) -> int:
+    """Into how many pieces its partitions and replicates cut the traced op: a piece computes
+    ``1 / parts`` of it."""
     parts = 1
     for _, _, n in op.splits:
         parts *= n
     for _, n in op.replicas:
         parts *= n
-    return Fraction(1, parts)
+    return parts
 
 
 def check_stage(graph: IRGraph, stage: str, placed: bool = True) -> None:
