@@ -5,7 +5,7 @@ from cube.compiler import trace_and_plan
 from cube.compiler import generate_all
 from cube.ir.layout import piece_layout
 from cube.passes.adapter import transitions
-from cube.passes.plan import build_plans
+from cube.passes.rank_plans import build_plans
 from cube.policy import load_policy
 from tests.models import build
 

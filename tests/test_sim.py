@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from cube.compiler import generate_code, trace_and_plan
-from cube.passes.plan import build_plans
+from cube.passes.rank_plans import build_plans
 from cube.sim import CommModel, Estimator, FixedCosts, OpCost, Profiler, simulate
 from cube.sim import comm as comm_mod
 from cube.sim import engine, search

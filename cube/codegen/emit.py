@@ -25,7 +25,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.plan import Call
+from cube.passes.rank_plans import Call
 from cube.passes.program import Program, RankProgram, Segment
 from cube.passes.recompute import Run
 from cube.runtime import profile
@@ -189,7 +189,7 @@ class _Emitter:
         lines.append("    FULL_SHAPES = {" + "".join(f"\n        {t.names[0]!r}: {tuple(t.shape)!r}," for t in full)
                      + ("\n    }" if full else "}"))
         lines.append("    # gradients summed over ranks after backward, in bucket order")
-        reduce = self.plan.reduce   # in bucket order (cube.passes.plan)
+        reduce = self.plan.reduce   # in bucket order (cube.passes.rank_plans)
         if reduce:
             lines.append("    REDUCE = [")
             for t, ranks in reduce:

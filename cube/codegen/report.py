@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from cube.ir.tensor import TensorKind
-from cube.passes.plan import Call, RankPlan
+from cube.passes.rank_plans import Call, RankPlan
 from cube.passes.program import Program
-from cube.schedule.plan import Schedule, validate
+from cube.schedule.schedules import Schedule, validate
 
 COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
 

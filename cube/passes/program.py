@@ -1,7 +1,7 @@
 """The per-rank program: everything a rank runs in one step, decided once.
 
 ``build_program(graph, world)`` is the last pass. It plans every rank
-(``cube.passes.plan``), orders its pipeline actions, splits a rank holding
+(``cube.passes.rank_plans``), orders its pipeline actions, splits a rank holding
 several stages into one segment per stage (``cube.passes.stages``), moves
 transfers to the edges of recompute groups and finds the recompute runs
 (``cube.passes.recompute``), and decides what the generated code only prints:
@@ -21,7 +21,7 @@ from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.check import check_stage
-from cube.passes.plan import Call, RankPlan, build_plans
+from cube.passes.rank_plans import Call, RankPlan, build_plans
 from cube.passes.recompute import Run, check_recompute, find_runs, gather_transfers
 from cube.passes.stages import held_stages, stage_calls, stages_of
 
@@ -145,7 +145,7 @@ def build_program(graph: IRGraph, world: int, ranks: Optional[Sequence[int]] = N
     """Plans every rank of a placed graph and lays out the programs of ``ranks`` (default all).
 
     Raises:
-        ValueError: the placement cannot run (see ``cube.passes.plan.build_plans``), the stages do
+        ValueError: the placement cannot run (see ``cube.passes.rank_plans.build_plans``), the stages do
             not fit the schedule (``cube.passes.stages.held_stages``), or recompute marks differ
             between pieces of one op.
     """

@@ -48,7 +48,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
 from cube.passes.adapter import COLLECTIVE_KINDS, STASH_KINDS
-from cube.passes.plan import Call
+from cube.passes.rank_plans import Call
 
 # steps that cut a run: a transfer runs once (grad_to, an identity whose backward sends, may re-run)
 _CUTS = ("send", "recv", "gather") + STASH_KINDS

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from cube.ir.graph import IRGraph
 from cube.passes.adapter import Step
-from cube.passes.plan import Call, RankPlan
+from cube.passes.rank_plans import Call, RankPlan
 from cube.runtime.pipeline import parse_action
 
 

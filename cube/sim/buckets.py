@@ -18,7 +18,7 @@ import torch
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor
-from cube.passes.plan import RankPlan
+from cube.passes.rank_plans import RankPlan
 from cube.runtime.reducer import Reducer
 
 

@@ -15,7 +15,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 from cube.ir.layout import box_shape
 from cube.ir.ops import flops as op_flops
 from cube.ir.ops import op_info
-from cube.passes.plan import Call
+from cube.passes.rank_plans import Call
 
 
 @dataclass

@@ -30,7 +30,7 @@ import cube.runtime
 from cube.codegen.local import local_call
 from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.passes.plan import Call
+from cube.passes.rank_plans import Call
 from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
 from cube.sim.store import JsonStore, default_path
 

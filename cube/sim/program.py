@@ -23,7 +23,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
-from cube.passes.plan import Call
+from cube.passes.rank_plans import Call
 from cube.passes.program import RankProgram, last_uses
 from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets

@@ -13,7 +13,7 @@ from typing import List
 
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRFwOperation
-from cube.passes.plan import RankPlan
+from cube.passes.rank_plans import RankPlan
 from cube.schedule.balance import stage_starts
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES
