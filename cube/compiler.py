@@ -30,6 +30,7 @@ from cube.ir.graph import IRGraph
 from cube.passes import check_graph
 from cube.passes.program import Program, build_program
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
+from cube.runtime import compiled as rt_compiled
 from cube.runtime import data as rt_data
 from cube.runtime import device as rt_device
 from cube.runtime import materialize
@@ -145,13 +146,17 @@ class CompiledStep:
         path: this rank's generated source file.
         timings: seconds per compile phase.
         graph: the IR after the policy (None when the code came from the cache).
+        backend: the ``torch.compile`` backend the loaded module's compute runs under (None: eager).
     """
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
                  use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
-                 options: Optional[dict] = None):
+                 options: Optional[dict] = None, backend: Optional[str] = None):
+        rt_compiled.check_backend(backend)
         self.fn = fn
         self.options = dict(options or {})
+        # not in the cache key: the generated code is the same, load_model wraps it in torch.compile
+        self.backend = backend
         self.steps_run = 0
         self.zero = zero
         self.precision = precision
@@ -223,6 +228,10 @@ class CompiledStep:
             model = materialize.load(lambda: self.module.GenModel(self.env.device), self.user_model, self.consts,
                                      init=init, weights=weights, rename=rename, strict=strict)
         model.zero_stage = self.zero   # cube.build_optimizer follows it
+        if self.backend is not None:
+            # the class is this step's own: its forward (or stage methods) compiled once, for every
+            # instance; the runtime's communication stays outside the graphs (cube.runtime.compiled)
+            rt_compiled.compile_module(self.module.GenModel, self.backend)
         return model
 
     def __call__(self, model, dataloader):
@@ -479,7 +488,8 @@ def _load_source(path: Path, name: str):
 
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
-            zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None) -> Callable:
+            zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None,
+            backend: Optional[str] = None) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -504,6 +514,13 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
         options: keyword options for the policy (``{"tp": 2, "nmicros": 8}``): the
             shipped policies take ``tp``, ``pp``, ``nmicros``, ``nvirtual``,
             ``recompute`` (see each policy); they are part of the code cache key.
+        backend: None (default: eager) or a ``torch.compile`` backend name
+            (``"inductor"``, ``"aot_eager"``, ...; ``torch._dynamo.list_backends()``):
+            ``cube.load_model()`` compiles the generated forward (each pipeline
+            stage's method) with it, forward and backward, while every collective,
+            send, receive and ZeRO-3 wait stays eager between the compiled pieces
+            (``cube.runtime.compiled``). The generated code and its cache entry are
+            the same as without it. Meant for GPUs; on a CPU it gains little.
 
     Returns:
         A decorator turning the step into a ``CompiledStep``.
@@ -514,10 +531,11 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
         raise ValueError(f"cube.compile: zero must be 0, 1, 2 or 3, got {zero!r}")
     if precision not in (None, "bf16", "fp16"):
         raise ValueError(f"cube.compile: precision must be None, 'bf16' or 'fp16', got {precision!r}")
+    rt_compiled.check_backend(backend)
 
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
-                            precision=precision, options=options)
+                            precision=precision, options=options, backend=backend)
         rt_session.register(step)
         return step
 

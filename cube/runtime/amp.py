@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cube.runtime.compiled import outside_graph
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -49,6 +51,7 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+@outside_graph
 def scale_loss_grad(loss: torch.Tensor, model) -> torch.Tensor:
     """The loss unchanged; its gradient multiplied by the module's loss scale (fp16 plans)."""
     return _ScaleGrad.apply(loss, model.loss_scale.scale)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from cube.runtime import session
+from cube.runtime.compiled import outside_graph
 
 Ranks = Tuple[int, ...]
 
@@ -285,6 +286,7 @@ def _ranks(ranks: Sequence[int]) -> Ranks:
     return ranks
 
 
+@outside_graph
 def all_reduce(x: torch.Tensor, ranks: Sequence[int], inplace: bool = False) -> torch.Tensor:
     """Sums partial values over ``ranks`` (V -> R); the backward is the identity.
 
@@ -317,6 +319,7 @@ class PendingSum:
         return self.value
 
 
+@outside_graph
 def sum_async(x: torch.Tensor, ranks: Sequence[int]) -> PendingSum:
     """Starts summing ``x`` (detached) over ``ranks``; no autograd. For values only reported,
     such as the loss whose backward starts from each rank's part."""
@@ -328,6 +331,7 @@ def sum_async(x: torch.Tensor, ranks: Sequence[int]) -> PendingSum:
     return PendingSum(value, dist.all_reduce(value, group=group(ranks), async_op=True))
 
 
+@outside_graph
 def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Returns ``x``; the backward sums the (partial) gradients over ``ranks``.
 
@@ -342,6 +346,7 @@ def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Te
     return x if len(ranks) == 1 else IdentityAllReduce.apply(x, ranks)
 
 
+@outside_graph
 def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int, grad: str = "V") -> torch.Tensor:
     """Concatenates the pieces along ``dim`` in rank order (D -> R).
 
@@ -364,6 +369,7 @@ def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int, grad: str = "V")
     return (AllGather if grad == "V" else AllGatherKeep).apply(x, ranks, dim)
 
 
+@outside_graph
 def reduce_scatter(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     """Sums partial values and keeps this rank's chunk along ``dim`` (V -> D).
 
@@ -379,6 +385,7 @@ def reduce_scatter(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Ten
     return x if len(ranks) == 1 else ReduceScatter.apply(x, ranks, dim)
 
 
+@outside_graph
 def all_to_all(x: torch.Tensor, ranks: Sequence[int], split_dim: int, concat_dim: int) -> torch.Tensor:
     """Sends chunk ``i`` of ``x`` along ``split_dim`` to ``ranks[i]`` and
     concatenates the chunks received along ``concat_dim`` in rank order.
@@ -397,6 +404,7 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int], split_dim: int, concat_dim
     return x if len(ranks) == 1 else AllToAll.apply(x, ranks, split_dim, concat_dim)
 
 
+@outside_graph
 def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     """Keeps this rank's chunk of a replicated tensor along ``dim`` (R -> D).
 
@@ -493,6 +501,7 @@ class RecvForward(Function):
         return None, None, None, None
 
 
+@outside_graph
 def p2p_shift(x: Optional[torch.Tensor], src: int, dst: int, shape: Sequence[int], dtype: torch.dtype,
               device: Optional[torch.device] = None) -> torch.Tensor:
     """Moves ``x`` from rank ``src`` to rank ``dst``; both ranks call it.

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime import amp, collectives, session
+from cube.runtime.compiled import outside_graph
 from cube.runtime.reducer import Reducer
 
 
@@ -30,6 +31,7 @@ class CubeModule(torch.nn.Module):
     GROUPS: List[Tuple[int, ...]] = []
     ZERO: int = 0   # 3: the plan's forward gathers ZeRO-3 sharded parameters (zero_begin / zero_wait)
     PRECISION = None   # "bf16" / "fp16": forward under torch.autocast over float32 parameters
+    BACKEND = None   # the torch.compile backend its compute runs under (cube.compile(backend=); set at load)
 
     def __init__(self, device):
         super().__init__()
@@ -56,11 +58,13 @@ class CubeModule(torch.nn.Module):
                       if s.param.grad is not None and s.param.grad.untyped_storage().data_ptr() not in storages]
         return grads
 
+    @outside_graph
     def zero_begin(self) -> None:
         """Start of forward in a ZeRO-3 plan: starts gathering the sharded parameters."""
         if self._zero is not None:
             self._zero.begin_forward()
 
+    @outside_graph
     def zero_wait(self, *params: torch.nn.Parameter) -> None:
         """Before the first op reading ``params`` in a ZeRO-3 plan: waits until they are gathered."""
         if self._zero is not None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cube.runtime.collectives import group
+from cube.runtime.compiled import outside_graph
 
 
 def mean_part(x: torch.Tensor, dims, keepdim: bool, count: int, dtype=None) -> torch.Tensor:
@@ -33,6 +34,7 @@ def valid_count(target: torch.Tensor, ignore_index: int = -100, weight: Optional
     return (weight.detach()[target.clamp(min=0)] * valid).sum().to(dtype)
 
 
+@outside_graph
 def _start_denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
                        ranks: Sequence[int], dtype: torch.dtype):
     """Starts summing the weight of the valid targets over ``ranks``; returns (value, work)."""
@@ -45,8 +47,13 @@ def _start_denominator(target: torch.Tensor, weight: Optional[torch.Tensor], ign
 def _divide(total: torch.Tensor, pending) -> torch.Tensor:
     value, work = pending
     if work is not None:
-        work.wait()
+        _wait(work)
     return total / value
+
+
+@outside_graph
+def _wait(work) -> None:
+    work.wait()
 
 
 def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,

@@ -38,6 +38,7 @@ from torch.autograd import Function
 
 from cube.runtime import session
 from cube.runtime.collectives import wire
+from cube.runtime.compiled import outside_graph
 from cube.runtime.session import P2PState
 
 TAG_STRIDE = 1 << 16
@@ -181,6 +182,7 @@ class _Unstash(Function):
         return None, None, None
 
 
+@outside_graph
 def stash(x: torch.Tensor, tag: int, grad: bool = True) -> None:
     """Keeps ``x`` for a later pipeline stage of this rank (:func:`unstash` with the same ``tag``);
     with ``grad`` and when ``x`` needs one, its gradient comes back in backward, like a send's."""
@@ -191,6 +193,7 @@ def stash(x: torch.Tensor, tag: int, grad: bool = True) -> None:
         st.stashed[(_tag(st, tag), "value")] = x.detach()
 
 
+@outside_graph
 def unstash(tag: int, requires_grad: bool) -> torch.Tensor:
     """The value an earlier stage of this rank stashed; with ``requires_grad`` its gradient goes
     back to that stage (a new leaf of autograd, as a received value is)."""
@@ -202,6 +205,7 @@ def unstash(tag: int, requires_grad: bool) -> torch.Tensor:
     return st.stashed.pop(key)
 
 
+@outside_graph
 def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional[torch.dtype] = None,
          value: bool = True) -> None:
     """Sends ``x`` to ``dst``; with ``grad`` and when ``x`` needs one, its gradient comes back in backward.
@@ -219,6 +223,7 @@ def send(x: torch.Tensor, dst: int, tag: int, grad: bool = True, dtype: Optional
         _isend(st, x, dst, _tag(st, tag))
 
 
+@outside_graph
 def grad_to(x: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
     """``x`` itself; in backward its gradient is also sent to ``dst`` (which holds a replica of the
     piece ``x`` came from and waits for it with ``send(..., value=False)``)."""
@@ -227,6 +232,7 @@ def grad_to(x: torch.Tensor, dst: int, tag: int) -> torch.Tensor:
     return x
 
 
+@outside_graph
 def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
          requires_grad: bool, grad_back: bool = True) -> torch.Tensor:
     """Receives a value from ``src``; with ``requires_grad`` its gradient is sent back in backward.
@@ -312,6 +318,7 @@ class _Gather(Function):
         return None, gx, None, None, None, None, None
 
 
+@outside_graph
 def gather(x: Optional[torch.Tensor], remote, local, shape: Sequence[int], dtype: torch.dtype, device,
            requires_grad: bool) -> torch.Tensor:
     """A value assembled from regions of other ranks' pieces and of this rank's ``x``, which tile it.

@@ -24,6 +24,7 @@ import torch
 
 from cube import config
 from cube.runtime import session
+from cube.runtime.compiled import outside_graph
 
 log = logging.getLogger("cube")
 
@@ -44,6 +45,7 @@ def steps() -> range:
     return config.profile_steps()
 
 
+@outside_graph
 def region(name: Optional[str]) -> None:
     """Closes the open region and opens ``name`` (None: just close). A no-op unless recording."""
     rec = session.current().profile

@@ -3,6 +3,7 @@
     SINGLE_DEV_MODE=1 python examples/gpt/train.py --policy PASSingle
     torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --zero 2 --precision bf16
     torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASData --log-every 2 --metrics-csv m.csv
+    torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASMegatronTP --backend inductor   # torch.compile
     python -m cube.sim examples/gpt/train.py --ngpus 4 --policy PASData --estimate   # predicted step
 
 Restarts: with ``--ckpt DIR`` the script saves a checkpoint every
@@ -84,6 +85,9 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--precision", choices=["bf16", "fp16"], default=None, help="mixed precision")
+    parser.add_argument("--backend", default=None,
+                        help="torch.compile backend for each rank's generated compute (e.g. inductor; "
+                             "default: eager)")
     parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (resume from it)")
     parser.add_argument("--save-every", type=int, default=1)
@@ -99,7 +103,8 @@ def main(argv=None):
     config = model.config
     dataloader = StepBatches(config, args.batch)
 
-    @cube.compile(model, dataloader, PAS=policy, zero=3 if args.zero == 3 else 0, precision=args.precision)
+    @cube.compile(model, dataloader, PAS=policy, zero=3 if args.zero == 3 else 0, precision=args.precision,
+                  backend=args.backend)
     def train_iter(model, dataloader):
         data = next(dataloader)
         loss = model(*data)
