@@ -205,8 +205,8 @@ class CompiledStep:
 
     def _compile(self, sample) -> None:
         with _gc_paused():
-            traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision, timings=self.timings,
-                           structure=self.structure)
+            traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision,
+                                 timings=self.timings, structure=self.structure)
             planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank])
             source = planned.source(self.env.rank)
         self.timings.update(planned.timings)
@@ -368,7 +368,7 @@ class Traced:
 
 
 def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Optional[str] = None,
-          timings: Optional[dict] = None, structure: Optional[str] = None) -> Traced:
+                timings: Optional[dict] = None, structure: Optional[str] = None) -> Traced:
     """Traces ``model`` on one batch into an IR graph (no policy yet).
 
     Args:

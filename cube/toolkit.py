@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, megatron_flow
+from cube.ir.follow import Flow, batch_flow, cut, megatron_flow
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
@@ -90,15 +90,8 @@ def _place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, splits: dict) -> 
     split = splits.get(name)
     if isinstance(split, Flow):
         split = split.split_of(node)
-    if split is None:
-        pieces = graph.replicate(node, times=n)
-    elif isinstance(split, str):
-        pieces = graph.partition(node, split, num=n)
-    else:
-        algo = node.algorithms("dim") if isinstance(node, IRFwOperation) else None
-        pieces = graph.partition(node, algo, idx=split[0], dim=split[1], num=n)
     out: List[IROperator] = []
-    for piece, sub in zip(pieces, mesh.slices(name)):
+    for piece, sub in zip(cut(graph, node, split, n), mesh.slices(name)):
         out += _place(graph, piece, sub, splits)
     return out
 

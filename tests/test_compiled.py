@@ -142,6 +142,8 @@ class Gen(torch.nn.Module):
         return x + 1
     def stage_2(self, x):
         return x * 2
+    def _recompute_0_s2(self, x):
+        return x
     def _recompute_1(self, x):
         return x
     def _recompute_1_2(self, x):
@@ -151,7 +153,8 @@ class Gen(torch.nn.Module):
 '''
     scope = {"torch": torch}
     exec(src, scope)
-    assert compiled.compute_methods(scope["Gen"]) == ["stage_0", "stage_2", "_recompute_1", "_recompute_1_2"]
+    assert compiled.compute_methods(scope["Gen"]) == ["stage_0", "stage_2", "_recompute_0_s2", "_recompute_1",
+                                                      "_recompute_1_2"]
     exec("class Flat(torch.nn.Module):\n    def forward(self, x):\n        return x\n", scope)
     assert compiled.compute_methods(scope["Flat"]) == ["forward"]
 

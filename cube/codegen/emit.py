@@ -53,7 +53,7 @@ def _target_str(target) -> str:
 
 
 _STEP_CALL = {
-    "all_reduce": "runtime.collectives.all_reduce({x}, ranks={ranks})",
+    "all_reduce": "runtime.collectives.all_reduce({x}, ranks={ranks}{inplace})",
     "identity_all_reduce": "runtime.collectives.identity_fw_all_reduce_bw({x}, ranks={ranks})",
     "reduce_scatter": "runtime.collectives.reduce_scatter({x}, ranks={ranks}, dim={dim})",
     "all_gather": "runtime.collectives.all_gather({x}, ranks={ranks}, dim={dim}{grad})",
@@ -162,8 +162,8 @@ class _Emitter:
             start, stop = s.part[s.dim]
             return _STEP_CALL["narrow"].format(x=x, dim=s.dim, start=start, stop=stop)
         grad = ", grad='R'" if s.kind == "all_gather" and s.grad == "R" else ""
-        text = _STEP_CALL[s.kind].format(x=x, ranks=s.ranks, dim=s.dim, dim2=s.dim2, grad=grad)
-        return text[:-1] + ", inplace=True)" if inplace else text
+        return _STEP_CALL[s.kind].format(x=x, ranks=s.ranks, dim=s.dim, dim2=s.dim2, grad=grad,
+                                         inplace=", inplace=True" if inplace else "")
 
     # ------------------------------------------------------------------ module
     def emit(self, policy: str) -> str:

@@ -217,16 +217,23 @@ def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:
     return None
 
 
+def cut(graph: IRGraph, node, split, num: int) -> list:
+    """``node`` in ``num`` pieces: replicated (``split`` None), split along a letter of its
+    annotation (a str), or at ``(idx, dim)``."""
+    if split is None:
+        return graph.replicate(node, times=num)
+    if isinstance(split, str):
+        return graph.partition(node, split, num=num)
+    algo = node.algorithms("dim") if isinstance(node, IRFwOperation) else None
+    return graph.partition(node, algo, idx=split[0], dim=split[1], num=num)
+
+
 def place(graph: IRGraph, node, split: Optional[Tuple[int, int]], devices: List[int]) -> list:
     """Partitions ``node`` at ``split`` (or replicates it when None) over ``devices``, one piece each."""
     if len(devices) == 1:
         graph.assign(node, devices[0])
         return [node]
-    if split is None:
-        pieces = graph.replicate(node, times=len(devices))
-    else:
-        algo = node.algorithms("dim") if isinstance(node, IRFwOperation) else None
-        pieces = graph.partition(node, algo, idx=split[0], dim=split[1], num=len(devices))
+    pieces = cut(graph, node, split, len(devices))
     for dev, piece in zip(devices, pieces):
         graph.assign(piece, dev)
     return pieces

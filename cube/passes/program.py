@@ -70,10 +70,6 @@ class Segment:
     zero_waits: Dict[int, List[IRTensor]] = field(default_factory=dict)
     returns_loss: bool = True
 
-    def run_at(self) -> Dict[int, Run]:
-        """Call index -> the run it belongs to."""
-        return {i: r for r in self.runs for i in range(r.start, r.stop)}
-
 
 @dataclass
 class RankProgram:
@@ -104,10 +100,6 @@ class RankProgram:
     def staged(self) -> bool:
         """Whether the rank holds several pipeline stages (one method each)."""
         return self.segments[0].stage is not None
-
-    def calls(self) -> List[Call]:
-        """Every call of its segments, in order."""
-        return [c for s in self.segments for c in s.calls]
 
 
 @dataclass

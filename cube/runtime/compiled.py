@@ -32,7 +32,8 @@ _MARKED: List[Tuple[str, str]] = []   # (module, qualified name) of every entry 
 _fenced = False
 _lock = threading.Lock()
 _STAGE = re.compile(r"stage_\d+")
-_RECOMPUTE = re.compile(r"_recompute_\d+(_\d+)?")   # cube.passes.recompute names them
+# cube.passes.recompute names them (_recompute_<group>[_<part>]), cube.passes.program adds _s<stage>
+_RECOMPUTE = re.compile(r"_recompute_\d+(_\d+)?(_s\d+)?")
 
 
 def outside_graph(fn: Callable) -> Callable:
