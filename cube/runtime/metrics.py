@@ -35,6 +35,7 @@ unknown GPU MFU is "n/a".
 from __future__ import annotations
 
 import atexit
+import contextlib
 import csv as _csv
 import math
 import os
@@ -329,6 +330,22 @@ class Metrics:
             if new:
                 writer.writerow(FIELDS)
             writer.writerow(["" if record[k] is None else record[k] for k in FIELDS])
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Leaves the time spent inside out of the next step's time (an evaluation or a checkpoint
+        between steps), so step time, tokens/s and MFU measure training alone::
+
+            with metrics.paused():
+                val_loss = evaluate(...)
+        """
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield self
+        finally:
+            self._sync()
+            self._last += time.perf_counter() - start
 
     # ------------------------------------------------------------------ results
     def summary(self) -> Dict[str, object]:
