@@ -7,5 +7,9 @@ setup(
     packages=find_packages(include=["cube", "cube.*", "policies", "policies.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors", "rich"],
-    extras_require={"test": ["pytest", "hypothesis", "transformers", "viztracer"]},
+    extras_require={
+        "test": ["pytest", "hypothesis", "transformers", "viztracer", "onnx", "onnxruntime", "onnxscript"],
+        # cube.onnx: import ONNX models (onnx), export them from torch (onnxscript), run them (onnxruntime)
+        "onnx": ["onnx>=1.15", "onnxruntime", "onnxscript"],
+    },
 )
