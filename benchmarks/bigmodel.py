@@ -81,10 +81,12 @@ def meta_model(size: str) -> CausalLM:
 
 
 def batches(size: str, n: int) -> List[tuple]:
+    """``n`` global batches of ``NMICROS x MICRO_BATCH`` sequences (the pipeline cuts each into ``NMICROS``)."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, SIZES[size]["vocab"], (MICRO_BATCH, SIZES[size]["seq"]), generator=gen)
+        ids = torch.cat([torch.randint(0, SIZES[size]["vocab"], (MICRO_BATCH, SIZES[size]["seq"]), generator=gen)
+                         for _ in range(NMICROS)])
         out.append((ids, ids.clone()))
     return out
 
@@ -177,7 +179,7 @@ def worker(args) -> None:
     env = cube.init()
     size, weights = args.size, args.weights
     model = meta_model(size)
-    loader = iter(batches(size, STEPS * NMICROS))
+    loader = iter(batches(size, STEPS))
     start = time.perf_counter()
 
     @cube.compile(model, loader, PAS=policy(), cache_dir=args.cache)
@@ -234,7 +236,7 @@ def worker(args) -> None:
 
 # ---------------------------------------------------------------------- the single-process reference
 def reference_loss(size: str, weights: str) -> float:
-    """Step 1's loss (the mean over its micro-batches) of the model in ``weights``, in this process."""
+    """Step 1's loss (on its whole global batch) of the model in ``weights``, in this process."""
     import safetensors.torch
     model = meta_model(size)
     hf = model.model
@@ -247,7 +249,7 @@ def reference_loss(size: str, weights: str) -> float:
     meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     assert not meta, meta
     with torch.no_grad():
-        return torch.stack([model(*b) for b in batches(size, NMICROS)]).mean().item()
+        return model(*batches(size, 1)[0]).item()
 
 
 # ---------------------------------------------------------------------- the driver

@@ -164,8 +164,7 @@ class _Way:
 def _cube_way(cfg: dict, m: int, base, cache: str, kind: str):
     """cube's ``kind`` pipeline with ``m`` micro-batches, and the blocks of each stage this rank runs."""
     import torch
-    full = _batches(cfg, 1 + 10000 // m)
-    it = iter([tuple(t.chunk(m)[k] for t in b) for b in full for k in range(m)])
+    it = iter(_batches(cfg, 1 + 10000 // m))   # one global batch a step; the pipeline cuts it into m
     os.environ["CUBE_MICROS"] = str(m)   # read by the policy at compile time
     train_iter, gen = compile_gpt(copy.deepcopy(base), it, POLICY[kind], cache)
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)

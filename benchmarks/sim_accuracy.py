@@ -96,7 +96,8 @@ def plan_graphs(plans):
     graphs = []
     for name, world, policy, m, zero, rc in plans:
         with _env(m, rc):
-            graph, _ = trace_and_plan(model, (ids[:BATCH // m], tgt[:BATCH // m]), "tuple", load_policy(policy),
+            # the global batch: a pipeline plan traces its micro-batch itself, as its compile does
+            graph, _ = trace_and_plan(model, (ids, tgt), "tuple", load_policy(policy),
                                       world, zero=3 if zero == 3 else 0)
         graphs.append(graph)
     return graphs
@@ -140,8 +141,7 @@ def _worker(args) -> None:
     model, (ids, tgt) = build()
     runners = []
     for name, world, policy, m, zero, rc in plans:
-        micro = BATCH // m
-        batches = [(ids[:micro].roll(k, 0), tgt[:micro].roll(k, 0)) for k in range(m)]
+        batches = [(ids, tgt)]   # one global batch a step, for every plan (a pipeline cuts it into m)
 
         def endless(batches=batches):
             while True:

@@ -28,6 +28,7 @@ from cube.codegen import emit_all
 from cube.codegen.report import write_report
 from cube.ir.graph import IRGraph
 from cube.passes import check_graph
+from cube.passes.micro import micro_shares
 from cube.passes.program import Program, build_program
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import compiled as rt_compiled
@@ -46,10 +47,12 @@ from cube.version import __version__ as VERSION
 
 
 @contextmanager
-def _phase(name: str, timings: dict):
+def _phase(name: str, timings: dict, add: bool = False):
+    """Times a phase into ``timings[name]`` (``add``: onto what the phase already took, e.g. the
+    second trace and policy run of a pipeline plan on its micro-batch)."""
     start = time.perf_counter()
     yield
-    timings[name] = time.perf_counter() - start
+    timings[name] = (timings.get(name, 0.0) if add else 0.0) + time.perf_counter() - start
 
 
 @contextmanager
@@ -198,7 +201,9 @@ class CompiledStep:
                      policy_source(self.policy, self.options), self.structure,
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
-                     f"precision={self.precision}"):
+                     f"precision={self.precision}",
+                     # pipeline steps take the global batch and cut it (before: nmicros batches per step)
+                     "step=global-batch"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
@@ -315,12 +320,19 @@ class Traced:
         consts: the lifted constant tensors.
         structure: ``"tensor"`` or ``"tuple"``: how a batch is passed to the model.
         timings: seconds of ``trace`` and ``ir``.
+        model, sample, zero, precision: what it was traced from (a pipeline plan traces the model
+            again on a micro-batch of ``sample``).
     """
 
     graph: IRGraph
     consts: dict
     structure: str
     timings: dict = field(default_factory=dict)
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)
+    sample: Optional[tuple] = field(default=None, repr=False)
+    zero: int = 0
+    precision: Optional[str] = None
+    _micro: Dict[int, "Traced"] = field(default_factory=dict, repr=False)
 
     def place(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
               zero: Optional[int] = None, timings: Optional[dict] = None) -> IRGraph:
@@ -328,17 +340,83 @@ class Traced:
 
         ``zero``: the ZeRO stage of this plan (default: the one traced with).
 
+        A pipeline plan (a schedule of ``nmicros > 1`` micro-batches) takes the global batch this
+        was traced on and cuts it into ``nmicros`` micro-batches along dim 0, so its graph must have
+        micro-batch shapes: the policy runs first on the global trace (the policy alone decides
+        ``nmicros``), then the model is traced again on one micro-batch (``micro(nmicros)``, kept
+        for later plans) and the policy runs again on that trace with the same options. Policies
+        are deterministic functions of the graph, the world and the options, and a micro-batch is
+        the same model at a smaller batch, so the second run must choose the same ``nmicros``
+        (checked). The placed graph is the micro-batch's, with ``graph.micro`` saying how a step
+        cuts the batch and what each micro-batch's loss is a share of (``cube.passes.micro``).
+
         Raises:
-            ValueError, TypeError: the policy failed or left ops unplaced (the message says how to fix it).
+            ValueError, TypeError: the policy failed or left ops unplaced, or a pipeline plan cannot
+                cut the global batch into its micro-batches exactly (the message says how to fix it).
         """
         policy = load_policy(PAS)
+        timings = {} if timings is None else timings
+        graph = self._place(policy, world, options, zero, timings)
+        nmicros = _nmicros(graph)
+        if nmicros > 1 and self.graph.micro is None:
+            micro = self.micro(nmicros, timings)
+            try:
+                graph = micro._place(policy, world, options, zero, timings)
+            except ValueError as e:
+                raise ValueError(f"{e}\n(pipeline plan: the global batch of {micro.graph.micro.batch} samples is "
+                                 f"cut into {nmicros} micro-batches of {micro.graph.micro.batch // nmicros}; the "
+                                 f"policy ran again on one micro-batch. Use a global batch that is a multiple of "
+                                 f"nmicros x the data parallel degree.)") from None
+            if _nmicros(graph) != nmicros:
+                raise ValueError(f"the policy chose {nmicros} micro-batches for the global batch but "
+                                 f"{_nmicros(graph)} for its micro-batch of "
+                                 f"{micro.graph.micro.batch // nmicros} samples: a pipeline plan's policy must "
+                                 f"choose nmicros from its options, not from the batch's shape (pass nmicros=)")
+        return graph
+
+    def _place(self, policy: Callable, world: int, options: Optional[dict], zero: Optional[int],
+               timings: dict) -> IRGraph:
         graph = self.graph.copy()
         if zero is not None:
             graph.zero = zero
-        with _phase("policy", {} if timings is None else timings):
+        with _phase("policy", timings, add=True):
             graph = apply_policy(policy, graph, Resource(world), options)
             check_graph(graph, placed=True, stage="policy")
         return graph
+
+    def micro(self, nmicros: int, timings: Optional[dict] = None) -> "Traced":
+        """The model traced on one of ``nmicros`` equal micro-batches of this trace's batch, its graph
+        computing each micro-batch's share of the global loss (``cube.passes.micro``); kept, so
+        every plan of this trace with ``nmicros`` micro-batches shares it.
+
+        Raises:
+            ValueError: the batch does not cut into ``nmicros`` equal micro-batches along dim 0, or the
+                step on micro-batches could not equal the step on the whole batch.
+        """
+        if nmicros in self._micro:
+            return self._micro[nmicros]
+        if self.model is None or self.sample is None:
+            raise ValueError("a pipeline plan traces the model again on a micro-batch: plan it from "
+                             "cube.trace_model(model, batch) (or cube.plan / cube.compile), which keep both")
+        sizes = {tuple(t.shape[:1]) for t in self.sample}
+        batch = self.sample[0].shape[0] if self.sample[0].ndim else 0
+        if len(sizes) != 1 or batch == 0:
+            raise ValueError(f"a pipeline plan cuts every tensor of the batch along dim 0 into micro-batches, but "
+                             f"the batch's tensors have shapes {[list(t.shape) for t in self.sample]}: give every "
+                             f"batch tensor the batch size as its first dim, or plan with nmicros=1")
+        if batch % nmicros:
+            raise ValueError(f"the global batch of {batch} samples does not cut into nmicros={nmicros} equal "
+                             f"micro-batches: make the dataloader's batch size a multiple of {nmicros} (times the "
+                             f"data parallel degree), or pass an nmicros that divides {batch}")
+        # the first micro-batch: only its shapes and dtypes matter to the trace
+        micro = trace_model(self.model, tuple(t[:batch // nmicros] for t in self.sample), zero=self.zero,
+                            precision=self.precision, structure=self.structure)
+        if timings is not None:   # the second trace counts in the compile's trace and ir phases
+            for k, v in micro.timings.items():
+                timings[k] = timings.get(k, 0.0) + v
+        micro_shares(self.graph, micro.graph, nmicros, batch)
+        self._micro[nmicros] = micro
+        return micro
 
     def plan(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
              zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None) -> Plan:
@@ -362,9 +440,17 @@ class Traced:
         return Plan(graph, program, self.consts_of(graph), policy_name(policy), timings)
 
     def consts_of(self, graph: IRGraph) -> dict:
-        """The constants a placed copy of the graph reads."""
+        """The constants a placed copy of the graph (or of its micro-batch trace) reads."""
+        micro = graph.micro
+        consts = self._micro[micro.nmicros].consts if micro is not None and micro.nmicros in self._micro \
+            else self.consts
         used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
-        return {k: v for k, v in self.consts.items() if k in used}
+        return {k: v for k, v in consts.items() if k in used}
+
+
+def _nmicros(graph: IRGraph) -> int:
+    """The micro-batches a step of a placed graph cuts its batch into (1 without a schedule)."""
+    return graph.schedule.nmicros if graph.schedule is not None else 1
 
 
 def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Optional[str] = None,
@@ -392,7 +478,7 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         graph.zero = zero
         graph.precision = precision
         check_graph(graph, stage="ir")
-    return Traced(graph, consts, structure, timings)
+    return Traced(graph, consts, structure, timings, model=model, sample=sample, zero=zero, precision=precision)
 
 
 def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 1, *,

@@ -9,8 +9,9 @@ Devices form a ``(pp, dp, tp)`` ``DeviceMesh`` (``cube.toolkit.grid_plan``
 applies it): stage ``s`` runs on the mesh's ``pp = s`` devices, data parallel
 over ``dp`` and Megatron tensor parallel over ``tp`` (as ``PASHybrid``).
 ``starts`` lists the index (among the forward ops) of the first op of each
-stage; with ``pp > 1`` a step runs ``nmicros`` micro-batches through the
-``schedule`` (``1f1b`` or ``gpipe``), each of ``micro_batch`` samples.
+stage; with ``pp > 1`` a step takes the global batch (the dataloader's, as
+for any plan) and cuts it into ``nmicros`` micro-batches of ``micro_batch``
+samples that run through the ``schedule`` (``1f1b`` or ``gpipe``).
 ``recompute: true`` recomputes every block. ``zero`` is the ZeRO stage: pass
 ``zero=3`` to ``cube.compile`` for stage 3 and ``zero=cfg["zero"]`` to
 ``cube.build_optimizer``.

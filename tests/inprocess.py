@@ -12,7 +12,7 @@ import torch
 
 import cube
 import cube.debug
-from tests.parity import batches_like, rel
+from tests.parity import global_batches, rel
 
 
 def optimizer(name: str) -> Callable:
@@ -25,8 +25,9 @@ def optimizer(name: str) -> Callable:
 
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
            opt: str = "sgd", build: Optional[Callable] = None, **compile_kw) -> List[Tuple[float, float]]:
-    """Runs ``steps`` steps of ``nmicros`` batches through cube on ``world`` in-process ranks and
-    eagerly (gradient accumulation of the mean micro-batch loss).
+    """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
+    batch of ``nmicros`` times the sample's batch size (a pipeline plan cuts it into ``nmicros``
+    micro-batches; the plain model trains on it whole).
 
     Args:
         opt: ``"sgd"`` or ``"adamw"``, on both sides.
@@ -37,13 +38,13 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
     Returns:
         Per rank: (largest relative loss error, largest relative parameter-piece error).
     """
-    batches = batches_like(sample, steps * nmicros)
+    batches = global_batches(sample, steps, nmicros)
     ref = copy.deepcopy(model)
     make = optimizer(opt)
     ref_opt = make(ref.parameters())
     ref_losses = []
     for i in range(steps):
-        loss = torch.stack([ref(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+        loss = ref(*batches[i])
         loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()

@@ -28,6 +28,14 @@ def batches_like(sample, count: int, seed: int = 1):
             for _ in range(count)]
 
 
+def global_batches(sample, steps: int, nmicros: int = 1, seed: int = 1):
+    """``steps`` random global batches of ``nmicros`` times the sample's batch size (each the
+    ``nmicros`` batches shaped like ``sample`` that ``batches_like`` draws, joined along dim 0): what
+    a pipeline plan's loader yields, one batch per step."""
+    parts = batches_like(sample, steps * nmicros, seed=seed)
+    return [tuple(torch.cat(ts) for ts in zip(*parts[i * nmicros:(i + 1) * nmicros])) for i in range(steps)]
+
+
 def eager_run(model, batches, steps, lr=1e-3):
     """Plain single-device AdamW steps; returns (losses, parameters, buffers) by name."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)

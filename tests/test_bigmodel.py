@@ -93,7 +93,7 @@ def test_meta_model_saves_merges_and_resumes_sharded(zero, tmp_path, cache):
     pas, nmicros = worker.policy("hybrid")
     ref2, ref3 = worker.reference(nmicros, steps=2), _reference(nmicros)   # STEPS is 3
     ckpt = tmp_path / "ckpt"
-    data = worker.batches(3 * nmicros)
+    data = worker.batches(3, nmicros)
 
     def rank():
         def compiled():
@@ -304,16 +304,17 @@ class _OnlyFirst(_Counting):
 
 
 def _four_stage_run(cache, loader_of):
-    """A 4-stage pipeline (tp1 x pp4, 2 micro-batches) of 3 steps; each rank's loader is
-    ``loader_of(rank, data)``. Returns (per rank: next() calls, losses, data part) and eager's losses."""
+    """A 4-stage pipeline (tp1 x pp4, 2 micro-batches) of 3 steps, one global batch of 8 sequences
+    each; each rank's loader is ``loader_of(rank, data)``. Returns (per rank: next() calls, losses,
+    data part) and eager's losses."""
     from policies.megatron3d import PASMegatron
     gen = torch.Generator().manual_seed(1)
     data = []
-    for _ in range(6):
-        ids = torch.randint(0, 128, (4, 16), generator=gen)
+    for _ in range(3):
+        ids = torch.randint(0, 128, (8, 16), generator=gen)
         data.append((ids, torch.roll(ids, -1, dims=1)))
     model, _ = build("gpt4_nobias")
-    ref = [torch.stack([model(*b) for b in data[2 * i:2 * i + 2]]).mean().item() for i in range(3)]
+    ref = [model(*b).item() for b in data]
 
     def rank():
         model, _ = build("gpt4_nobias")
@@ -334,7 +335,7 @@ def _four_stage_run(cache, loader_of):
 
 def test_middle_pipeline_stages_never_take_a_batch(cache):
     out, ref = _four_stage_run(cache, lambda rank, data: _Counting(data))
-    assert [calls for calls, _, _ in out] == [6, 1, 1, 6]   # stages 1 and 2 only had compile's read
+    assert [calls for calls, _, _ in out] == [3, 1, 1, 3]   # stages 1 and 2 only had compile's read
     assert [p.reads for _, _, p in out] == [True, False, False, True]
     assert out[0][2].items == ([], None) and out[3][2].items == (None, [])   # ids first, targets last
     for _, losses, _ in out:
@@ -344,6 +345,6 @@ def test_middle_pipeline_stages_never_take_a_batch(cache):
 def test_middle_stage_loader_that_raises_after_the_first_batch_trains(cache):
     """The middle stages' loaders raise on any read after compile's: training never asks them."""
     out, ref = _four_stage_run(cache, lambda rank, data: _OnlyFirst(data) if rank in (1, 2) else _Counting(data))
-    assert [calls for calls, _, _ in out] == [6, 1, 1, 6]
+    assert [calls for calls, _, _ in out] == [3, 1, 1, 3]
     for _, losses, _ in out:
         assert losses == pytest.approx(ref, rel=1e-6)

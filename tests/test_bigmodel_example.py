@@ -28,17 +28,18 @@ def test_example_on_4_ranks_equals_one_process():
         assert abs(a - b) / abs(b) <= 1e-5, (four, one)
     ranks = _rank_lines(out)
     assert sorted(ranks) == [0, 1, 2, 3], out
-    # 3 steps of 2 micro-batches; compile's first batch is handed back, so 5 are taken after it
-    assert all(taken == 5 for _, taken in ranks.values()), ranks
+    # 3 steps of one global batch each; compile's first batch is handed back, so 2 are taken after it
+    assert all(taken == 2 for _, taken in ranks.values()), ranks
 
 
 @pytest.mark.multirank
 def test_middle_stages_never_read_a_batch():
     """--tp 1 --pp 4: ranks 1 and 2 hold middle stages; after compile they take no batch."""
-    out = torchrun(SCRIPT, 4, ["--layers", "4"] + ARGS[2:] + ["--tp", "1", "--pp", "4", "--nmicros", "4"],
+    out = torchrun(SCRIPT, 4, ["--layers", "4"] + ARGS[2:] + ["--tp", "1", "--pp", "4", "--nmicros", "4",
+                                                          "--batch", "8"],
                    timeout=400).stdout
     ranks = _rank_lines(out)   # (ranks print at once: a line may follow another rank's text)
     assert sorted(ranks) == [0, 1, 2, 3], out
     assert ranks[1] == ("[]", 0) and ranks[2] == ("[]", 0), ranks
-    assert ranks[0][1] == ranks[3][1] == 3 * 4 - 1, ranks
+    assert ranks[0][1] == ranks[3][1] == 3 - 1, ranks   # one global batch a step (4 micro-batches)
     assert len(_losses(out)) == 3

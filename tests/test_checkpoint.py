@@ -46,8 +46,8 @@ def single_from(path, model_name="gpt_nobias"):
 
 
 def single_step(model, opt, batches):
-    """One step of gradient accumulation over ``batches`` (the mean loss), as a pipeline step does."""
-    loss = torch.stack([model(*b) for b in batches]).mean()
+    """One step on ``batches`` joined into one global batch, as a pipeline step cuts it."""
+    loss = model(*[torch.cat(ts) for ts in zip(*batches)])
     loss.backward()
     opt.step()
     opt.zero_grad()

@@ -90,8 +90,8 @@ PIPELINES = [
 @pytest.mark.parametrize("model,policy,nproc,optimizer", PIPELINES,
                          ids=[f"{m}-{p.split(':')[-1]}-{n}-{o}" for m, p, n, o in PIPELINES])
 def test_pipeline_schedule_equals_gradient_accumulation(model, policy, nproc, optimizer, tmp_path):
-    """4 micro-batches per step through the schedule equal the plain model's gradient accumulation
-    of the mean micro-batch loss; the GPT's tied embedding and LM head sit in the first and last stage."""
+    """A step on one global batch, cut into 4 micro-batches through the schedule, equals the plain
+    model's step on that batch; the GPT's tied embedding and LM head sit in the first and last stage."""
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
     path = policy if ":" in policy else f"tests/extra_policies.py:{policy}"

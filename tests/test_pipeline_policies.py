@@ -2,7 +2,8 @@
 launch, clear errors for degrees that do not fit, and parity on 4 gloo ranks.
 
 The multi-rank cases compare each step's loss and parameters with the plain model's
-gradient accumulation over 4 micro-batches (tests/workers/parity_worker.py).
+step on the same global batch, which the pipeline cuts into 4 micro-batches
+(tests/workers/parity_worker.py).
 """
 import functools
 import re
@@ -26,7 +27,8 @@ def test_three_dimensional_plan_on_eight_ranks():
     """pp=2 x dp=2 x tp=2: each rank runs one stage's 1F1B; the tied embedding (stage 0) and
     LM head (stage 1) sum their gradient over the matching tensor slot of both stages."""
     model, sample = build("gpt_nobias")
-    src = generate_code(model, sample, functools.partial(PASMegatron, tp=2, pp=2, nmicros=4), world_size=8)
+    batch = tuple(t.repeat(4, 1) for t in sample)   # the global batch: 4 micro-batches of the sample's size
+    src = generate_code(model, batch, functools.partial(PASMegatron, tp=2, pp=2, nmicros=4), world_size=8)
     first, last = "['F0', 'F1', 'B0', 'F2', 'B1', 'F3', 'B2', 'B3']", "['F0', 'B0', 'F1', 'B1', 'F2', 'B2', 'F3', 'B3']"
     for r in range(8):
         assert f"runtime.pipeline.run(model, batches, {first if r < 4 else last}" in src[r], r
@@ -70,7 +72,7 @@ CASES = [
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,tp,pp,optimizer", CASES, ids=[c[0] for c in CASES])
-def test_megatron_equals_gradient_accumulation(name, tp, pp, optimizer, tmp_path):
+def test_megatron_equals_the_step_on_the_global_batch(name, tp, pp, optimizer, tmp_path):
     results = parity_across_ranks("gpt_nobias", "policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
                                   nmicros=4, optimizer=optimizer,
                                   env={"CUBE_TP": tp, "CUBE_PP": pp, "CUBE_MICROS": "4"})

@@ -4,7 +4,7 @@ Two plans that share nothing (another model, policy and options) are compiled on
 the same 2 in-process ranks (``cube.debug.run``) and their steps interleaved
 one by one. Each step's loss, gradient norm and updated parameters equal its own
 eager run: a plain MLP under data parallelism with ZeRO-1, and a small GPT under a
-2-stage 1F1B pipeline (point-to-point traffic, two micro-batches per step).
+2-stage 1F1B pipeline (point-to-point traffic, each step's batch cut into two micro-batches).
 """
 import copy
 from typing import Dict, List
@@ -15,7 +15,7 @@ import cube
 import cube.debug
 from cube.runtime import p2p, session
 from tests.models import build
-from tests.parity import batches_like, rel
+from tests.parity import batches_like, global_batches, rel
 
 STEPS = 3
 RTOL = 1e-5
@@ -29,14 +29,14 @@ def _step(model, dataloader):
     return loss
 
 
-def _eager(model: torch.nn.Module, batches: list, nmicros: int) -> List[dict]:
-    """Per step of the plain model (AdamW, clipped at ``CLIP``, mean loss of ``nmicros`` batches):
-    its loss, gradient norm and parameters after the update."""
+def _eager(model: torch.nn.Module, batches: list) -> List[dict]:
+    """Per step of the plain model (AdamW, clipped at ``CLIP``, one global batch each): its loss,
+    gradient norm and parameters after the update."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out = []
     for i in range(STEPS):
-        loss = torch.stack([model(*b) for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+        loss = model(*batches[i])
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
@@ -61,8 +61,8 @@ def test_two_compiles_interleaved_step_by_step_each_equal_eager(tmp_path):
     gpt, gpt_sample = build("gpt_nobias")
     nmicros = 2
     mlp_batches = batches_like(mlp_sample, STEPS, seed=1)
-    gpt_batches = batches_like(gpt_sample, STEPS * nmicros, seed=2)
-    refs = {"mlp": _eager(mlp, mlp_batches, 1), "gpt": _eager(gpt, gpt_batches, nmicros)}
+    gpt_batches = global_batches(gpt_sample, STEPS, nmicros, seed=2)   # one global batch a step
+    refs = {"mlp": _eager(mlp, mlp_batches), "gpt": _eager(gpt, gpt_batches)}
 
     def rank() -> Dict[str, List[Dict[str, float]]]:
         mlp_data, gpt_data = iter(mlp_batches), iter(gpt_batches)

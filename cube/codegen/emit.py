@@ -224,6 +224,8 @@ class _Emitter:
         lines.append("        self.setup_communication()")
         lines.append("")
         lines += self.forward()
+        if self.program.target_counts:
+            lines += [""] + self.count_method()
         if self.methods:
             lines[0] = lines[0].replace("import torch\n", "import torch\nimport torch.utils.checkpoint\n", 1)
             lines += self.methods
@@ -238,7 +240,7 @@ class _Emitter:
         prog = self.program
         if not prog.staged:
             return self._calls_method(prog.segments[0])
-        inputs = ", ".join(self.value(t) for t in self.plan.data.outputs)
+        inputs = ", ".join(self.value(t) for t in self.inputs())
         stages = [seg.stage for seg in prog.segments]
         lines = [f"    def forward(self, stage, {inputs}):",
                  f'        """Pipeline stage ``stage`` on one micro-batch (this rank holds stages '
@@ -252,7 +254,7 @@ class _Emitter:
         """A method running a segment's calls straight through: ``forward``, or ``stage_<k>``."""
         plan = self.plan
         stage = seg.stage
-        inputs = [self.value(t) for t in plan.data.outputs]
+        inputs = [self.value(t) for t in self.inputs()]
         if stage is None:
             lines = [f"    def forward(self, {', '.join(inputs)}):"]
         else:
@@ -320,6 +322,35 @@ class _Emitter:
             lines.append(f"        return {self.value(plan.loss)}")
         return lines
 
+    def inputs(self) -> List[IRTensor]:
+        """What the forward (each stage method) takes: the batch tensors, then the counts of valid
+        targets of the global batch that a pipeline step passes to every micro-batch."""
+        return list(self.plan.data.outputs) + [v for _, v in self.program.target_counts]
+
+    def count_method(self) -> List[str]:
+        """``_micro_counts``: the valid targets of each mean loss over the global batch, made from the
+        batch tensors by the global trace's ops (``cube.passes.micro.TargetCount``)."""
+        micro = self.graph.micro
+        names = [self.value(t) for t in self.plan.data.outputs]
+        lines = [f"    def _micro_counts(self, {', '.join(names)}):",
+                 '        """The weight of the valid targets of each mean loss over the whole global batch '
+                 '(its micro-batches\' losses divide by it)."""']
+        self.subst = {id(f): m for f, m in zip(micro.full_inputs, self.plan.data.outputs)}
+        outs = []
+        lines.append("        with torch.no_grad():")
+        for count, value in self.program.target_counts:
+            for op in count.ops:
+                args = [self.value(a) for a in op.args] + [f"{k}={self.value(v)}" for k, v in op.kwargs.items()]
+                res = ", ".join(self.value(o) for o in op.outputs) + ("," if len(op.outputs) == 1
+                                                                      and _returns_tuple(op) else "")
+                lines.append(f"            {res} = {_target_str(op.target)}({', '.join(args)})")
+            lines.append(f"            {self.value(value)} = runtime.ops.valid_count({self.value(count.target)}, "
+                         f"{count.ignore_index!r}, weight={self.value(count.weight)}, dtype={count.dtype})")
+            outs.append(self.value(value))
+        self.subst = {}
+        lines.append(f"        return ({', '.join(outs)},)")
+        return lines
+
     def _run_call(self, run: Run) -> List[str]:
         """The forward's lines running a recompute run through ``torch.utils.checkpoint``."""
         ind = "        "
@@ -351,6 +382,8 @@ class _Emitter:
             return []
         lines = ["        # the whole batch comes in; this rank keeps its part"]
         for c in seg.counts:
+            if c.given:   # counted on the global batch by the step (``_micro_counts``)
+                continue
             op = c.call.op
             where = f" at {op.source[0]}:{op.source[1]}" if op.source else ""
             lines.append(f"        {self.value(c.value)} = runtime.ops.valid_count({self.value(c.call.count_of)}, "
@@ -377,14 +410,31 @@ class _Emitter:
         actions = self.program.actions
         if actions is not None:
             sched = self.graph.schedule
-            call = f"runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})"
-            wrap = f"({call},)" if data.structure == "tensor" else call
-            return [lines[0], '    """One step: micro-batches through the pipeline schedule; returns their mean loss."""',
-                    f"    # {sched.name}: {sched.nmicros} micro-batches, this rank: {' '.join(actions)}",
-                f"    batches = [{wrap} for _ in range({sched.nmicros})]",
-                f"    return runtime.pipeline.run(model, batches, {actions!r}, loss_from={plan.loss_from!r}, "
-                f"loss_to={plan.loss_to!r})",
-            ]
+            micro = self.graph.micro
+            if micro is None and sched.nmicros > 1:
+                raise ValueError(f"a pipeline schedule of {sched.nmicros} micro-batches on a graph not traced on a "
+                                 f"micro-batch: plan pipelines with cube.plan / cube.trace_model(...).plan (or "
+                                 f"cube.compile), which trace the model again on one micro-batch of the global "
+                                 f"batch")
+            if micro is not None:   # the global batch's shapes: the step takes it whole and cuts it
+                shapes = [(micro.batch,) + s[1:] for s in shapes]
+            tup = names[0] + "," if len(names) == 1 else ", ".join(names)
+            out = [lines[0],
+                   '    """One step: take the global batch, cut it into micro-batches along dim 0 and run them',
+                   '    through the pipeline schedule; return the loss of the whole batch (the sum of the',
+                   '    micro-batches\' shares)."""',
+                   f"    {lhs} = runtime.next_batch(dataloader, model.device, {shapes!r}, {data.structure!r})"]
+            extra = ""
+            if self.program.target_counts:
+                out.append(f"    counts = model._micro_counts({', '.join(names)})   "
+                           f"# valid targets of the global batch")
+                extra = ", extra=counts"
+            out += [f"    # {sched.name}: {sched.nmicros} micro-batches, this rank: {' '.join(actions)}",
+                    f"    batches = runtime.pipeline.micro_batches(({tup}), {sched.nmicros}, "
+                    f"interleave={self.program.interleave}{extra})",
+                    f"    return runtime.pipeline.run(model, batches, {actions!r}, loss_from={plan.loss_from!r}, "
+                    f"loss_to={plan.loss_to!r})"]
+            return out
         # values that move point to point: backward also runs from the sends' markers
         p2p = self.program.uses_p2p
         backward = ["    runtime.p2p.backward(loss)", "    runtime.p2p.finish()"] if p2p else ["    loss.backward()"]

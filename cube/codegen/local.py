@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
+from cube.errors import CubeInternalError
 from cube.ir.layout import PieceLayout, box_shape
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
@@ -56,6 +57,9 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
         fn = "aten.reshape.default"
     else:
         fn = None
+    share = getattr(op.root, "micro_share", None)
+    if share is not None:   # a pipeline micro-batch's share of a mean over the global batch, split or not
+        return _micro_share(op, share, count, term_ranks)
     if getattr(op.target, "_schema", None) is None or not op.splits:
         return fn, args, kwargs
     names = _schema_args(op)
@@ -99,6 +103,33 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
             extra["beta"] = _get(op, names, "beta", 1.0)
         return "runtime.ops.pointwise_loss_part", [op.name, op.inputs[0], op.inputs[1], op.inputs[0].numel()], extra
     return fn, args, kwargs
+
+
+def _micro_share(op: IRFwOperation, share: tuple, count, term_ranks) -> Tuple[Optional[str], list, dict]:
+    """A piece of a mean over the batch in a micro-batch graph (``cube.passes.micro``): its sum over
+    the count of the *global* batch (``("mean", n)``), or over the weight of the valid targets of the
+    global batch (``("targets", k)``: the value ``count``, passed in by the step), so the
+    micro-batches' shares add up to the global mean whether or not the piece is also split."""
+    names = _schema_args(op)
+    kind, n = share
+    if op.name == "mean":
+        dims = _get(op, names, "dim") if "dim" in names else None
+        keepdim = bool(_get(op, names, "keepdim", False)) if "keepdim" in names else False
+        dtype = _get(op, names, "dtype") if "dtype" in names else None
+        return "runtime.ops.mean_part", [op.inputs[0], dims, keepdim, n], ({"dtype": dtype} if dtype else {})
+    if kind == "mean":
+        extra: Dict[str, Any] = {}
+        if op.name == "smooth_l1_loss":
+            extra["beta"] = _get(op, names, "beta", 1.0)
+        return "runtime.ops.pointwise_loss_part", [op.name, op.inputs[0], op.inputs[1], n], extra
+    if count is None:
+        raise CubeInternalError(f"{op.name} ({op.where()}): a micro-batch's mean loss without the count of the "
+                                f"global batch's valid targets")
+    fn = "runtime.ops.cross_entropy_part" if op.name == "cross_entropy_loss" else "runtime.ops.nll_part"
+    kw = {"weight": _get(op, names, "weight"), "ignore_index": _get(op, names, "ignore_index", -100), "count": count}
+    if op.name == "cross_entropy_loss":
+        kw["label_smoothing"] = _get(op, names, "label_smoothing", 0.0)
+    return fn, [op.inputs[0], op.inputs[1]], kw
 
 
 def _count(shape, dims) -> int:

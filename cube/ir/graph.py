@@ -32,6 +32,9 @@ class IRGraph:
         self.schedule = None   # a cube.schedule.Schedule, set by cube.schedule.sched_*
         self.zero = 0   # ZeRO stage of the plan (cube.compile(zero=)); 3 shards parameters in the plan
         self.precision = None   # "bf16" / "fp16" compute over float32 parameters (cube.compile(precision=))
+        # a pipeline plan's graph traced on one micro-batch of the global batch: how a step cuts the
+        # batch and what each micro-batch's loss is a share of (cube.passes.micro.MicroBatches)
+        self.micro = None
         self._pos: Dict[int, int] = {}   # op id -> position in ops (checked on use, see _find)
         self._next = 0                    # where the op after the latest replaced one is
 
@@ -260,6 +263,7 @@ class IRGraph:
         out.recompute_groups = [[twin.get(id(o), o) for o in g] for g in self.recompute_groups]
         out.stages = [[twin.get(id(o), o) for o in st] for st in self.stages]
         out.schedule, out.zero, out.precision = self.schedule, self.zero, self.precision
+        out.micro = getattr(self, "micro", None)
         return out
 
     def __repr__(self) -> str:

@@ -12,6 +12,7 @@ simulator (``cube.sim``) and the plan report read this one ``Program``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
@@ -36,12 +37,15 @@ class Count:
         value: the scalar holding the count, passed to the piece.
         weight: the class-weight parameter, or None.
         ignore_index: targets with this value are not counted.
+        given: counted on the global batch before a pipeline step's micro-batches run and passed to
+            each micro-batch's forward (``RankProgram.target_counts``), not counted in the method.
     """
 
     call: Call
     value: IRTensor
     weight: Optional[IRTensor]
     ignore_index: int
+    given: bool = False
 
 
 @dataclass
@@ -83,6 +87,14 @@ class RankProgram:
         splits_batch: whether it keeps only a part of the global batch.
         uses_p2p: whether any value moves point to point (backward then runs from the sends too).
         zero3: whether it holds ZeRO-3 sharded parameters (gathered in forward).
+        target_counts: on a pipeline step cutting the global batch (``graph.micro``), the mean losses
+            over valid targets whose pieces this rank runs: ``(count, value)``, the value counted on
+            the global batch in the step and passed to every micro-batch's forward after the batch.
+        interleave: how a step cuts the global batch into micro-batches: it is cut into
+            ``interleave`` equal parts along dim 0 and micro-batch ``i`` is the ``i``-th slice of
+            every part, in order (the least common multiple of the data parallel degrees of the
+            ranks reading it, so each rank's rows of all micro-batches are its contiguous part of
+            the global batch, what ``cube.runtime.data.part()`` tells a per-rank loader).
     """
 
     plan: RankPlan
@@ -91,6 +103,8 @@ class RankProgram:
     splits_batch: bool = False
     uses_p2p: bool = False
     zero3: bool = False
+    target_counts: List[Tuple[object, IRTensor]] = field(default_factory=list)
+    interleave: int = 1
 
     @property
     def rank(self) -> int:
@@ -147,7 +161,9 @@ def build_program(graph: IRGraph, world: int, ranks: Optional[Sequence[int]] = N
     groups = all_groups(plans)
     actions = schedule_actions(graph, plans) if graph.schedule is not None else {}
     ranks = range(world) if ranks is None else ranks
-    program = Program(graph, world, {r: _rank_program(graph, plans[r], actions.get(r)) for r in ranks}, groups)
+    interleave = micro_interleave(graph, plans)
+    program = Program(graph, world, {r: _rank_program(graph, plans[r], actions.get(r), interleave) for r in ranks},
+                      groups)
     check_stage(graph, "program")
     return program
 
@@ -181,22 +197,76 @@ def schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Li
             for r, stages in held_stages(graph, plans).items()}
 
 
-def _rank_program(graph: IRGraph, plan: RankPlan, actions: Optional[List[str]]) -> RankProgram:
+def micro_interleave(graph: IRGraph, plans: Dict[int, RankPlan]) -> int:
+    """How a pipeline step cuts the global batch (``RankProgram.interleave``): the least common
+    multiple of the parts each rank's forward keeps of dim 0 of a micro-batch's tensors (1 without
+    ``graph.micro``). The same on every rank, as every rank plans every rank."""
+    if getattr(graph, "micro", None) is None:
+        return 1
+    out = 1
+    for plan in plans.values():
+        for t, box in zip(plan.data.outputs, plan.data_boxes):
+            if t.ndim == 0:
+                continue
+            start, stop = box[0]
+            if (start, stop) != (0, t.shape[0]) and stop > start and t.shape[0] % (stop - start) == 0:
+                out = math.lcm(out, t.shape[0] // (stop - start))
+    return out
+
+
+def _rank_program(graph: IRGraph, plan: RankPlan, actions: Optional[List[str]], interleave: int = 1
+                  ) -> RankProgram:
     held = stages_of(actions)
     parts = stage_calls(graph, plan, held) if held else {None: plan.calls}
     attrs = {id(t) for t, _ in plan.attrs}
     splits_batch = any(b != full_box(t.shape) for t, b in zip(plan.data.outputs, plan.data_boxes))
     zero3 = getattr(graph, "zero", 0) == 3 and bool(plan.reduce)
     sharded = {id(t) for t, ranks in plan.reduce if len(ranks) > 1} if zero3 else set()
-    segments = [_segment(stage, calls, plan, attrs, splits_batch, sharded) for stage, calls in parts.items()]
+    given = _target_counts(graph, plan, attrs)
+    segments = [_segment(stage, calls, plan, attrs, splits_batch, sharded, given) for stage, calls in parts.items()]
     uses_p2p = any(c.step is not None and c.step.kind in P2P_KINDS for c in plan.calls)
-    return RankProgram(plan, segments, actions, splits_batch, uses_p2p, zero3)
+    return RankProgram(plan, segments, actions, splits_batch, uses_p2p, zero3, list(given.values()), interleave)
+
+
+def _target_counts(graph: IRGraph, plan: RankPlan, attrs: set) -> Dict[int, Tuple[object, IRTensor]]:
+    """Count index -> ``(TargetCount, value)`` for the mean losses over valid targets of a micro-batch
+    graph whose pieces this rank runs (their denominators are counted on the global batch).
+
+    Raises:
+        ValueError: the class weights are not whole on this rank (cube cannot count with them).
+    """
+    micro = getattr(graph, "micro", None)
+    out: Dict[int, Tuple[object, IRTensor]] = {}
+    if micro is None:
+        return out
+    whole = {id(t) for t, b in plan.attrs if b == full_box(t.shape)}
+    for call in plan.calls:
+        share = getattr(call.op.root, "micro_share", None) if call.op is not None else None
+        if share is None or share[0] != "targets" or share[1] in out:
+            continue
+        count = micro.counts[share[1]]
+        if count.weight is not None and id(count.weight) not in whole:
+            raise ValueError(f"pipeline plan: rank {plan.rank} runs a piece of {call.op.name!r} "
+                             f"({call.op.where()}) but not the whole of its class weights, which it needs to "
+                             f"count the valid targets of the global batch; keep the weights whole on the ranks "
+                             f"of the loss, or plan the pipeline with nmicros=1")
+        value = IRTensor((), count.dtype, False, TensorKind.ACTIVATION, f"valid_targets{share[1]}")
+        out[share[1]] = (count, value)
+    return out
 
 
 def _segment(stage: Optional[int], calls: List[Call], plan: RankPlan, attrs: set, splits_batch: bool,
-             sharded: set) -> Segment:
+             sharded: set, given: Optional[dict] = None) -> Segment:
     """One method's calls, laid out (see ``Segment``)."""
-    counts = _counts(calls, attrs) if splits_batch else []
+    counts = []
+    for call in calls:   # a micro-batch's mean loss over valid targets: counted on the global batch
+        share = getattr(call.op.root, "micro_share", None) if call.op is not None else None
+        if share is not None and share[0] == "targets":
+            count, value = given[share[1]]
+            counts.append(Count(call, value, count.weight, count.ignore_index, given=True))
+    shared = {id(c.call) for c in counts}
+    if splits_batch:
+        counts += [c for c in _counts(calls, attrs) if id(c.call) not in shared]
     calls = gather_transfers(calls)   # sends/recvs out of recompute runs
     runs = find_runs(calls, plan.loss, lambda t: id(t) in attrs, {id(c.call): c.value for c in counts})
     if stage is not None:   # a recompute group may have runs in several stages

@@ -3,7 +3,14 @@
 The answer is read from the rank's generated program (the data of the plan,
 the same whether it was just compiled or came from the cache): the batch
 tensors its ops read, the piece of each that its forward keeps
-(``runtime.piece(x, [(dim, start, stop)])``), and the micro-batches a step takes.
+(``runtime.piece(x, [(dim, start, stop)])``), and the micro-batches a step cuts
+its batch into.
+
+A step always takes one batch, the global batch. A pipeline plan cuts it along
+dim 0 into ``nmicros`` micro-batches (``cube.runtime.pipeline.micro_batches``)
+so that a rank keeping part ``dp_rank`` of ``dp_size`` of each micro-batch reads
+exactly rows ``[dp_rank * B / dp_size, (dp_rank + 1) * B / dp_size)`` of the
+global batch over the step, as without a pipeline.
 
 A rank none of whose ops reads a batch tensor (a middle pipeline stage) needs
 no data: after compile's first read the compiled step never calls ``next()``
@@ -33,8 +40,10 @@ class BatchPart:
         shapes: the global shape of each batch tensor.
         dp_rank, dp_size: this rank's slice of the batch dim: the global batch
             is cut into ``dp_size`` equal parts along dim 0 and the rank reads
-            part ``dp_rank`` (0 and 1 when it reads the whole batch or none).
-        nmicros: batches one call of the compiled step takes.
+            part ``dp_rank`` (0 and 1 when it reads the whole batch or none), also
+            under a pipeline plan (its micro-batches are cut so).
+        nmicros: micro-batches a step cuts its one global batch into (1 without a
+            pipeline). A step always takes one batch from the dataloader.
     """
     reads: bool
     items: Tuple[Optional[list], ...]
@@ -65,6 +74,8 @@ def read_part(path: Path) -> BatchPart:
     methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
     names = [a.arg for a in methods["forward"].args.args if a.arg not in ("self", "stage")]
     bodies = [f for n, f in methods.items() if n.startswith("stage_")] or [methods["forward"]]
+    if "_micro_counts" in methods:   # counts the valid targets of the global batch: reads it
+        bodies.append(methods["_micro_counts"])
     used = {n.id for f in bodies for n in ast.walk(f) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     pieces = {}
     for f in bodies:
@@ -78,23 +89,24 @@ def read_part(path: Path) -> BatchPart:
     for node in ast.walk(step_fn):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "next_batch":
             shapes = tuple(tuple(s) for s in ast.literal_eval(node.args[2]))
-        if isinstance(node, ast.comprehension) and isinstance(node.iter, ast.Call) and \
-                getattr(node.iter.func, "id", None) == "range":
-            nmicros = ast.literal_eval(node.iter.args[0])
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "micro_batches":
+            nmicros = ast.literal_eval(node.args[1])
+    names = names[:len(shapes)]   # after the batch tensors: the counts a pipeline step passes in
     items = tuple(pieces.get(n, []) if n in used else None for n in names)
     dp_rank, dp_size = 0, 1
     for item, shape in zip(items, shapes):
         cut = [s for s in (item or []) if s[0] == 0]
-        if cut:
+        if cut:   # the piece is of one micro-batch of shape[0] // nmicros rows
             _, start, stop = cut[0]
-            dp_size, dp_rank = shape[0] // (stop - start), start // (stop - start)
+            dp_size, dp_rank = shape[0] // nmicros // (stop - start), start // (stop - start)
             break
     return BatchPart(any(i is not None for i in items), items, shapes, dp_rank, dp_size, nmicros)
 
 
 class Placeholders:
-    """Endless batches of zeros of the traced shapes and dtypes: what a rank that reads no batch
-    tensor hands its schedule instead of taking batches from the dataloader."""
+    """Endless batches of zeros of the global batch's shapes and dtypes: what a rank that reads no
+    batch tensor hands its step instead of taking batches from the dataloader (a pipeline step cuts
+    it into micro-batches of the micro-batch shapes, views of the same zeros)."""
 
     def __init__(self, sample: Sequence[torch.Tensor], structure: str):
         self.batch: List[torch.Tensor] = [torch.zeros(t.shape, dtype=t.dtype) for t in sample]

@@ -1,12 +1,19 @@
 """Runs a pipeline schedule: this rank's forward and backward micro-steps, in order.
 
+A step takes the global batch (what one process would train on) and cuts it
+along dim 0 into ``nmicros`` equal micro-batches (``micro_batches``). The
+generated code of a micro-batch computes its *share* of the global loss
+(``cube.passes.micro``: a mean over the batch is the micro-batch's sum over the
+global count, a mean over valid targets divides by the valid targets of the
+whole batch), so the step's loss is the sum of the shares and equals the loss
+of the whole batch, and so do the gradients.
+
 A forward micro-step runs the rank's generated forward on one micro-batch:
 values for other stages are sent (``cube.runtime.p2p``, tags offset by the
-micro-batch) and their send markers kept; the last stage keeps the loss. A
-backward micro-step runs autograd from that micro-batch's markers and, on the
-last stage, from its loss divided by the number of micro-batches, so the
-gradients are those of the mean loss (gradient accumulation). Parameter
-gradients are summed over ranks once, after the last micro-step.
+micro-batch) and their send markers kept; the last stage keeps the loss share.
+A backward micro-step runs autograd from that micro-batch's markers and, on the
+last stage, from its share, unscaled. Parameter gradients are summed over
+ranks once, after the last micro-step.
 
 A rank holding several stages (virtual stages, interleaved 1F1B) has one
 generated method per stage; its actions name the stage (``F3.s2``), a forward
@@ -47,13 +54,41 @@ def parse_action(action: str) -> Step:
     return action[0], int(micro), int(stage) if stage else None
 
 
+def micro_batches(batch: Sequence[torch.Tensor], nmicros: int, interleave: int = 1,
+                  extra: Sequence[torch.Tensor] = ()) -> List[tuple]:
+    """The ``nmicros`` micro-batches of a global batch, each followed by ``extra``.
+
+    Every tensor is cut along dim 0 into ``interleave`` equal parts and micro-batch ``i`` is the
+    ``i``-th of ``nmicros`` equal slices of every part, in part order (with ``interleave`` 1: the
+    ``i``-th of ``nmicros`` equal slices of the batch, views without copies). A rank keeping part
+    ``d`` of ``D`` of each micro-batch (``D`` dividing ``interleave``) so reads exactly rows
+    ``[d B / D, (d + 1) B / D)`` of the global batch over the whole step.
+
+    Raises:
+        ValueError: a tensor's dim 0 does not cut into ``interleave x nmicros`` equal slices.
+    """
+    parts = []
+    for t in batch:
+        if t.ndim == 0 or t.shape[0] % (interleave * nmicros):
+            raise ValueError(f"a pipeline step cuts the global batch into {nmicros} micro-batches along dim 0 "
+                             f"(in {interleave} data parallel parts), but a batch tensor has shape "
+                             f"{list(t.shape)}: use a global batch size that is a multiple of "
+                             f"{interleave * nmicros}")
+        if interleave == 1:
+            parts.append(t.chunk(nmicros))
+        else:
+            v = t.unflatten(0, (interleave, nmicros, -1))
+            parts.append([v[:, i].flatten(0, 1) for i in range(nmicros)])
+    return [tuple(p[i] for p in parts) + tuple(extra) for i in range(nmicros)]
+
+
 def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str],
         loss_from: Optional[int] = None, loss_to: Sequence[int] = ()) -> torch.Tensor:
     """Runs ``actions`` (``"F3"``, ``"B0"``, or ``"F3.s2"`` on a rank holding several stages) over
     ``batches`` (one per micro-batch).
 
     Returns:
-        The mean over micro-batches of the loss, on every rank.
+        The sum over micro-batches of their loss shares (the loss of the global batch), on every rank.
     """
     steps = [parse_action(a) for a in actions]
     if steps and steps[0][2] is not None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
@@ -91,7 +126,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
                     losses[i] = out
             else:
                 out, markers = roots.pop((i, s))
-                p2p.backward(out, markers, scale=1.0 / nmicros)
+                p2p.backward(out, markers, scale=1.0)   # a share of the global loss: no rescaling
     p2p.set_micro(0)
     p2p.finish()
     if p2p.untaken():   # posted for a forward or backward that did not run, or stashed for nobody: a cube bug
@@ -99,7 +134,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
                            f"{p2p.untaken()}; actions {list(actions)}")
     model.reduce_gradients()
     if loss_from is None:
-        loss = torch.stack([x.detach() for x in losses]).mean()
+        loss = torch.stack([x.detach() for x in losses]).sum()
         out = loss.to(wire(loss.device))
         works = [dist.isend(out, dst, tag=LOSS_TAG) for dst in loss_to]
         for w in works:

@@ -112,8 +112,9 @@ def main(argv=None) -> int:
           f"{args.out}\nuse it: CUBE_AUTO_PLAN={args.out} with PAS='policies.auto:PASAuto'"
           + (", cube.compile(..., zero=3)" if zero == 3 else "")
           + (f", cube.build_optimizer(model, torch.optim.AdamW, zero={zero})" if zero else "")
-          + (f"; the dataloader yields micro-batches of {best.config['micro_batch']} samples, "
-             f"{best.config['nmicros']} per step" if best.config["pp"] > 1 else ""))
+          + (f"; the dataloader yields the global batch, which each step cuts into "
+             f"{best.config['nmicros']} micro-batches of {best.config['micro_batch']} samples"
+             if best.config["pp"] > 1 else ""))
     if args.trace:
         graph = search.planned(search._Tracer(model, batch), best.config)
         from cube.sim.simulate import simulate

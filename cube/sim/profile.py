@@ -161,7 +161,9 @@ class Profiler:
     def _call(self, call: Call):
         op = call.op
         count = None
-        if call.term_ranks and op_info(op.name).counts_targets:   # a known global count: no communication here
+        share = getattr(op.root, "micro_share", None)   # a pipeline micro-batch's loss: the global batch's count
+        if (call.term_ranks or (share is not None and share[0] == "targets")) and op_info(op.name).counts_targets:
+            # a known global count: no communication here
             count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "count")
         fn, args, kwargs = local_call(op, call.layout, call.term_ranks, count)
         name = fn or str(op.target)

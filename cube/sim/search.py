@@ -2,8 +2,9 @@
 
 Every candidate is a ``policies.auto`` configuration (the grid of ``PASData``,
 ``PASMegatronTP``, ``PASHybrid`` and the pipeline policies, with stages balanced
-by ``cube.sim.stages``) at the same global batch: a pipeline of ``m``
-micro-batches traces a micro-batch of ``batch / m`` samples. Each is planned,
+by ``cube.sim.stages``) at the same global batch, one step each: a pipeline
+of ``m`` micro-batches plans the trace of a micro-batch of ``batch / m``
+samples and its step runs all ``m`` (what ``cube.compile`` runs for it). Each is planned,
 simulated, and ranked by predicted step time; plans over the memory cap rank
 after those within it, and plans cube cannot build are listed with the reason.
 """
@@ -95,18 +96,25 @@ def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute
 
 
 class _Tracer:
-    """Traces the model once per micro-batch size; every plan of that size runs its policy on a copy."""
+    """Traces the model once on the global batch; a pipeline of ``m`` micro-batches plans the trace
+    of one micro-batch that ``Traced.micro(m)`` makes (once per ``m``), as ``cube.compile`` does.
+    Every plan runs its policy on a copy."""
 
     def __init__(self, model: torch.nn.Module, batch):
         self.model = model
         self.structure, self.sample = batch_structure(batch)
-        self.traced: Dict[int, Traced] = {}
+        self.full: Optional[Traced] = None
+
+    def whole(self) -> Traced:
+        """The trace of the global batch."""
+        if self.full is None:
+            self.full = trace_model(self.model, self.sample, structure=self.structure)
+        return self.full
 
     def trace(self, micro_batch: int) -> Traced:
-        if micro_batch not in self.traced:
-            sample = tuple(t[:micro_batch] for t in self.sample)
-            self.traced[micro_batch] = trace_model(self.model, sample, structure=self.structure)
-        return self.traced[micro_batch]
+        """The trace a step of ``micro_batch`` samples per micro-batch plans (the global one for all)."""
+        batch = self.sample[0].shape[0]
+        return self.whole() if micro_batch == batch else self.whole().micro(batch // micro_batch)
 
     def graph(self, micro_batch: int) -> IRGraph:
         """The unplaced graph of a micro-batch (not to be changed: it is the shared trace)."""
@@ -114,16 +122,18 @@ class _Tracer:
 
 
 def planned(tracer: _Tracer, cfg: dict) -> IRGraph:
-    """The graph of ``cfg`` after ``policies.auto.plan`` (on a copy of the micro-batch's trace)."""
+    """The graph of ``cfg`` after ``policies.auto.plan``: the policy on the global batch's trace, and
+    for a pipeline again on its micro-batch's (``Traced.place``); a step is one global batch."""
     from cube.toolkit import grid_plan as plan
-    return tracer.trace(cfg["micro_batch"]).place(lambda g, r: plan(g, r, cfg), cfg["world"],
-                                                  zero=3 if cfg.get("zero") == 3 else 0)
+    return tracer.whole().place(lambda g, r: plan(g, r, cfg), cfg["world"], zero=3 if cfg.get("zero") == 3 else 0)
 
 
 def balance(tracer: _Tracer, cfg: dict, costs, comm) -> List[int]:
-    """Stage starts for ``cfg`` from the op costs of its ``dp x tp`` layout (``cube.sim.stages``)."""
+    """Stage starts for ``cfg`` from the op costs of its ``dp x tp`` layout on one micro-batch
+    (``cube.sim.stages``)."""
+    from cube.toolkit import grid_plan as plan
     flat = dict(cfg, pp=1, world=cfg["dp"] * cfg["tp"], recompute=False, zero=0, starts=None)
-    graph = planned(tracer, flat)
+    graph = tracer.trace(cfg["micro_batch"]).place(lambda g, r: plan(g, r, flat), flat["world"], zero=0)
     per_op = stages.op_costs(graph, build_program(graph, flat["world"], ranks=[0])[0].plan, costs, comm)
     return stages.balanced_starts(tracer.graph(cfg["micro_batch"]), cfg["pp"], per_op, comm)
 

@@ -17,9 +17,10 @@ The recipe:
    ``cube.merge_checkpoint(path, out=DIR, strip_prefix="model.")``);
 4. ``cube.build_optimizer`` (the ZeRO stage comes from ``compile(zero=)``).
 
-The policy is ``PASMegatron(tp, pp, nmicros)``: each step takes ``--nmicros``
-micro-batches of ``--batch / --nmicros`` sequences; the printed loss is their
-mean, the same in one process (tp = pp = 1) as on 4 ranks.
+The policy is ``PASMegatron(tp, pp, nmicros)``: each step takes one global
+batch of ``--batch`` sequences from the loader and cuts it into ``--nmicros``
+micro-batches for the pipeline; the printed loss is the loss of that whole
+batch, the same in one process (tp = pp = 1) as on 4 ranks.
 
 Data: the compiled step takes global-shaped batches. ``cube.runtime.data.part()``
 says which batch tensors this rank's ops read and which rows of them
@@ -46,7 +47,7 @@ from policies.megatron3d import PASMegatron  # noqa: E402
 
 
 class Batches:
-    """Micro-batch ``i`` of ``(input_ids, labels)``, row ``r`` drawn from seed ``(i, r)``.
+    """Global batch ``i`` of ``(input_ids, labels)``, row ``r`` drawn from seed ``(i, r)``.
 
     Attributes:
         part: None (make whole batches), or a ``cube.runtime.data.BatchPart``: make
@@ -125,7 +126,7 @@ def main(argv=None):
     env = cube.init()
     tp, pp = (args.tp, args.pp) if env.world_size > 1 else (1, 1)
     model = meta_model(args.hidden, args.layers, args.intermediate, args.heads, args.kv_heads, args.vocab, args.seq)
-    dataloader = Batches(args.batch // args.nmicros, args.seq, args.vocab)
+    dataloader = Batches(args.batch, args.seq, args.vocab)   # the global batch; the pipeline cuts it
 
     @cube.compile(model, dataloader, PAS=functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=args.nmicros))
     def train_iter(model, dataloader):

@@ -12,6 +12,7 @@ by the model and the seed, so a plan is a pure function of (model, seed).
 """
 from __future__ import annotations
 
+import copy
 import random
 from typing import List, Optional, Tuple
 
@@ -158,6 +159,13 @@ class FuzzPolicy:
     def __call__(self, graph, resource):
         from tests.fuzz.plan import apply
         fw = graph.select(ntype=IRFwOperation)
+        if not self.filled and self.plan.schedule and self.plan.nmicros > 1 and graph.micro is None:
+            # the global batch's graph: cube reads only nmicros from this placement, then traces one
+            # micro-batch and calls the policy again; the plan is drawn from that graph (the shapes
+            # the plans of a seed were always drawn from), so a draft placement does here
+            draft = fill(copy.deepcopy(self.plan), graph, self.model, self.seed)
+            apply(draft, graph)
+            return graph
         if not self.filled:
             fill(self.plan, graph, self.model, self.seed)
             self.filled = True

@@ -1,8 +1,8 @@
 """Runs one plan in the in-process world and judges it against the plain model.
 
-Oracle: the plain model trained with SGD on the same batches (with
-micro-batches, gradient accumulation of the mean micro-batch loss, as the
-schedules promise). Each step's loss and, after each step, every parameter
+Oracle: the plain model trained with SGD on the same global batches (a
+pipeline plan cuts each into its micro-batches; the plain model trains on it
+whole, and the step must equal that). Each step's loss and, after each step, every parameter
 piece a rank holds must match, ``||a - b|| / ||b|| <= TOL`` per tensor, and
 every parameter must be held by some rank.
 
@@ -32,7 +32,7 @@ from cube.runtime.threadworld import RankFailed
 from tests.fuzz.draw import FuzzPolicy
 from tests.fuzz.models import build
 from tests.fuzz.plan import Plan
-from tests.parity import batches_like, compile_step, rel
+from tests.parity import compile_step, global_batches, rel
 
 TOL = 1e-5
 STEPS = 2
@@ -76,13 +76,13 @@ def category(message: str) -> str:
     return "other: " + " ".join(message.split()[:8])
 
 
-def reference(model, batches, nmicros: int):
-    """Plain SGD steps with gradient accumulation: per step (loss, {name: parameter copy})."""
+def reference(model, batches):
+    """Plain SGD steps, one global batch each: per step (loss, {name: parameter copy})."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out = []
     for s in range(STEPS):
-        loss = torch.stack([model(*b) for b in batches[s * nmicros:(s + 1) * nmicros]]).mean()
+        loss = model(*batches[s])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -104,8 +104,8 @@ def run(model_name: str, seed: Optional[int] = None, plan: Optional[Plan] = None
 def _judge(model_name: str, policy: FuzzPolicy) -> Result:
     model, sample = build(model_name)
     p = policy.plan
-    batches = batches_like(sample, STEPS * p.nmicros, seed=1000 + policy.seed)
-    ref = reference(model, batches, p.nmicros)
+    batches = global_batches(sample, STEPS, p.nmicros, seed=1000 + policy.seed)
+    ref = reference(model, batches)
     failures = {}
     lock = threading.Lock()
 

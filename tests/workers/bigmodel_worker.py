@@ -45,11 +45,12 @@ def meta_model():
         return hf_llama()
 
 
-def batches(n: int) -> list:
+def batches(n: int, nmicros: int = 1) -> list:
+    """``n`` global batches of ``4 x nmicros`` sequences (a pipeline step cuts one into ``nmicros``)."""
     gen = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        ids = torch.randint(0, 128, (4, 16), generator=gen)
+        ids = torch.cat([torch.randint(0, 128, (4, 16), generator=gen) for _ in range(nmicros)])
         out.append((ids, ids.clone()))
     return out
 
@@ -63,10 +64,10 @@ def reference(nmicros: int, seed: int = SEED, steps: int = STEPS) -> dict:
     initial = {k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
     state = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    data = batches(steps * nmicros)
+    data = batches(steps, nmicros)
     losses, grads = [], {}
     for i in range(steps):
-        loss = torch.stack([model(*b) for b in data[i * nmicros:(i + 1) * nmicros]]).mean()
+        loss = model(*data[i])   # the global batch whole
         loss.backward()
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
@@ -85,7 +86,7 @@ def rank_run(policy_name: str, source: str, ref: dict, cache_dir: str) -> dict:
     """
     pas, nmicros = policy(policy_name)
     model = meta_model()
-    loader = iter(batches(STEPS * nmicros))
+    loader = iter(batches(STEPS, nmicros))
 
     @cube.compile(model, loader, PAS=pas, cache_dir=cache_dir)
     def train_iter(model, dataloader):

@@ -46,7 +46,9 @@ def train(model_name, policy, cache_dir, load=None, saves=None, steps=1, offset=
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(0.01)
-    batches = batch_stream(sample, offset + steps * nmicros)[offset:]
+    parts = batch_stream(sample, offset + steps * nmicros)[offset:]
+    # one global batch a step: ``nmicros`` of the stream's batches joined (a pipeline cuts it back)
+    batches = [tuple(torch.cat(ts) for ts in zip(*parts[i * nmicros:(i + 1) * nmicros])) for i in range(steps)]
     loader = iter(batches)
     train_iter = compile_step(model, loader, policy, cache_dir, zero=3 if zero == 3 else 0)
     cmodel = cube.load_model(train_iter)

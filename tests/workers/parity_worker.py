@@ -21,15 +21,15 @@ sys.path.insert(0, ROOT)
 import cube  # noqa: E402
 from cube.runtime import piece  # noqa: E402
 from tests.models import build  # noqa: E402
-from tests.parity import batches_like, compile_step, rel  # noqa: E402
+from tests.parity import compile_step, global_batches, rel  # noqa: E402
 
 
 def main():
     name, policy, steps, outdir = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    nmicros = int(sys.argv[5]) if len(sys.argv) > 5 else 1   # batches per step (pipeline schedules)
+    nmicros = int(sys.argv[5]) if len(sys.argv) > 5 else 1   # micro-batches of a pipeline step
     model, sample = build(name)
     ref = copy.deepcopy(model)
-    batches = batches_like(sample, steps * nmicros)
+    batches = global_batches(sample, steps, nmicros)   # one global batch per step, nmicros x the sample's
     loader = iter(batches)
 
     # CUBE_PARITY_ZERO=1|2|3: a ZeRO optimizer; CUBE_PARITY_CLIP=x: clip the gradient norm to x
@@ -52,10 +52,9 @@ def main():
     loss_err, param_err, norm_err, losses = 0.0, 0.0, 0.0, []
     for i in range(steps):
         loss = train_iter(cmodel, loader)
-        # the plain model on the same batches: gradient accumulation of the mean micro-batch loss
+        # the plain model on the same global batch
         with autocast():
-            ref_loss = torch.stack([ref(*(t.to(env.device) for t in b))
-                                    for b in batches[i * nmicros:(i + 1) * nmicros]]).mean()
+            ref_loss = ref(*(t.to(env.device) for t in batches[i]))
         ref_loss.backward()
         if clip:
             norm = cube.clip_grad_norm_(cmodel, clip, optimizer=opt)

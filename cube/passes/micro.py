@@ -1,0 +1,335 @@
+"""Pipeline steps take the global batch: what a micro-batch's graph must compute so the step is exact.
+
+A pipeline plan's compiled step takes one batch (the global batch, what the
+user would train on in one process) and cuts it along dim 0 into ``nmicros``
+equal micro-batches that run through the schedule; the policy plans the graph
+traced on one micro-batch. The step's loss is the *sum* of what each
+micro-batch returns, and backward starts from each micro-batch's value
+unscaled, so each micro-batch must return its *share* of the global loss:
+the shares add up to the loss of the whole batch and their gradients to its
+gradient, exactly, with no rescaling anywhere.
+
+``micro_shares(full, micro, nmicros)`` compares the graph traced on the global
+batch (``full``) with the one traced on a micro-batch (``micro``) and makes the
+micro graph compute shares (changing only the micro graph, right after its
+trace, before any policy sees it):
+
+- The batch is followed from the data operation (dim 0 of every batch tensor,
+  ``cube.ir.follow.batch_flow``). Every op reading a sample-carrying tensor must
+  carry the batch split (it works on each sample alone); an op that mixes the
+  samples of a micro-batch (batch norm's statistics, a softmax over the batch,
+  an op with no split rule) would see another batch than on one device: refused.
+- Where the batch is summed away (a ``sum``, a ``mean``, a mean-reduced loss)
+  the micro graph's value is a share of the global one. A ``sum`` is already its
+  share; a ``mean`` or ``mse_loss`` becomes the micro-batch's sum over the
+  *global* count (which equal micro-batches make ``nmicros`` times the micro
+  count); a ``cross_entropy``/``nll_loss`` mean over valid targets
+  (``ignore_index``, class weights) becomes the micro-batch's sum over the weight
+  of the valid targets of the *whole* batch, counted from the global batch before
+  the schedule runs (``TargetCount``): the mean of micro-batch means would be
+  wrong whenever ``-100`` labels are spread unevenly over the micro-batches.
+- From there to the loss only linear ops may follow (sums of shares, products
+  with values that do not depend on the batch, views): their constants are taken
+  from the global trace (``loss.sum() / x.numel()`` divides by the global
+  ``numel``, not the micro-batch's). Anything non-linear in a batch reduction
+  (``x.mean() ** 2``, adding a term that does not depend on the batch, which
+  every micro-batch would add again) is refused.
+- Elsewhere the two traces must agree except in shapes (``view`` sizes,
+  ``expand``, ``zeros``...): a constant that depends on the batch size (an
+  ``arange`` over it, a division by it before the reduction) is refused, since
+  it would differ between one micro-batch and the whole batch.
+
+Refusals are ``ValueError`` naming the op, its source line and the fixes: make
+the loss a mean or sum over samples, or use ``nmicros=1``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+from cube.errors import CubeInternalError
+from cube.ir.follow import batch_flow
+from cube.ir.graph import IRGraph
+from cube.ir.ops import op_info
+from cube.ir.operator import IRDataOperation, IRFwOperation
+from cube.ir.tensor import IRTensor, TensorKind
+
+# ops whose arguments may differ between the two traces only by the batch size in a shape
+_SHAPE_OPS = frozenset("""view reshape _unsafe_view flatten unflatten expand expand_as view_as zeros ones full empty
+new_zeros new_ones new_full new_empty zeros_like ones_like full_like empty_like""".split())
+_LIKE_OPS = frozenset("new_zeros new_ones new_full new_empty zeros_like ones_like full_like empty_like".split())
+# ops linear in a share of a batch reduction (the other operands must not depend on the batch)
+_LINEAR = frozenset("""add sub mul div neg view reshape _unsafe_view flatten unflatten unsqueeze squeeze clone
+contiguous alias detach to _to_copy lift_fresh_copy sum mean expand view_as""".split())
+_SUMMED = frozenset("add sub".split())   # every batch-dependent operand must be a share
+
+
+@dataclass
+class TargetCount:
+    """A mean loss over valid targets whose denominator is counted on the global batch.
+
+    Attributes:
+        index: its position in ``MicroBatches.counts``.
+        ops: the global trace's ops that make the loss's targets from the batch, in order.
+        target: the global trace's targets tensor.
+        weight: the class weights (a parameter or buffer of the micro graph), or None.
+        ignore_index: targets of this value are not counted.
+        dtype: the loss's dtype (the count's).
+    """
+
+    index: int
+    ops: List[IRFwOperation]
+    target: IRTensor
+    weight: Optional[IRTensor]
+    ignore_index: int
+    dtype: Any
+
+
+@dataclass
+class MicroBatches:
+    """How a step of a pipeline plan cuts the global batch (``graph.micro`` of a micro-batch graph).
+
+    Attributes:
+        nmicros: micro-batches per step.
+        batch: the global batch size (dim 0 of every batch tensor).
+        full_inputs: the global trace's batch tensors (what ``TargetCount.ops`` read).
+        counts: the mean losses whose valid targets are counted on the global batch.
+    """
+
+    nmicros: int
+    batch: int
+    full_inputs: List[IRTensor]
+    counts: List[TargetCount] = field(default_factory=list)
+
+
+def _names(op: IRFwOperation) -> List[str]:
+    return [a.name for a in op.target._schema.arguments]
+
+
+def _arg(op: IRFwOperation, name: str, default=None):
+    names = _names(op)
+    if name not in names:
+        return default
+    i = names.index(name)
+    return op.args[i] if i < len(op.args) else op.kwargs.get(name, default)
+
+
+def _leaves_equal(a, b) -> bool:
+    """Whether two argument trees agree outside their tensors."""
+    if isinstance(a, IRTensor) or isinstance(b, IRTensor):
+        return isinstance(a, IRTensor) and isinstance(b, IRTensor)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_leaves_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_leaves_equal(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+def _take_constants(micro, full):
+    """``micro``'s argument tree with ``full``'s constants (tensors stay the micro graph's)."""
+    if isinstance(micro, IRTensor):
+        return micro
+    if isinstance(micro, (list, tuple)):
+        out = [_take_constants(x, y) for x, y in zip(micro, full)]
+        return out if isinstance(micro, list) else tuple(out)
+    if isinstance(micro, dict):
+        return {k: _take_constants(v, full[k]) for k, v in micro.items()}
+    return full
+
+
+def _where(op: IRFwOperation) -> str:
+    return f"op {op.name!r} ({op.where()})"
+
+
+_FIX = ("Make the loss a mean or a sum over the samples of the batch, or plan the pipeline with nmicros=1 "
+        "(one micro-batch: the whole batch per step).")
+
+
+def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> MicroBatches:
+    """Makes ``micro`` (traced on one of ``nmicros`` equal micro-batches of the global batch that
+    ``full`` was traced on) compute its share of the global loss (module docstring).
+
+    Sets ``op.micro_share`` on ops of ``micro`` that a piece must call differently (``("mean",
+    global count)`` or ``("targets", count index)``), replaces the constants of the linear ops
+    after a batch reduction by the global trace's, and returns the ``MicroBatches`` (also set as
+    ``micro.micro``).
+
+    Raises:
+        ValueError: the step on micro-batches cannot equal the step on the whole batch (the
+            message names the op and the fix).
+    """
+    fops, mops = full.ops, micro.ops
+    if len(fops) != len(mops) or any(type(a) is not type(b) or a.name != b.name for a, b in zip(fops, mops)):
+        first = next((i for i, (a, b) in enumerate(zip(fops, mops)) if a.name != b.name), min(len(fops), len(mops)))
+        what = (f"op {first}: {fops[first].name!r} on the whole batch, {mops[first].name!r} on a micro-batch"
+                if first < min(len(fops), len(mops)) else f"{len(fops)} ops against {len(mops)}")
+        raise ValueError(f"pipeline plan: the model runs other ops on a micro-batch of {batch // nmicros} samples "
+                         f"than on the global batch of {batch} ({what}): its forward depends on the batch size, "
+                         f"so cube cannot cut the global batch into {nmicros} micro-batches. {_FIX}")
+    data = full.select(ntype=IRDataOperation)[0]
+    flow = batch_flow(full, nmicros)
+    carried = flow.tracked   # tensor id -> its batch dim
+    reduced = {id(op) for op in flow.reduced}
+    blocked = {id(op) for op in flow.blocked}
+    shares: Set[int] = set()     # tensors (of ``full``) holding a share of a batch reduction
+    info = MicroBatches(nmicros, batch, list(data.outputs))
+    batchy = set(carried)
+    makers = {id(t): op for op in fops for t in op.outputs}
+    order = {id(op): i for i, op in enumerate(fops)}
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in fops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    for fop, mop in zip(fops, mops):
+        if not isinstance(fop, IRFwOperation):
+            continue
+        # a new tensor like a batch tensor reads only its shape (the batch size: checked below)
+        reads = [] if fop.name in _LIKE_OPS else [t for t in fop.inputs if id(t) in batchy]
+        mixes = id(fop) in blocked and fop.name not in _LIKE_OPS
+        unsplit = reads and id(fop) not in flow.splits and id(fop) not in reduced and \
+            not any(id(t) in shares for t in fop.inputs)
+        if mixes or unsplit:
+            raise ValueError(f"pipeline plan: {_where(fop)} mixes the samples of the batch (it cannot be split "
+                             f"along the batch dim), so on a micro-batch it would compute something else than "
+                             f"on the global batch. Keep such ops out of the model (batch norm: use layer or "
+                             f"group-free norms), or plan the pipeline with nmicros=1.")
+        if op_info(fop.name).running_stats and reads:
+            training = _arg(fop, op_info(fop.name).running_stats, False)
+            if training:
+                raise ValueError(f"pipeline plan: {_where(fop)} normalizes with statistics over the batch, which "
+                                 f"micro-batches of {batch // nmicros} samples would change. Use a per-sample norm "
+                                 f"(layer norm), or plan the pipeline with nmicros=1.")
+        if id(fop) in reduced:
+            _reduction(fop, mop, info, shares, carried, makers, order)
+            continue
+        share_in = [t for t in fop.inputs if id(t) in shares]
+        if share_in:
+            _linear(fop, share_in, batchy, shares, batch, nmicros)
+            mop.args = _take_constants(mop.args, fop.args)
+            mop.kwargs = _take_constants(mop.kwargs, fop.kwargs)
+            shares.update(id(t) for t in fop.outputs)
+            batchy.update(id(t) for t in fop.outputs)
+            continue
+        if reads:
+            batchy.update(id(t) for t in fop.outputs)
+        if not (_leaves_equal(fop.args, mop.args) and _leaves_equal(fop.kwargs, mop.kwargs)) \
+                and fop.name not in _SHAPE_OPS and not _row_index(fop, readers, batch):
+            raise ValueError(f"pipeline plan: {_where(fop)} has other arguments on a micro-batch of "
+                             f"{batch // nmicros} samples than on the global batch of {batch} (a constant "
+                             f"computed from the batch size): the micro-batches would not add up to the "
+                             f"global batch. Compute it from the data instead, or plan the pipeline with "
+                             f"nmicros=1.")
+    if id(full.loss) not in shares:
+        raise ValueError(f"pipeline plan: the loss is not a sum or mean over the samples of the batch, so the "
+                         f"losses of {nmicros} micro-batches do not add up to the loss of the global batch. {_FIX}")
+    micro.micro = info
+    return info
+
+
+def _reduction(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, shares: Set[int], carried,
+               makers, order) -> None:
+    """Marks a batch reduction of ``mop`` with what its micro-batch share divides by."""
+    name = fop.name
+    oi = op_info(name)
+    if name == "sum":
+        pass
+    elif name == "mean":
+        x = fop.inputs[0]
+        dims = _arg(fop, "dim")
+        dims = range(x.ndim) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else \
+            ([dims] if isinstance(dims, int) else dims)
+        mop.micro_share = ("mean", math.prod(x.shape[d % x.ndim] for d in dims))
+    elif oi.mean_loss or oi.counts_targets:
+        reduction = _arg(fop, "reduction", 1)
+        if reduction == 1 and oi.mean_loss:
+            mop.micro_share = ("mean", math.prod(fop.inputs[0].shape))
+        elif reduction == 1:
+            mop.micro_share = ("targets", _target_count(fop, mop, info, carried, makers, order))
+    else:
+        raise ValueError(f"pipeline plan: {_where(fop)} sums over the samples of the batch in a way cube cannot "
+                         f"cut into micro-batches (only sum, mean and the mean or summed losses can be). {_FIX}")
+    shares.update(id(t) for t in fop.outputs)
+
+
+def _target_count(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, carried, makers, order) -> int:
+    """Records how to count the valid targets of the global batch for the mean loss ``fop``."""
+    target = fop.inputs[1]
+    data = {id(t) for t in info.full_inputs}
+    ops, seen, todo = [], set(), [target]
+    while todo:   # the ops making the targets from the batch tensors, and nothing else
+        t = todo.pop()
+        if id(t) in data or id(t) in seen:
+            continue
+        seen.add(id(t))
+        op = makers.get(id(t))
+        if not isinstance(op, IRFwOperation) or id(t) not in carried:
+            raise ValueError(f"pipeline plan: the targets of {_where(fop)} are not made from the batch alone, so "
+                             f"cube cannot count its valid targets (ignore_index, class weights) on the global "
+                             f"batch before the micro-batches run. Pass the targets in the batch, use "
+                             f"reduction='sum' and divide by a count from the batch, or plan the pipeline with "
+                             f"nmicros=1.")
+        ops.append(op)
+        todo.extend(op.inputs)
+    ops = sorted({id(o): o for o in ops}.values(), key=lambda o: order[id(o)])
+    weight = _arg(mop, "weight")
+    if weight is not None and weight not in mop.inputs:
+        raise CubeInternalError(f"the class weights of {_where(fop)} are not among its inputs")
+    if weight is not None and weight.kind not in (TensorKind.PARAM, TensorKind.BUFFER):
+        raise ValueError(f"pipeline plan: the class weights of {_where(fop)} are computed in forward; cube counts "
+                         f"the valid targets of the global batch before the micro-batches run and needs them as a "
+                         f"parameter or buffer. Register them as a buffer, or plan the pipeline with nmicros=1.")
+    k = len(info.counts)
+    info.counts.append(TargetCount(k, ops, target, weight, _arg(fop, "ignore_index", -100), fop.inputs[0].dtype))
+    return k
+
+
+def _linear(fop: IRFwOperation, share_in, batchy, shares, batch: int, nmicros: int) -> None:
+    """Checks that ``fop`` is linear in the shares it reads (module docstring)."""
+    others = [t for t in fop.inputs if id(t) not in shares]
+    batch_others = [t for t in others if id(t) in batchy]
+    ok = fop.name in _LINEAR and not batch_others
+    if ok and fop.name in _SUMMED:
+        ok = not others   # adding a value that does not depend on the batch: every micro-batch would add it
+    if ok and fop.name in ("mul",):
+        ok = len(share_in) == 1
+    if ok and fop.name == "div":
+        ok = len(share_in) == 1 and fop.inputs[0] is share_in[0]
+    if not ok:
+        raise ValueError(f"pipeline plan: {_where(fop)} is not linear in a sum or mean over the samples of the "
+                         f"batch, so it cannot be computed per micro-batch and added up (a term that does not "
+                         f"depend on the batch would be added once per micro-batch; a product or power of batch "
+                         f"means is not the sum of those of the micro-batches). {_FIX}")
+
+
+_INDEX_PATH = frozenset("unsqueeze view reshape _unsafe_view expand to _to_copy alias clone contiguous".split())
+
+
+def _row_index(op: IRFwOperation, readers, batch: int) -> bool:
+    """Whether ``op`` is ``arange(batch)`` used only to pick, for each sample, its own row of
+    tensors whose dim 0 is the batch (``x[torch.arange(B)[:, None], ...]``, as Hugging Face's mask
+    functions do): on a micro-batch ``arange(b)`` picks the micro-batch's own rows, the same."""
+    if op.name != "arange" or not op.outputs or tuple(op.outputs[0].shape) != (batch,):
+        return False
+    args = tuple(op.args)
+    if args[:1] != (batch,) and args[:3] not in ((0, batch), (0, batch, 1)):
+        return False
+    todo, seen = [op.outputs[0]], set()
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        for r in readers.get(id(t), []):
+            if r.name in _INDEX_PATH and r.inputs and r.inputs[0] is t and r.outputs \
+                    and r.outputs[0].ndim and r.outputs[0].shape[0] == batch:
+                todo.extend(r.outputs)
+            elif r.name == "index" and r.inputs[0] is not t and r.inputs[0].ndim and \
+                    r.inputs[0].shape[0] == batch and isinstance(r.args[1], (list, tuple)) and \
+                    r.args[1] and r.args[1][0] is t and all(x is not t for x in r.args[1][1:]):
+                continue
+            else:
+                return False
+    return True
