@@ -166,9 +166,12 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
         first = next((i for i, (a, b) in enumerate(zip(fops, mops)) if a.name != b.name), min(len(fops), len(mops)))
         what = (f"op {first}: {fops[first].name!r} on the whole batch, {mops[first].name!r} on a micro-batch"
                 if first < min(len(fops), len(mops)) else f"{len(fops)} ops against {len(mops)}")
+        hint = (" (torch.export specializes dims of size 1: use micro-batches of at least 2 samples, a global "
+                f"batch of at least {2 * nmicros})" if batch // nmicros == 1 else "")
         raise ValueError(f"pipeline plan: the model runs other ops on a micro-batch of {batch // nmicros} samples "
-                         f"than on the global batch of {batch} ({what}): its forward depends on the batch size, "
-                         f"so cube cannot cut the global batch into {nmicros} micro-batches. {_FIX}")
+                         f"than on the global batch of {batch} ({what}): its forward depends on the batch "
+                         f"size{hint}, so cube cannot cut the global batch into {nmicros} micro-batches. Keep the "
+                         f"forward independent of the batch size, or plan the pipeline with nmicros=1.")
     data = full.select(ntype=IRDataOperation)[0]
     flow = batch_flow(full, nmicros)
     carried = flow.tracked   # tensor id -> its batch dim
