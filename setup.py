@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Compile single-device PyTorch training into distributed training from a policy.",
     packages=find_packages(include=["cube", "cube.*", "policies", "policies.*"]),
+    package_data={"cube.sim.hardware": ["*.json"]},   # the shipped hardware profiles
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors", "rich"],
     extras_require={

@@ -11,8 +11,23 @@ neighbours differ by 1, pipeline stages by ``dp * tp``)::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import List, Sequence, Tuple, Union
+
+
+_OBSERVERS: List = []   # functions called with every mesh made (``observe``)
+
+
+@contextlib.contextmanager
+def observe(fn):
+    """Calls ``fn(mesh)`` for every ``DeviceMesh`` made inside the block (the simulator learns a
+    policy's mesh this way, to plan one rank of each symmetric class)."""
+    _OBSERVERS.append(fn)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(fn)
 
 
 class MeshDim:
@@ -71,6 +86,8 @@ class DeviceMesh:
         self.shape: Tuple[int, ...] = tuple(d[1] for d in dims)
         self.devices: Tuple[int, ...] = devs
         self._slices: dict = {}   # name -> slices(name); a mesh never changes, and policies ask per op
+        for observer in _OBSERVERS:
+            observer(self)
 
     @property
     def size(self) -> int:

@@ -2,6 +2,7 @@
 
     python -m cube.sim SPEC --ngpus N --policy PASData [--option tp=2 ...] [--trace step.json] [--memory mem.png]
     python -m cube.sim SPEC --ngpus N --search [--mem-cap 16] [--out cube_auto_plan.json]
+    python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --policy PASMegatron --option tp=8 ... --json
 
 SPEC names the model and one global batch: a Python file (a training script is
 fine, its ``main`` guarded by ``if __name__ == "__main__"``) or a module,
@@ -9,13 +10,20 @@ optionally with ``:function``, defining ``build()`` that returns
 ``(model, batch)`` (default function: ``build``). Op costs are measured on this
 device (cached; ``--estimate`` uses FLOP/byte estimates instead) and
 collectives are calibrated once per world size (``--no-calibrate``: defaults).
+``--hardware`` names a cluster this machine is not (``cube.sim.hardware``):
+op and network costs then come from its profile, and one rank of each
+symmetric class is simulated (``cube.sim.symmetry``), so thousands of ranks
+take seconds; SPEC's ``build()`` may then return a model on the meta device.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -70,6 +78,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-calibrate", action="store_true", help="default communication costs, no host calibration")
     p.add_argument("--cores", type=float, default=None,
                    help="cores the ranks share (default: this host's on CPU, none on GPU)")
+    p.add_argument("--hardware", default="cpu-host",
+                   help="the cluster: a shipped profile (dgx-a100-80g, dgx-h100, cpu-host: this machine, measured) "
+                        "or a JSON profile (python -m cube.sim.calibrate --out my-cluster.json)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="training precision on a profiled cluster (default bf16; fp32 on cpu-host)")
+    p.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
+                   help="simulate one rank of each symmetric class (default on a profiled cluster)")
+    p.add_argument("--no-symmetric", dest="symmetric", action="store_false", help="simulate every rank")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="print the prediction as JSON (or write it to PATH)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
@@ -82,16 +100,40 @@ def main(argv=None) -> int:
     if options and not args.policy:
         p.error("--option passes keyword options to --policy; the search chooses its own")
 
-    from cube.sim import api
+    from cube.sim import api, hardware
+    started = time.perf_counter()
+    try:
+        hw = hardware.load(args.hardware)
+    except ValueError as e:
+        p.error(str(e))
     model, batch = load_spec(args.spec)
-    costs, comm, host = api.default_models(args.ngpus, estimate=args.estimate, calibrate=not args.no_calibrate,
-                                           cores=args.cores)
-    if not args.estimate:
-        from cube.sim.context import scaled
-        scaled(costs, model, batch)   # what ops cost in a whole step beyond alone
+    precision = None if args.precision == "fp32" else args.precision
+    if hw.is_host:
+        costs, comm, host = api.default_models(args.ngpus, estimate=args.estimate, calibrate=not args.no_calibrate,
+                                               cores=args.cores)
+        if not args.estimate:
+            from cube.sim.context import scaled
+            scaled(costs, model, batch)   # what ops cost in a whole step beyond alone
+    else:   # a cluster this machine is not: costs from the profile
+        from cube.sim.cluster import ClusterComm, DeviceCosts
+        precision = precision if args.precision else "bf16"
+        costs, comm, host = DeviceCosts(hw, precision), ClusterComm(hw), None
+    symmetric = args.symmetric if args.symmetric is not None else not hw.is_host
     if args.policy:
         result = api.simulate_policy(model, batch, args.policy, args.ngpus, costs=costs, comm=comm,
-                                     zero=args.zero, host=host, options=options)
+                                     zero=args.zero, host=host, options=options, precision=precision,
+                                     symmetric=symmetric)
+        if args.json is not None:
+            from cube.sim.report import prediction
+            text = json.dumps(prediction(result, hw, args.ngpus, precision, time.perf_counter() - started,
+                                         policy=args.policy, options=options), indent=2)
+            if args.json == "-":
+                print(text)
+            else:
+                Path(args.json).write_text(text + "\n")
+                print(f"prediction: {args.json}")
+            if args.json == "-":
+                return 0
         print(result.summary())
         if args.trace:
             print(f"trace: {result.chrome_trace(args.trace)}")

@@ -7,9 +7,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from cube.compiler import batch_structure, trace_and_plan
-from cube.policy import bind_options, load_policy
+from cube.compiler import batch_structure, trace_model
+from cube.ir.ops import flops as op_flops
+from cube.policy import Resource, apply_policy, bind_options, load_policy
 from cube.sim import comm as comm_mod
+from cube.sim import symmetry
 from cube.sim.costs import Estimator
 from cube.sim.host import Host, this_host
 from cube.sim.profile import Profiler
@@ -41,19 +43,66 @@ def default_models(world: int, estimate: bool = False, calibrate: bool = True, c
 
 def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=None, comm=None, zero: int = 0,
                     host: Optional[Host] = None, precision: Optional[str] = None,
-                    options: Optional[dict] = None) -> SimResult:
+                    options: Optional[dict] = None, symmetric: bool = False) -> SimResult:
     """Traces ``model`` on ``batch``, applies ``policy`` (a callable, ``"file.py:Name"``,
     ``"module:Name"`` or a shipped policy name) with its keyword ``options`` for ``world`` ranks
     and simulates one step.
+
+    ``symmetric``: simulate one rank of each symmetric class (``cube.sim.symmetry``: data parallel
+    folded to 2 replicas, one rank per ``dp``/``tp`` coordinate), for thousands of ranks; the
+    result's ranks are then those simulated, numbered as in the folded world (``result.fold``).
 
     Raises:
         TypeError: an option the policy does not take.
     """
     structure, sample = batch_structure(batch)
-    policy = bind_options(load_policy(policy), options)   # an unknown option fails before the trace
-    graph, _ = trace_and_plan(model, sample, structure, policy, world,
-                              zero=3 if zero == 3 else 0, precision=precision)
-    result = simulate(graph, world, costs=costs, comm=comm, zero=zero, host=host)
+    bound = bind_options(load_policy(policy), options)   # an unknown option fails before the trace
+    fold, ranks, micro = None, None, None
+    zero_traced = 3 if zero == 3 else 0
+    if symmetric:
+        # the policy's mesh depends on the world and the options, not on the batch: a small trace will do
+        small = tuple(t[:min(2, t.shape[0])] if t.ndim else t for t in sample)
+        peek = trace_model(model, small, zero=zero_traced, precision=precision, structure=structure)
+        mesh = symmetry.policy_mesh(lambda: apply_policy(bound, peek.graph.copy(), Resource(world)), world)
+        size = sample[0].shape[0] if sample and sample[0].ndim else None
+        fold = symmetry.fold_for(mesh, world, size, zero)
+        micro = symmetry.micro_fold(mesh, fold, size, options)
+        scale = fold.batch[0] * (micro[0] if micro else 1), fold.batch[1] * (micro[1] if micro else 1)
+        if scale[0] != scale[1]:
+            sample = tuple(t[:t.shape[0] * scale[0] // scale[1]] for t in sample)
+        if micro:
+            bound = bind_options(load_policy(policy), {**options, "nmicros": micro[0]})
+        ranks = fold.representatives()
+        comm = symmetry.MappedComm(comm if comm is not None else comm_mod.CommModel(), fold)
+    traced = trace_model(model, sample, zero=zero_traced, precision=precision, structure=structure)
+    sim_world = fold.world if fold is not None else world
+    if micro:   # the micro-batch count is known: trace one micro-batch and run the policy once, on it
+        graph = traced.micro(micro[0])._place(bound, sim_world, None, None, {})
+    else:
+        graph = traced.place(bound, sim_world)
+    result = simulate(graph, sim_world, costs=costs, comm=comm, zero=zero, host=host, ranks=ranks,
+                      coarse=symmetric)
+    result.fold = fold
+    result.model_flops = model_flops(traced.graph) * (size_of(batch_structure(batch)[1]) / size_of(sample))
+    if micro:
+        symmetry.extrapolate(result, *micro)
     if hasattr(costs, "save"):
         costs.save()
     return result
+
+
+def size_of(sample) -> int:
+    """Samples in a batch (its first tensor's dim 0; 1 for a tensor without dims)."""
+    return sample[0].shape[0] if sample and sample[0].ndim else 1
+
+
+def model_flops(graph) -> float:
+    """FLOPs of one training step of the unplaced ``graph``: each op's forward FLOPs (``cube.ir.ops.flops``,
+    matmul-like ops, attention and convolutions) times 3 (forward, and backward at twice the forward),
+    recompute not counted, as MFU counts them."""
+    total = 0
+    for op in graph.ops:
+        ins = [tuple(t.shape) for t in op.inputs if hasattr(t, "shape")]
+        outs = [tuple(t.shape) for t in op.outputs if hasattr(t, "shape")]
+        total += op_flops(op.name, ins, outs)
+    return 3.0 * total

@@ -98,8 +98,10 @@ class CommModel:
             self.alpha.setdefault(k, a)
             self.beta.setdefault(k, b)
 
-    def cost(self, kind: str, nbytes: int, n: int) -> float:
-        """Seconds of one ``kind`` collective moving ``nbytes`` over ``n`` ranks (0 for one rank)."""
+    def cost(self, kind: str, nbytes: int, n) -> float:
+        """Seconds of one ``kind`` collective moving ``nbytes`` over ``n`` ranks (a count, or the ranks:
+        one host's network does not depend on which; 0 for one rank)."""
+        n = n if isinstance(n, int) else len(n)
         steps, factor = shape_of(kind, n)
         if kind != "p2p" and n <= 1:
             return 0.0

@@ -121,8 +121,9 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
 
     def item(i) -> Item:
         it = items.get(i.key)
-        if it is None:
-            it = items[i.key] = Item(i.key, i.group, i.dur, i.label, i.cat, i.nbytes)
+        if it is None:   # members not simulated (symmetric copies) are taken to arrive with the others
+            group = tuple(m for m in i.group if m in ins)
+            it = items[i.key] = Item(i.key, group, i.dur, i.label, i.cat, i.nbytes)
         return it
 
     def advance() -> bool:

@@ -86,7 +86,7 @@ class Writer:
         if len(ranks) < 2:
             return None
         key = self._key(ranks)
-        self.emit("coll" if blocking else "launch", dur=self.comm.cost(kind, nbytes, len(ranks)), key=key,
+        self.emit("coll" if blocking else "launch", dur=self.comm.cost(kind, nbytes, key[0]), key=key,
                   group=key[0], label=f"{kind} {nbytes / 2**20:.2f} MiB", cat=cat, nbytes=nbytes)
         return key
 
@@ -95,9 +95,16 @@ class Writer:
             self.emit("wait", key=key, label=label, cat="wait")
 
     def send(self, key, nbytes: int, cat: str) -> None:
-        self.emit("send", dur=self.comm.cost("p2p", nbytes, 2), key=key, label=f"send {nbytes / 2**20:.2f} MiB",
+        pair = key[0] if _is_pair(key) else 2   # the ranks, where the key names them
+        self.emit("send", dur=self.comm.cost("p2p", nbytes, pair), key=key, label=f"send {nbytes / 2**20:.2f} MiB",
                   cat=cat, nbytes=nbytes)
 
     def recv(self, key, cat: str) -> None:
         self.emit("recv", key=key, label="recv", cat=cat)
 
+
+
+def _is_pair(key) -> bool:
+    """Whether a send's key starts with the two ranks it joins (then the network can tell the hop)."""
+    return isinstance(key, tuple) and len(key) >= 1 and isinstance(key[0], tuple) and len(key[0]) == 2 \
+        and all(isinstance(r, int) for r in key[0])

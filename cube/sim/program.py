@@ -49,6 +49,7 @@ class Builder(Writer, StepEnd):
         super().__init__(costs, comm)
         plan = program.plan
         self.graph, self.plan, self.zero = graph, plan, zero
+        self._memo: dict = {}   # per op piece: what every micro-batch asks again (keyed by id; calls live on)
         self.actions = actions = program.actions
         self.backend = getattr(comm, "backend", "gloo")
         self.buckets = make_buckets(graph, plan)
@@ -140,7 +141,7 @@ class Builder(Writer, StepEnd):
             if k >= 0 and not self.is_attr(self.input_value(call, k)):
                 self.mem.alias(self.vkey(o, micro), self.vkey(self.input_value(call, k), micro))
             elif k < 0:
-                self.mem.alloc(self.vkey(o, micro), nbytes_of(box_shape(call.layout.outputs[j]), o.dtype))
+                self.mem.alloc(self.vkey(o, micro), self._out_bytes(call, j))
         if not keep_saved:
             return
         holder = ("saved", micro, i, self.tag)
@@ -196,7 +197,7 @@ class Builder(Writer, StepEnd):
                 self.recompute(run, micro)
             call = self.calls[i]
             if call.op is not None:
-                if needs_grad(call):
+                if self._needs_grad(call):
                     self.compute(self.costs.op_cost(call).bw, _label(call.op), "backward")
                     self.grad_flow(call, micro)
                 self.mem.release_all(("saved", micro, i, self.tag if run is not None else ""))
@@ -254,16 +255,38 @@ class Builder(Writer, StepEnd):
         elif s.kind == "all_to_all":
             self.coll("all_to_all", s.ranks, nbytes, "backward")
 
+    # per op piece, the same every micro-batch: asked once
+    def _out_bytes(self, call: Call, j: int) -> int:
+        key = (id(call), j)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = nbytes_of(box_shape(call.layout.outputs[j]), call.op.outputs[j].dtype)
+        return got
+
+    def _needs_grad(self, call: Call) -> bool:
+        key = (id(call), "grad")
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = needs_grad(call)
+        return got
+
+    def _grad_reads(self, call: Call) -> list:
+        """The values of a piece that receive a gradient (float, requiring one, read)."""
+        key = (id(call), "reads")
+        got = self._memo.get(key)
+        if got is None:
+            if call.op is not None:
+                reads = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
+                         if k not in call.layout.unread]
+            else:
+                reads = [(v, v) for v in call.inputs]
+            got = self._memo[key] = [v for v, logical in reads
+                                     if logical.requires_grad and logical.dtype.is_floating_point]
+        return got
+
     def grad_flow(self, call: Call, micro: int) -> None:
         """Gradients: the inputs' appear (parameters' stay until the optimizer), the outputs' go."""
-        if call.op is not None:
-            reads = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
-                     if k not in call.layout.unread]
-        else:
-            reads = [(v, v) for v in call.inputs]
-        for v, logical in reads:
-            if not (logical.requires_grad and logical.dtype.is_floating_point):
-                continue
+        for v in self._grad_reads(call):
             if self.is_attr(v):
                 if v.kind is TensorKind.PARAM and not self.mem.alive(("pg", id(v))):
                     self.mem.alloc(("pg", id(v)), self.attr_bytes[id(v)], "grads", holder="grads")

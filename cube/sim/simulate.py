@@ -16,8 +16,9 @@ import csv
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
+from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.passes.program import Program, build_program
 from cube.sim import engine
@@ -26,6 +27,9 @@ from cube.sim.costs import Estimator
 from cube.sim.host import Host
 from cube.sim.memory import KINDS, peak
 from cube.sim.program import Builder, Ins
+
+
+MICRO_WORK = ("forward", "backward", "recompute")   # instruction categories each micro-batch repeats
 
 
 @dataclass
@@ -37,6 +41,9 @@ class RankStats:
         compute: seconds of compute.
         comm: seconds its compute stream waited on blocking communication and peers.
         peak: peak bytes; ``breakdown``: bytes per kind at the peak.
+        waiting: the part of ``comm`` spent waiting for peers' messages (pipeline bubbles).
+        repeat_compute, repeat_comm: seconds of the work every micro-batch repeats (forward, backward
+            and recompute compute; the collectives they block on).
     """
 
     end: float
@@ -44,6 +51,13 @@ class RankStats:
     comm: float
     peak: int
     breakdown: Dict[str, int]
+    waiting: float = 0.0
+    repeat_compute: float = 0.0
+    repeat_comm: float = 0.0
+
+    @property
+    def pipeline(self) -> float:
+        return self.repeat_compute + self.repeat_comm
 
 
 @dataclass
@@ -54,6 +68,9 @@ class SimResult:
     ranks: Dict[int, RankStats]
     events: List[engine.Event] = field(repr=False, default_factory=list)
     memory: Dict[int, List[tuple]] = field(repr=False, default_factory=dict)
+    fold: Optional[object] = field(repr=False, default=None)   # cube.sim.symmetry.Fold of a symmetric run
+    micro: Optional[tuple] = None   # (simulated, real) micro-batches when extrapolated (cube.sim.symmetry)
+    model_flops: float = 0.0        # FLOPs of one step of the model (forward x 3), as MFU counts them
 
     @property
     def peak_memory(self) -> int:
@@ -115,9 +132,13 @@ class SimResult:
 
 
 def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
-                   optimizer: bool = True, program: Optional[Program] = None) -> dict:
+                   optimizer: bool = True, program: Optional[Program] = None,
+                   ranks: Optional[Sequence[int]] = None) -> dict:
     """Every rank's instructions (``cube.sim.program``) for the placed ``graph`` (``program``: its
-    ranks' programs when already built, e.g. ``cube.plan(...).program``)."""
+    ranks' programs when already built, e.g. ``cube.plan(...).program``).
+
+    ``ranks``: only these ranks' (one per symmetric class, ``cube.sim.symmetry``), and the ranks
+    they receive messages from, found by building and looking."""
     if zero is None:
         zero = getattr(graph, "zero", 0)
     if zero not in (0, 1, 2, 3):
@@ -126,16 +147,63 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
         raise ValueError("simulate: the graph was planned for zero=3; simulate it with zero=3")
     if zero == 3 and getattr(graph, "zero", 0) != 3:
         raise ValueError("simulate: zero=3 needs a graph planned for it (trace_and_plan(..., zero=3))")
-    costs = costs if costs is not None else Estimator()
+    costs = _PerCall(costs if costs is not None else Estimator())
     comm = comm if comm is not None else CommModel()
-    if program is None or sorted(program.ranks) != list(range(world)):
-        program = build_program(graph, world)
-    return {r: Builder(graph, program[r], costs, comm, zero).build(optimizer) for r in range(world)}
+    if ranks is None:
+        if program is None or sorted(program.ranks) != list(range(world)):
+            program = build_program(graph, world)
+        return {r: Builder(graph, program[r], costs, comm, zero).build(optimizer) for r in range(world)}
+    wanted, programs = set(ranks), {}
+    while True:
+        todo = sorted(wanted - set(programs))
+        if not todo:
+            return programs
+        program = build_program(graph, world, todo)
+        for r in todo:
+            programs[r] = Builder(graph, program[r], costs, comm, zero).build(optimizer)
+        wanted |= _senders(programs)
+
+
+class _PerCall:
+    """A cost model asked once per op piece: every micro-batch and recompute of a piece costs the same."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.memo: Dict[int, tuple] = {}
+
+    def op_cost(self, call):
+        got = self.memo.get(id(call))
+        if got is None or got[0] is not call:
+            got = self.memo[id(call)] = (call, self.inner.op_cost(call))
+        return got[1]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _senders(programs: dict) -> set:
+    """Ranks that send what the given programs receive (a message key names its sender: the first
+    of its rank pair, or the rank of a loss message)."""
+    sent = {i.key for prog in programs.values() for i in prog.ins if i.op == "send"}
+    out = set()
+    for prog in programs.values():
+        for i in prog.ins:
+            if i.op != "recv" or i.key in sent:
+                continue
+            key = i.key
+            if isinstance(key, tuple) and key and key[0] == "loss":
+                out.add(key[1])
+            elif isinstance(key, tuple) and key and isinstance(key[0], tuple) and len(key[0]) == 2:
+                # (producer, consumer) pairs: activations go forward, gradients ("b") come back
+                out.add(key[0][1] if key[-1] == "b" else key[0][0])
+            else:
+                raise CubeInternalError(f"simulate: cannot tell who sends message {key!r}")
+    return out
 
 
 def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] = None, zero: Optional[int] = None,
              host: Optional[Host] = None, optimizer: bool = True, coarse: bool = False,
-             program: Optional[Program] = None) -> SimResult:
+             program: Optional[Program] = None, ranks: Optional[Sequence[int]] = None) -> SimResult:
     """Predicts one training step of the placed ``graph`` on ``world`` ranks.
 
     Args:
@@ -150,29 +218,55 @@ def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] =
         optimizer: include the optimizer step (and ZeRO's gathers after it).
         coarse: merge consecutive compute instructions (faster; coarser trace and memory curve).
         program: the ranks' programs, when already built (``cube.plan(...).program``).
+        ranks: simulate only these (one rank of each symmetric class, see ``cube.sim.symmetry``)
+            and those they receive from; a collective waits for its simulated members only.
 
     Raises:
         ValueError: a plan that cannot run (see ``build_program``) or inconsistent ZeRO settings.
     """
-    programs = build_programs(graph, world, costs, comm, zero, optimizer, program)
+    programs = build_programs(graph, world, costs, comm, zero, optimizer, program, ranks)
     stats: Dict[int, tuple] = {}
+    work: Dict[int, list] = {}
+    solo: Dict[int, float] = {}
     for r, prog in programs.items():
         top, at, totals = peak(prog.base, [i.mem for i in prog.ins])
         stats[r] = (top, {k: at.get(k, 0) for k in KINDS}, totals)
+        work[r] = [sum(i.dur for i in prog.ins if i.op == op and i.cat in MICRO_WORK) for op in ("compute", "coll")]
+        solo[r] = _solo_collectives(r, prog, programs) if ranks is not None else 0.0
         if coarse:
             prog.ins = _merge(prog.ins)
     ends, events, times = engine.run(programs, host)
+    blocked: Dict[int, float] = {r: solo[r] for r in programs}
+    waiting: Dict[int, float] = {r: 0.0 for r in programs}
+    for e in events:
+        if e.thread == "compute" and e.cat in ("comm", "wait"):
+            blocked[e.rank] += e.end - e.start
+            if e.cat == "wait":
+                waiting[e.rank] += e.end - e.start
     ranks, memory = {}, {}
     for r, prog in programs.items():
-        compute = sum(i.dur for i in prog.ins if i.op == "compute")
-        blocked = sum(e.end - e.start for e in events if e.rank == r and e.thread == "compute"
-                      and e.cat in ("comm", "wait"))
+        compute = sum(i.dur for i in prog.ins if i.op == "compute") - solo[r]
         top, at, totals = stats[r]
-        ranks[r] = RankStats(ends[r], compute, blocked, top, at)
+        ranks[r] = RankStats(ends[r], compute, blocked[r], top, at, waiting[r], *work[r])
         if not coarse:
             start = sum(prog.base.values())
             memory[r] = [(0.0, start)] + list(zip(times[r], totals))
     return SimResult(max(ends.values()) if ends else 0.0, ranks, events, memory)
+
+
+def _solo_collectives(r: int, prog, programs: dict) -> float:
+    """Turns the blocking collectives whose other members are all symmetric copies (not simulated)
+    into plain delays of the rank's program (so they merge with the compute around them); returns
+    their seconds. Only those before the rank's first asynchronous collective: a later one may
+    queue behind it on the communication stream."""
+    total = 0.0
+    for i in prog.ins:
+        if i.op == "launch":
+            break
+        if i.op == "coll" and all(m == r or m not in programs for m in i.group):
+            i.op = "compute"
+            total += i.dur
+    return total
 
 
 def _merge(ins: List[Ins]) -> List[Ins]:

@@ -37,7 +37,7 @@ def op_costs(graph: IRGraph, plan: RankPlan, costs, comm) -> List[float]:
                 t = call.outputs[0]
                 nbytes = t.numel() * t.dtype.itemsize * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
                 pending += comm.cost("all_reduce" if s.kind == "identity_all_reduce" else s.kind, nbytes,
-                                     len(s.ranks))
+                                     tuple(s.ranks))
             continue
         k = index.get(id(call.op.root))
         if k is None:

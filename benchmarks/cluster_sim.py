@@ -1,0 +1,185 @@
+"""Megatron-LM's weak-scaling table on A100s, predicted by the simulator on this CPU machine.
+
+    python -m benchmarks.cluster_sim [--quick] [--rows 1.7B,18.4B] [--hardware dgx-a100-80g] [--json FILE]
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC21), Table 1: GPT models from 1.7B to 1T parameters on 32 to 3072 A100
+80GB GPUs (DGX A100 nodes, 8 x 200 Gb/s HDR InfiniBand each), sequence 2048, vocabulary
+51200, full activation recomputation, mixed precision, tensor parallel inside a node and
+pipeline parallel across nodes, the interleaved 1F1B schedule. The published column is the
+achieved TFLOP/s per GPU, counted with the paper's Eq. 3:
+
+    F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h))      FLOPs per iteration
+
+(forward, backward and the recomputed forward of every layer, plus the logits). Each row
+here: the same model, written as Megatron wrote it then (explicit attention: two batched
+matmuls around its fused scale-mask-softmax kernel, a ``cube.register_op``; no
+FlashAttention; attention dropout 0.1, the hidden dropout fused into Megatron's
+bias-dropout-add and left out), built on the meta device; the same
+tp, pp and dp; ``PASMegatron`` with ``recompute=all``, ``nvirtual=2`` where the pipeline has
+more than one stage, micro-batches of one sample (``nmicros = batch / dp``: the table gives
+no micro-batch size; Megatron's examples of these runs use 1); simulated with
+``--hardware dgx-a100-80g`` (``cube/sim/hardware/dgx-a100-80g.json``, every number cited
+there, none fitted to this table). Prints per row the published and predicted TFLOP/s per
+GPU, the error, the predicted step time and memory, and the simulator's wall time; then
+the mean absolute percentage error. ``--quick``: the four smallest rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cube  # noqa: E402
+
+SEQ, VOCAB = 2048, 51200
+
+# name, params (B), heads, hidden, layers, tp, pp, GPUs, batch, published TFLOP/s per GPU (Table 1)
+TABLE = [
+    ("1.7B", 1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    ("3.6B", 3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    ("7.5B", 7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    ("18.4B", 18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    ("39.1B", 39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    ("76.1B", 76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    ("145.6B", 145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    ("310.1B", 310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    ("529.6B", 529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    ("1008.0B", 1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
+
+@cube.register_op("b h s^ t^ -> b h s^ t^", name="scale_mask_softmax")
+def scale_mask_softmax(scores):
+    """Megatron's FusedScaleMaskSoftmax: scale by 1/sqrt(head dim), causal mask and softmax in one
+    pass over the scores (the mask made inside, as the fused kernel does)."""
+    s, t = scores.shape[-2:]
+    mask = torch.ones(s, t, dtype=torch.bool, device=scores.device).triu(1)
+    return torch.softmax((scores * SCALE[0]).masked_fill(mask, float("-inf")), dim=-1)
+
+
+SCALE = [1.0]   # 1/sqrt(head dim) of the model being built (one model at a time)
+
+
+class Block(nn.Module):
+    """A Megatron-LM (2021) transformer layer: pre-LayerNorm, fused QKV, explicit attention."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln_1 = nn.LayerNorm(hidden)
+        # Megatron fuses Q, K and V into one GEMM of 3h outputs; three GEMMs of h are the same FLOPs
+        # and let the tensor-parallel flow see each head's projections
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.proj = nn.Linear(hidden, hidden)
+        self.ln_2 = nn.LayerNorm(hidden)
+        self.fc1 = nn.Linear(hidden, 4 * hidden)
+        self.fc2 = nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, s, h = x.shape
+        y = self.ln_1(x)
+        q, k, v = (p(y).view(b, s, self.heads, h // self.heads).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        probs = scale_mask_softmax(torch.matmul(q, k.transpose(-2, -1)))
+        probs = F.dropout(probs, 0.1, self.training)   # attention dropout, its own kernel in Megatron (2021)
+        y = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h)
+        x = x + self.proj(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln_2(x))))
+
+
+class MegatronGPT(nn.Module):
+    def __init__(self, layers: int, hidden: int, heads: int):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, hidden)
+        self.wpe = nn.Embedding(SEQ, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.lm_head = nn.Linear(hidden, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight   # tied output embedding, as Megatron's
+
+    def forward(self, ids, targets):
+        x = self.wte(ids) + self.wpe.weight[: ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+def eq3_flops(batch: int, layers: int, hidden: int) -> float:
+    """The paper's Eq. 3: FLOPs of one iteration with full activation recomputation."""
+    return 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+
+
+def build(layers: int, hidden: int, heads: int, batch: int):
+    SCALE[0] = 1 / math.sqrt(hidden // heads)
+    with torch.device("meta"):
+        model = MegatronGPT(layers, hidden, heads)
+    ids = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+
+
+def predict(row, hardware: str = "dgx-a100-80g") -> dict:
+    from cube.sim import hardware as hw_mod
+    from cube.sim.api import simulate_policy
+    from cube.sim.cluster import ClusterComm, DeviceCosts
+    name, params, heads, hidden, layers, tp, pp, gpus, batch, published = row
+    dp = gpus // (tp * pp)
+    options = {"tp": tp, "pp": pp, "nmicros": batch // dp, "recompute": "all"}
+    if pp > 1:
+        options["nvirtual"] = 2
+    hw = hw_mod.load(hardware)
+    started = time.perf_counter()
+    model, batch_tensors = build(layers, hidden, heads, batch)
+    result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=DeviceCosts(hw, "bf16"),
+                             comm=ClusterComm(hw), precision="bf16", options=options, symmetric=True)
+    seconds = time.perf_counter() - started
+    predicted = eq3_flops(batch, layers, hidden) / result.step_time / gpus / 1e12
+    return {"benchmark": "cluster_sim", "name": f"GPT {name} on {gpus} GPUs (tp{tp} pp{pp} dp{dp})",
+            "published_tflops": published, "predicted_tflops": round(predicted, 1),
+            "error": round(predicted / published - 1, 4), "step_time_s": round(result.step_time, 3),
+            "peak_memory_gib": round(result.peak_memory / 2**30, 1), "seconds": round(seconds, 1)}
+
+
+def main(quick: bool = False, rows=None, hardware: str = "dgx-a100-80g", out=None):
+    chosen = [r for r in TABLE if rows is None or r[0] in rows]
+    if quick and rows is None:
+        chosen = chosen[:4]
+    print(f"Megatron-LM (SC21) Table 1 on {hardware}: achieved TFLOP/s per GPU (Eq. 3), published vs predicted")
+    print(f"{'model':<44} {'published':>9} {'predicted':>9} {'error':>7} {'step s':>8} {'peak GiB':>9} "
+          f"{'wall s':>7}")
+    results = []
+    for row in chosen:
+        r = predict(row, hardware)
+        results.append(r)
+        print(f"{r['name']:<44} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} "
+              f"{r['error'] * 100:>6.1f}% {r['step_time_s']:>8.2f} {r['peak_memory_gib']:>9.1f} {r['seconds']:>7.1f}",
+              flush=True)
+    errors = [abs(r["error"]) for r in results]
+    mape = statistics.mean(errors) if errors else 0.0
+    print(f"MAPE {mape * 100:.1f}%, worst {max(errors) * 100:.1f}%, slowest prediction "
+          f"{max(r['seconds'] for r in results):.1f} s")
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows", default=None, help="comma-separated row names (e.g. 1.7B,145.6B)")
+    parser.add_argument("--hardware", default="dgx-a100-80g")
+    parser.add_argument("--json", default=None, help="also write the rows to this file")
+    args = parser.parse_args()
+    main(args.quick, args.rows.split(",") if args.rows else None, args.hardware, args.json)

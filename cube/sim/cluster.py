@@ -1,0 +1,149 @@
+"""Costs on a cluster described by a hardware profile (``cube.sim.hardware``), not measured here.
+
+``DeviceCosts``: an op piece's seconds from its FLOPs and bytes at its local
+shapes: ``launch + max(flops / (peak * efficiency(flops)), bytes / memory rate)``
+with the profile's efficiency curve of the op's class (GEMM, attention,
+convolution; others are bound by memory), the backward a fixed multiple of the
+forward, AdamW bound by memory.
+
+``ClusterComm``: collectives over the ranks they actually join. Ranks are
+numbered node by node (``rank // gpus_per_node`` is the node, as torchrun and
+Megatron number them). Inside a node, the NVLink bus bandwidth; across nodes
+a ring runs at the slower of NVLink and the InfiniBand rails the group has on
+each node (one rail per GPU, ``nic_gbps_per_gpu``), and an all-reduce takes the
+cheaper of that ring and NCCL's tree (latency growing with log2 of the nodes).
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Optional, Sequence, Union
+
+from cube.ir.ops import flops as op_flops
+from cube.ir.ops import op_info
+from cube.sim.comm import shape_of
+from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
+from cube.sim.hardware import Hardware
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
+
+
+class DeviceCosts(Estimator):
+    """Op, optimizer and copy costs of one device of ``hardware`` training at ``precision``
+    (``bf16``/``fp16``: float activations take 2 bytes and matmuls the half-precision peak; None:
+    float32 on the fp32 peak)."""
+
+    def __init__(self, hardware: Hardware, precision: Optional[str] = "bf16"):
+        if hardware.is_host:
+            raise ValueError(f"{hardware.name!r} is this host: its costs are measured (cube.sim.profile), not "
+                             f"read from a profile")
+        super().__init__()
+        self.hw = hardware
+        self.precision = precision or "fp32"
+        self.peak = hardware.peak_flops(self.precision)
+        self.act_bytes = PRECISION_BYTES.get(self.precision, 4)
+        self.launch = hardware.launch
+        self.backward_factor = float(hardware.device.get("backward_factor", 2.0))
+        self._memo: dict = {}
+
+    def _bytes(self, shape, dtype) -> int:
+        n = 1
+        for s in shape:
+            n *= s
+        return n * (self.act_bytes if dtype.is_floating_point else dtype.itemsize)
+
+    def op_cost(self, call) -> OpCost:
+        op = call.op
+        ins, outs = local_shapes(call)
+        grad = needs_grad(call)
+        # the same op at the same shapes costs the same: thousands of layers and micro-batches repeat
+        key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)),
+               tuple(t.dtype for t in op.inputs), tuple(t.dtype for t in op.outputs), grad)
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = self._op_cost(op, ins, outs, grad)
+        return got
+
+    def _op_cost(self, op, ins, outs, grad: bool) -> OpCost:
+        info = op_info(op.name)
+        is_view = info.alias
+        if is_view:
+            fw = 0.0   # metadata only: no kernel
+        else:
+            nbytes = sum(self._bytes(s, t.dtype) for s, t in zip(ins, op.inputs)) + \
+                sum(self._bytes(s, t.dtype) for s, t in zip(outs, op.outputs))
+            flops = op_flops(op.name, ins, outs)
+            compute = flops / (self.peak * self.hw.curve(info.cost).at(flops)) if flops else 0.0
+            fw = self.launch + max(compute, nbytes / self.hw.memory_rate)
+        bw = self.backward_factor * fw if grad else 0.0
+        saved = tuple(("in", k) for k, t in enumerate(op.inputs)
+                      if t.dtype.is_floating_point and not is_view and grad)
+        alias = tuple(0 if is_view else -1 for _ in op.outputs)
+        return OpCost(fw, bw, saved, alias, measured=False)
+
+    def optimizer_cost(self, numels: Sequence[int]) -> float:
+        per_param = float(self.hw.device.get("optimizer_bytes_per_param", 28))
+        # multi-tensor AdamW: a few kernels per group of tensors, bound by memory
+        return 4 * self.launch * max(1, len(numels) // 32) + sum(numels) * per_param / self.hw.memory_rate
+
+    def copy_cost(self, nbytes: int) -> float:
+        return self.launch + 2 * nbytes / self.hw.memory_rate
+
+
+class ClusterComm:
+    """Collective costs on the profile's network (see the module docstring). ``cost(kind, nbytes,
+    ranks)`` takes the ranks (or their count, for ranks ``0..n-1``)."""
+
+    backend = "nccl"
+    calibrated = False
+
+    def __init__(self, hardware: Hardware):
+        net = hardware.network
+        self.hw = hardware
+        self.gpus = hardware.gpus_per_node
+        self.intra_bus = net["intra"]["busbw_gbps"] * 1e9
+        self.intra_p2p = net["intra"].get("p2p_gbps", net["intra"]["busbw_gbps"]) * 1e9
+        self.intra_alpha = net["intra"]["alpha_us"] * 1e-6
+        inter = net.get("inter")
+        self.rail = inter["nic_gbps_per_gpu"] * 1e9 * inter.get("efficiency", 1.0) if inter else 0.0
+        self.inter_alpha = inter["alpha_us"] * 1e-6 if inter else 0.0
+
+    def _nodes(self, ranks) -> Counter:
+        return Counter(r // self.gpus for r in ranks)
+
+    def cost(self, kind: str, nbytes: int, ranks: Union[int, Sequence[int]]) -> float:
+        ranks = list(range(ranks)) if isinstance(ranks, int) else list(ranks)
+        n = len(ranks)
+        if kind != "p2p" and n <= 1:
+            return 0.0
+        nodes = self._nodes(ranks)
+        if kind == "p2p":
+            if len(nodes) <= 1:
+                return self.intra_alpha + nbytes / self.intra_p2p
+            return self.inter_alpha + nbytes / self._rail()
+        k, local = len(nodes), max(nodes.values())
+        if kind == "all_to_all":   # pairwise sends at once; what leaves the node goes through its rails
+            share = nbytes / n
+            intra = (local - 1) * share / self.intra_p2p
+            inter = (n - local) * share / self._rail() if k > 1 else 0.0   # each rank its own rail
+            return (self.inter_alpha if k > 1 else self.intra_alpha) + max(intra, inter)
+        steps, factor = shape_of(kind, n)
+        if k == 1:
+            return steps * self.intra_alpha + factor * nbytes / self.intra_bus
+        bus = min(self.intra_bus, local * self._rail())
+        ring = steps * self.inter_alpha + factor * nbytes / bus
+        if kind != "all_reduce":
+            return ring
+        # NCCL's tree: ring inside each node, double binary tree across nodes
+        tree = 2 * (math.ceil(math.log2(k)) * self.inter_alpha + (local - 1) * self.intra_alpha) + \
+            2 * nbytes / bus
+        return min(ring, tree)
+
+    def _rail(self) -> float:
+        if not self.rail:
+            raise ValueError(f"hardware profile {self.hw.name!r} has no inter-node network (network.inter), but "
+                             f"the plan spans more than one node of {self.gpus} devices")
+        return self.rail
+
+    def to_json(self) -> dict:
+        return {"backend": self.backend, "hardware": self.hw.name, "calibrated": False}

@@ -1,0 +1,142 @@
+"""Planning for a cluster this machine is not: hardware profiles, the network of nodes, symmetric
+simulation (one rank per class, data parallel folded, micro-batches extrapolated) equal to the full
+simulation, and the ``--hardware ... --json`` command line."""
+import json
+
+import pytest
+import torch
+
+from cube.sim import hardware
+from cube.sim.api import simulate_policy
+from cube.sim.cluster import ClusterComm, DeviceCosts
+from cube.sim.symmetry import Fold
+from examples.gpt.model import GPT, GPTConfig
+
+A100 = hardware.load("dgx-a100-80g")
+
+
+def test_shipped_profiles_load_and_cite_their_sources():
+    assert {"dgx-a100-80g", "dgx-h100", "cpu-host"} <= set(hardware.names())
+    for name in ("dgx-a100-80g", "dgx-h100"):
+        hw = hardware.load(name)
+        assert not hw.is_host and hw.gpus_per_node == 8 and hw.raw["sources"]
+        assert hw.peak_flops("bf16") > hw.peak_flops("fp32") > 0
+        curve = hw.curve("gemm")
+        assert 0 < curve.at(1e9) < curve.at(1e12) < curve.max <= 1
+    assert hardware.load("cpu-host").is_host
+    assert hardware.load("dgx-h100").peak_flops("bf16") > A100.peak_flops("bf16")
+
+
+def test_bad_profiles_are_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown hardware profile 'dgx-z9'.*dgx-a100-80g"):
+        hardware.load("dgx-z9")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"device": {"kind": "gpu"}}')
+    with pytest.raises(ValueError, match="lacks peak_tflops"):
+        hardware.load(bad)
+    with pytest.raises(ValueError, match="no hardware profile file"):
+        hardware.load(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="gives no peak for 'fp8'"):
+        A100.peak_flops("fp8")
+
+
+def test_network_knows_nodes_rails_and_algorithms():
+    net = ClusterComm(A100)
+    intra, inter = A100.network["intra"], A100.network["inter"]
+    rail = inter["nic_gbps_per_gpu"] * 1e9 * inter["efficiency"]
+    size = 1 << 30
+    # 8 ranks on one node: NVLink's bus bandwidth
+    one_node = net.cost("all_reduce", size, range(8))
+    assert one_node == pytest.approx(14 * intra["alpha_us"] * 1e-6 + 2 * 7 / 8 * size / (intra["busbw_gbps"] * 1e9))
+    # 8 ranks, one per node: each on its own rail, much slower
+    spread = net.cost("all_reduce", size, [8 * k for k in range(8)])
+    assert spread > 5 * one_node
+    ring = 14 * inter["alpha_us"] * 1e-6 + 2 * 7 / 8 * size / rail
+    assert spread == pytest.approx(min(ring, 2 * (3 * inter["alpha_us"] * 1e-6) + 2 * size / rail))
+    # two whole nodes: every rail of both nodes works, capped by NVLink
+    assert net.cost("all_gather", size, range(16)) < net.cost("all_gather", size, [8 * k for k in range(16)])
+    # tiny messages across many nodes: the tree's log-depth latency beats the ring
+    small = net.cost("all_reduce", 1024, [8 * k for k in range(64)])
+    assert small < 2 * 63 * inter["alpha_us"] * 1e-6
+    assert net.cost("p2p", size, (0, 1)) < net.cost("p2p", size, (0, 8))
+    with pytest.raises(ValueError, match="no inter-node network"):
+        solo = hardware.Hardware("solo", "gpu", {**A100.raw, "network": {"intra": A100.network["intra"]}}, "x")
+        ClusterComm(solo).cost("p2p", 10, (0, 8))
+
+
+def test_device_costs_follow_the_profile():
+    costs = DeviceCosts(A100, "bf16")
+    assert costs.peak == 312e12 and costs.act_bytes == 2
+    fp32 = DeviceCosts(A100, None)
+    assert fp32.peak == A100.peak_flops("fp32") and fp32.act_bytes == 4
+    with pytest.raises(ValueError, match="measured"):
+        DeviceCosts(hardware.load("cpu-host"))
+
+
+def test_fold_maps_folded_groups_to_the_real_ranks():
+    fold = Fold(("pp", "dp", "tp"), (2, 2, 4), (2, 6, 4))
+    assert fold.world == 16 and fold.real_world == 48 and fold.batch == (16, 48)
+    assert fold.real_rank(5) == 5 and fold.real_rank(9) == 25   # (1, 0, 1) -> 24 + 1
+    # the data parallel pair (0, 0, 1), (0, 1, 1) is the real group of all six replicas
+    assert fold.real_group([1, 5]) == tuple(1 + 4 * d for d in range(6))
+    # a tensor parallel group stays itself
+    assert fold.real_group([4, 5, 6, 7]) == (4, 5, 6, 7)
+    assert fold.representatives() == (0, 8)
+
+
+def _gpt(layers=4, batch=192, device="meta"):
+    with torch.device(device):
+        model = GPT(GPTConfig(vocab_size=512, block_size=128, n_layer=layers, n_head=4, n_embd=256))
+    ids = torch.zeros(batch, 128, dtype=torch.long, device=device)
+    return model, (ids, ids)
+
+
+@pytest.mark.parametrize("policy,world,options", [
+    ("PASHybrid", 16, {"tp": 2}),                              # dp 8 folded to 2, one rank per tp group
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}),    # dp 4 folded, 12 micro-batches from 3
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 16, "nvirtual": 2}),   # interleaved: from 6
+])
+def test_symmetric_simulation_equals_the_full_one(policy, world, options):
+    model, batch = _gpt()
+    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16", options=options)
+    full = simulate_policy(model, batch, policy, world, **kw)
+    sym = simulate_policy(model, batch, policy, world, symmetric=True, **kw)
+    assert sym.fold.folded and len(sym.ranks) < len(full.ranks) / 4
+    assert sym.step_time == pytest.approx(full.step_time, rel=0.01)
+    assert sym.peak_memory == pytest.approx(full.peak_memory, rel=0.02)
+    assert sym.model_flops == pytest.approx(full.model_flops, rel=1e-9) and full.model_flops > 0
+    if "nmicros" in options:
+        assert sym.micro == (6 if "nvirtual" in options else 3, options["nmicros"])
+
+
+SPEC = '''
+import torch
+from examples.gpt.model import GPT, GPTConfig
+
+
+def build():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=51200, block_size=2048, n_layer=24, n_head=16, n_embd=2048))
+    ids = torch.zeros(256, 2048, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+'''
+
+
+def test_command_line_predicts_a_cluster_as_json(tmp_path, capsys):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    args = [str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "256", "--policy", "PASMegatron",
+            "--option", "tp=8", "--option", "pp=4", "--option", "nmicros=32", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"] == "dgx-a100-80g" and out["ngpus"] == 256 and out["precision"] == "bf16"
+    assert out["step_time_s"] > 0 and out["peak_memory_gib"] > 0 and out["seconds"] > 0
+    assert 0 < out["mfu"] < 1 and out["tflops_per_device"] == pytest.approx(out["mfu"] * 312, rel=1e-6)
+    assert out["symmetry"]["mesh"] == {"pp": 4, "dp": 8, "tp": 8}
+    assert out["micro_batches"] == {"simulated": 5, "real": 32}
+    rank = next(iter(out["ranks"].values()))
+    assert {"compute_s", "comm_s", "bubble_s", "peak_memory_gib"} <= set(rank)
+    assert rank["compute_s"] + rank["comm_s"] + rank["bubble_s"] == pytest.approx(rank["end_s"], rel=1e-6)
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "nope", "--ngpus", "8", "--policy", "PASData"])
