@@ -122,7 +122,14 @@ def eq3_flops(batch: int, layers: int, hidden: int) -> float:
     return 96 * batch * SEQ * layers * hidden ** 2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
 
 
-def build(layers: int, hidden: int, heads: int, batch: int):
+def build(row: str = "145.6B"):
+    """A row's model on the meta device and its global batch (``python -m cube.sim
+    benchmarks/cluster_sim.py ...`` plans the 145.6B row)."""
+    _, _, heads, hidden, layers, _, _, _, batch, _ = next(r for r in TABLE if r[0] == row)
+    return megatron_gpt(layers, hidden, heads, batch)
+
+
+def megatron_gpt(layers: int, hidden: int, heads: int, batch: int):
     SCALE[0] = 1 / math.sqrt(hidden // heads)
     with torch.device("meta"):
         model = MegatronGPT(layers, hidden, heads)
@@ -141,7 +148,7 @@ def predict(row, hardware: str = "dgx-a100-80g") -> dict:
         options["nvirtual"] = 2
     hw = hw_mod.load(hardware)
     started = time.perf_counter()
-    model, batch_tensors = build(layers, hidden, heads, batch)
+    model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
     result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=DeviceCosts(hw, "bf16"),
                              comm=ClusterComm(hw), precision="bf16", options=options, symmetric=True)
     seconds = time.perf_counter() - started

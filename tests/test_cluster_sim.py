@@ -140,3 +140,21 @@ def test_command_line_predicts_a_cluster_as_json(tmp_path, capsys):
     assert rank["compute_s"] + rank["comm_s"] + rank["bubble_s"] == pytest.approx(rank["end_s"], rel=1e-6)
     with pytest.raises(SystemExit):
         main([str(spec), "--hardware", "nope", "--ngpus", "8", "--policy", "PASData"])
+
+
+def test_calibrate_fits_a_profile_the_simulator_uses(tmp_path, capsys):
+    from cube.sim.calibrate import fit_curve, main
+    peak, half = fit_curve([(1e9, 2e-3), (2e9, 3e-3), (4e9, 5e-3)])   # t = (f + 1e9) / 1e12
+    assert peak == pytest.approx(1e12) and half == pytest.approx(1e9)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_curve([(1e9, 2e-3), (2e9, 1e-3)])
+    out = tmp_path / "here.json"
+    assert main(["--out", str(out), "--quick", "--no-calibrate"]) == 0
+    hw = hardware.load(out)
+    assert hw.name == "here" and hw.device["peak_tflops"] and hw.memory_rate > 0
+    model, batch = _gpt(layers=2, batch=8, device="cpu")
+    res = simulate_policy(model, batch, "PASData", 2, costs=DeviceCosts(hw, next(iter(hw.device["peak_tflops"]))),
+                          comm=ClusterComm(hw))
+    assert res.step_time > 0
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "x.txt")])

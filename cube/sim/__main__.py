@@ -116,7 +116,9 @@ def main(argv=None) -> int:
             scaled(costs, model, batch)   # what ops cost in a whole step beyond alone
     else:   # a cluster this machine is not: costs from the profile
         from cube.sim.cluster import ClusterComm, DeviceCosts
-        precision = precision if args.precision else "bf16"
+        peaks = hw.device["peak_tflops"]
+        precision = args.precision or ("bf16" if "bf16" in peaks else next(iter(peaks)))
+        precision = None if precision == "fp32" else precision
         costs, comm, host = DeviceCosts(hw, precision), ClusterComm(hw), None
     symmetric = args.symmetric if args.symmetric is not None else not hw.is_host
     if args.policy:

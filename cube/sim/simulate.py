@@ -80,10 +80,17 @@ class SimResult:
     def summary(self) -> str:
         lines = [f"predicted step time {self.step_time * 1e3:.2f} ms, peak memory "
                  f"{self.peak_memory / 2**20:.1f} MiB"]
+        fold = self.fold
+        if fold is not None:
+            mesh = " x ".join(f"{n}{k}" for n, k in zip(fold.names, fold.real))
+            sim = " x ".join(f"{n}{k}" for n, k in zip(fold.names, fold.shape))
+            lines.append(f"symmetric: {mesh} simulated as {sim}, {len(self.ranks)} rank(s), one per class"
+                         + (f"; {self.micro[1]} micro-batches extrapolated from {self.micro[0]}" if self.micro else ""))
         lines.append(f"{'rank':>4} {'end ms':>9} {'compute':>9} {'blocked':>9} {'peak MiB':>9}  breakdown at peak (MiB)")
         for r, s in sorted(self.ranks.items()):
             parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s.breakdown.items() if v)
-            lines.append(f"{r:>4} {s.end * 1e3:>9.2f} {s.compute * 1e3:>9.2f} {s.comm * 1e3:>9.2f} "
+            name = fold.real_rank(r) if fold is not None else r
+            lines.append(f"{name:>4} {s.end * 1e3:>9.2f} {s.compute * 1e3:>9.2f} {s.comm * 1e3:>9.2f} "
                          f"{s.peak / 2**20:>9.1f}  {parts}")
         return "\n".join(lines)
 
@@ -91,7 +98,7 @@ class SimResult:
         """Writes a Chrome trace JSON (``chrome://tracing`` or ui.perfetto.dev); returns the path."""
         out = []
         for r in sorted(self.ranks):
-            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
+            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {self.fold.real_rank(r) if self.fold is not None else r}"}})
             for tid, name in ((0, "compute"), (1, "communication")):
                 out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
         for e in self.events:

@@ -86,7 +86,7 @@ def names() -> List[str]:
     return sorted(p.stem for p in HERE.glob("*.json"))
 
 
-_REQUIRED = {"gpu": ("peak_tflops", "hbm_gbps", "efficiency", "memory_gib")}
+_REQUIRED = {"gpu": ("peak_tflops", "hbm_gbps", "efficiency", "memory_gib")}   # of any device not this host
 
 
 def load(name_or_path: Union[str, Path]) -> Hardware:
@@ -112,7 +112,7 @@ def load(name_or_path: Union[str, Path]) -> Hardware:
     if not isinstance(device, dict) or "kind" not in device:
         raise ValueError(f"hardware profile {path} has no device.kind")
     kind = device["kind"]
-    missing = [k for k in _REQUIRED.get(kind, ()) if k not in device]
+    missing = [] if kind == "host" else [k for k in _REQUIRED["gpu"] if k not in device]
     if kind != "host" and "network" not in raw:
         missing.append("network")
     if missing:
