@@ -4,7 +4,7 @@
 
 The full size is a ~0.85B-parameter Llama (hidden 2048, 16 layers, intermediate
 5632, 16 heads, 4 KV heads, vocab 32000, float32), sequence 256, a global batch
-of 2 taken as 2 micro-batches by ``PASMegatron(tp=2, pp=2, nmicros=2)`` (1F1B),
+of 4 taken as 2 micro-batches of 2 by ``PASMegatron(tp=2, pp=2, nmicros=2)`` (1F1B),
 AdamW through ``cube.build_optimizer``, 2 steps; ``--quick`` is a small Llama
 through the same code. The run:
 
@@ -58,7 +58,7 @@ SIZES = {
     "full": dict(hidden=2048, layers=16, intermediate=5632, heads=16, kv_heads=4, vocab=32000, seq=256),
     "quick": dict(hidden=256, layers=4, intermediate=704, heads=8, kv_heads=2, vocab=4096, seq=128),
 }
-NMICROS, MICRO_BATCH, STEPS, LR = 2, 1, 2, 1e-4
+NMICROS, MICRO_BATCH, STEPS, LR = 2, 2, 2, 1e-4   # micro-batches of 2: torch.export specializes dims of size 1
 SHARD_BYTES = {"full": 1 << 30, "quick": 4 << 20}
 NPROC = 4
 
