@@ -128,7 +128,7 @@ def _isinf(node, x):
 
 @op("Clip")
 def _clip(node, x, lo=None, hi=None):
-    return torch.clamp(x, lo, hi)
+    return x if lo is None and hi is None else torch.clamp(x, lo, hi)
 
 
 @op("LeakyRelu", attrs={"alpha": None})
@@ -255,34 +255,29 @@ def _instance_norm(node, x, scale, bias):
     return F.instance_norm(x, weight=scale, bias=bias, eps=node.attr("epsilon", 1e-5))
 
 
-_REDUCE = {"ReduceMean": torch.mean, "ReduceSum": torch.sum, "ReduceMax": torch.amax, "ReduceMin": torch.amin}
+def _prod(x, dim, keepdim):
+    """``torch.prod`` over several dims (torch's takes one)."""
+    for a in sorted(dim, reverse=True):
+        x = torch.prod(x, dim=a, keepdim=keepdim)
+    return x
+
+
+_REDUCE = {"ReduceMean": torch.mean, "ReduceSum": torch.sum, "ReduceMax": torch.amax, "ReduceMin": torch.amin,
+           "ReduceProd": _prod}
 
 
 def _reduce(node, x, axes=None):
-    axes = _ints(axes) if axes is not None else node.attr("axes", None)
-    keep = bool(node.attr("keepdims", 1))
+    axes = _ints(axes) if axes is not None else node.attr("axes", None)   # an input from opset 13/18 on
     if not axes:
         if node.attr("noop_with_empty_axes", 0):
             return x
         axes = list(range(x.dim()))
-    return _REDUCE[node.op_type](x, dim=tuple(axes), keepdim=keep)
+    dims = tuple(sorted(_axis(a, x.dim()) for a in axes))
+    return _REDUCE[node.op_type](x, dim=dims, keepdim=bool(node.attr("keepdims", 1)))
 
 
 for _name in _REDUCE:
     op(_name, static=(1,), attrs={"axes": None, "keepdims": None, "noop_with_empty_axes": None})(_reduce)
-
-
-@op("ReduceProd", static=(1,), attrs={"axes": None, "keepdims": None, "noop_with_empty_axes": None})
-def _reduce_prod(node, x, axes=None):
-    axes = _ints(axes) if axes is not None else node.attr("axes", None)
-    keep = bool(node.attr("keepdims", 1))
-    if not axes:
-        if node.attr("noop_with_empty_axes", 0):
-            return x
-        axes = list(range(x.dim()))
-    for a in sorted((_axis(a, x.dim()) for a in axes), reverse=True):
-        x = torch.prod(x, dim=a, keepdim=keep)
-    return x
 
 
 @op("ArgMax", "ArgMin", attrs={"axis": None, "keepdims": None, "select_last_index": {0}})
