@@ -265,3 +265,37 @@ def test_the_example_trains_under_torchrun_and_onnxruntime_runs_the_result(tmp_p
         assert m, r.stdout[-2000:]
         assert float(m.group(1)) == pytest.approx(float(m.group(2)), rel=1e-5)
     assert (tmp_path / "b.onnx").exists()
+
+
+def test_hugging_face_models_import_and_equal_onnxruntime(tmp_path):
+    """GPT-2, Llama and BERT from transformers (tiny configs) through torch's dynamo exporter: HF's
+    attention masks need GatherND, GPT-2's split heads SplitToSequence/SequenceAt, BERT's token
+    type ids a GatherElements on constants."""
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    class Logits(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids):
+            out = self.m(input_ids=ids) if isinstance(self.m, BertModel) else self.m(input_ids=ids, use_cache=False)
+            return out.last_hidden_state if isinstance(self.m, BertModel) else out.logits
+    torch.manual_seed(0)
+    models = {
+        "gpt2": GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)),
+        "llama": LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=128)),
+        "bert": BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=128)),
+    }
+    ids = torch.randint(0, 128, (2, 16))
+    for name, model in models.items():
+        path = tmp_path / f"{name}.onnx"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(Logits(model).eval(), (ids,), str(path), input_names=["ids"], dynamo=True,
+                              optimize=False, verbose=False)
+        module = cube.onnx.load(path).eval()
+        with torch.no_grad():
+            assert _rel(module(ids).numpy(), _ort(path, ["ids"], (ids,))) <= 1e-5, name

@@ -221,6 +221,9 @@ class OnnxModule(torch.nn.Module):
             start, end = node.attrs.get("start", 0), node.attrs.get("end", rank)
             start, end = (start + rank if start < 0 else start), (end + rank if end < 0 else end)
             return [shape[max(0, min(start, rank)):max(0, min(end, rank))]]
+        own = _NUMPY.get(node.op_type)
+        if own is not None:
+            return own(node, *values)
         return self._program.evaluate(node, values)
 
     def _run(self, node: Node, values, params, device) -> tuple:
@@ -229,7 +232,9 @@ class OnnxModule(torch.nn.Module):
         call = Call(node, self.training, values, [n in params for n in node.inputs])
         args = []
         for i, v in enumerate(values):
-            if i in h.static:
+            if isinstance(v, list):   # a sequence (SplitToSequence): its tensors as they are
+                args.append(v)
+            elif i in h.static:
                 if isinstance(v, torch.Tensor):
                     raise node.error(f"input {i} ({node.inputs[i]!r}) is computed from the data, but cube "
                                      f"needs it while tracing (a shape, axes or sizes): the graph has data-"
@@ -254,3 +259,17 @@ class OnnxModule(torch.nn.Module):
         if v is None or isinstance(v, torch.Tensor):
             return v
         return torch.from_numpy(np.array(v, copy=True)).to(device)
+
+
+def _gather_elements(node: Node, data: np.ndarray, indices: np.ndarray) -> List[np.ndarray]:
+    """GatherElements on values known while tracing. ONNX's reference implementation needs the
+    indices shaped like the data; the operator reads only the data's leading part (indices of shape
+    (1, 16) into data of (2, 512), as Hugging Face's BERT exports)."""
+    axis = node.attrs.get("axis", 0) % data.ndim
+    region = tuple(slice(0, s) if d != axis else slice(None) for d, s in enumerate(indices.shape))
+    part = data[region]
+    idx = np.where(indices < 0, indices + data.shape[axis], indices)
+    return [np.take_along_axis(part, idx, axis=axis)]
+
+
+_NUMPY = {"GatherElements": _gather_elements}   # static values computed here, not by the reference

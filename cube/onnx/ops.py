@@ -572,6 +572,29 @@ def _gather(node, data, indices):
     return out.reshape(tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:]))
 
 
+@op("GatherND", attrs={"batch_dims": {0}})
+def _gather_nd(node, data, indices):
+    k = indices.shape[-1]
+    index = tuple(indices[..., j] for j in range(k))   # each index tensor picks along one leading dim
+    return data[index]
+
+
+@op("SplitToSequence", static=(1,), attrs={"axis": None, "keepdims": None},
+    note="a Python list of tensors, read by SequenceAt")
+def _split_to_sequence(node, x, split=None):
+    dim = _axis(node.attr("axis", 0), x.dim())
+    if split is None:
+        parts = list(torch.split(x, 1, dim))
+        return ([p.squeeze(dim) for p in parts] if not node.attr("keepdims", 1) else parts),
+    sizes = _ints(split)
+    return list(torch.split(x, sizes[0] if np.asarray(split).ndim == 0 else sizes, dim)),
+
+
+@op("SequenceAt", static=(1,))
+def _sequence_at(node, seq, position):
+    return seq[int(np.asarray(position).reshape(-1)[0])]
+
+
 @op("GatherElements", attrs={"axis": None})
 def _gather_elements(node, data, indices):
     axis = _axis(node.attr("axis", 0), data.dim())
