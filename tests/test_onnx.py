@@ -299,3 +299,28 @@ def test_hugging_face_models_import_and_equal_onnxruntime(tmp_path):
         module = cube.onnx.load(path).eval()
         with torch.no_grad():
             assert _rel(module(ids).numpy(), _ort(path, ["ids"], (ids,))) <= 1e-5, name
+
+
+@pytest.mark.parametrize("policy", ["policies.data:PASData", "policies.megatron:PASMegatronTP"])
+def test_imported_hugging_face_llama_trains_like_eager(tmp_path, policy):
+    """A Llama exported with its loss (labels in the graph) trains on 2 ranks as the imported module
+    does eagerly."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class Loss(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, ids, labels):
+            return self.m(input_ids=ids, labels=labels, use_cache=False).loss
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    ids = torch.randint(0, 128, (4, 16))
+    path = tmp_path / "llama.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Loss(llama).eval(), (ids, ids), str(path), input_names=["ids", "labels"], dynamo=True,
+                          optimize=False, verbose=False)
+    assert_exact(parity(cube.onnx.load(path).train(), (ids, ids), policy, 2, steps=2, opt="sgd"), 1e-5)
