@@ -335,7 +335,8 @@ class Traced:
     _micro: Dict[int, "Traced"] = field(default_factory=dict, repr=False)
 
     def place(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
-              zero: Optional[int] = None, timings: Optional[dict] = None) -> IRGraph:
+              zero: Optional[int] = None, timings: Optional[dict] = None,
+              nmicros: Optional[int] = None) -> IRGraph:
         """The placed graph: the policy run on a copy of the trace for ``world`` ranks (no passes).
 
         ``zero``: the ZeRO stage of this plan (default: the one traced with).
@@ -353,9 +354,17 @@ class Traced:
         Raises:
             ValueError, TypeError: the policy failed or left ops unplaced, or a pipeline plan cannot
                 cut the global batch into its micro-batches exactly (the message says how to fix it).
+
+        ``nmicros``: the micro-batch count the policy will choose, when the caller knows it (the
+        simulator, which sets the option): the policy then runs once, on the micro-batch's trace.
         """
         policy = load_policy(PAS)
         timings = {} if timings is None else timings
+        if nmicros is not None and nmicros > 1 and self.graph.micro is None:
+            graph = self.micro(nmicros, timings)._place(policy, world, options, zero, timings)
+            if _nmicros(graph) != nmicros:
+                raise ValueError(f"place(nmicros={nmicros}): the policy chose {_nmicros(graph)} micro-batches")
+            return graph
         graph = self._place(policy, world, options, zero, timings)
         nmicros = _nmicros(graph)
         if nmicros > 1 and self.graph.micro is None:

@@ -297,7 +297,7 @@ def save(module: OnnxModule, path, state_dict: Optional[dict] = None, strip_pref
     from onnx import numpy_helper
     if not isinstance(module, OnnxModule):
         raise TypeError(f"cube.onnx.save takes the module cube.onnx.load made, not {type(module).__name__}")
-    program = module._program
+    program = module.program
     if state_dict is None:
         state_dict = module.state_dict()
     elif strip_prefix:

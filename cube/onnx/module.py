@@ -152,6 +152,11 @@ class OnnxModule(torch.nn.Module):
                 owner.register_buffer(leaf, tensor)
 
     @property
+    def program(self) -> Program:
+        """The imported graph (shared by every copy of the module)."""
+        return self._program
+
+    @property
     def onnx_inputs(self) -> Tuple[str, ...]:
         return self._program.inputs
 

@@ -76,10 +76,8 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
         comm = symmetry.MappedComm(comm if comm is not None else comm_mod.CommModel(), fold)
     traced = trace_model(model, sample, zero=zero_traced, precision=precision, structure=structure)
     sim_world = fold.world if fold is not None else world
-    if micro:   # the micro-batch count is known: trace one micro-batch and run the policy once, on it
-        graph = traced.micro(micro[0])._place(bound, sim_world, None, None, {})
-    else:
-        graph = traced.place(bound, sim_world)
+    # a folded pipeline's micro-batch count is known: the policy runs once, on one micro-batch's trace
+    graph = traced.place(bound, sim_world, nmicros=micro[0] if micro else None)
     result = simulate(graph, sim_world, costs=costs, comm=comm, zero=zero, host=host, ranks=ranks,
                       coarse=symmetric)
     result.fold = fold
