@@ -93,6 +93,20 @@ def _signature(schema) -> tuple:
             tuple(sorted(schema.attributes)))
 
 
+def known_versions(op_type: str) -> Dict[int, object]:
+    """The versions of ``op_type`` that opsets 13-21 use (since_version -> schema): what its handler
+    is written for."""
+    from onnx import defs
+    known = {}
+    for v in OPSETS:
+        try:
+            schema = defs.get_schema(op_type, v, "")
+        except Exception:   # not defined yet at that opset
+            continue
+        known[schema.since_version] = schema
+    return known
+
+
 def version_problem(op_type: str, opset: int) -> Optional[str]:
     """Why ``op_type`` at ``opset`` is outside what its handler was written for, or None.
 
@@ -103,13 +117,7 @@ def version_problem(op_type: str, opset: int) -> Optional[str]:
         schema = defs.get_schema(op_type, opset, "")
     except Exception:
         return f"no operator {op_type} at opset {opset}"
-    known = {}
-    for v in OPSETS:
-        try:
-            s = defs.get_schema(op_type, v, "")
-        except Exception:
-            continue
-        known[s.since_version] = s
+    known = known_versions(op_type)
     if schema.since_version in known:
         return None
     if opset < OPSETS.start:

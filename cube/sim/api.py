@@ -8,8 +8,8 @@ from typing import Optional, Tuple
 import torch
 
 from cube.compiler import batch_structure, trace_model
-from cube.ir.ops import flops as op_flops
 from cube.policy import Resource, apply_policy, bind_options, load_policy
+from cube.schedule.balance import op_flops
 from cube.sim import comm as comm_mod
 from cube.sim import symmetry
 from cube.sim.costs import Estimator
@@ -56,6 +56,7 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
         TypeError: an option the policy does not take.
     """
     structure, sample = batch_structure(batch)
+    samples = size_of(sample)   # of the whole step, whatever part of it is traced
     bound = bind_options(load_policy(policy), options)   # an unknown option fails before the trace
     fold, ranks, micro = None, None, None
     zero_traced = 3 if zero == 3 else 0
@@ -64,7 +65,7 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
         small = tuple(t[:min(2, t.shape[0])] if t.ndim else t for t in sample)
         peek = trace_model(model, small, zero=zero_traced, precision=precision, structure=structure)
         mesh = symmetry.policy_mesh(lambda: apply_policy(bound, peek.graph.copy(), Resource(world)), world)
-        size = sample[0].shape[0] if sample and sample[0].ndim else None
+        size = samples if sample and sample[0].ndim else None
         fold = symmetry.fold_for(mesh, world, size, zero)
         micro = symmetry.micro_fold(mesh, fold, size, options)
         scale = fold.batch[0] * (micro[0] if micro else 1), fold.batch[1] * (micro[1] if micro else 1)
@@ -81,7 +82,7 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
     result = simulate(graph, sim_world, costs=costs, comm=comm, zero=zero, host=host, ranks=ranks,
                       coarse=symmetric)
     result.fold = fold
-    result.model_flops = model_flops(traced.graph) * (size_of(batch_structure(batch)[1]) / size_of(sample))
+    result.model_flops = model_flops(traced.graph) * (samples / size_of(sample))
     if micro:
         symmetry.extrapolate(result, *micro)
     if hasattr(costs, "save"):
@@ -98,9 +99,4 @@ def model_flops(graph) -> float:
     """FLOPs of one training step of the unplaced ``graph``: each op's forward FLOPs (``cube.ir.ops.flops``,
     matmul-like ops, attention and convolutions) times 3 (forward, and backward at twice the forward),
     recompute not counted, as MFU counts them."""
-    total = 0
-    for op in graph.ops:
-        ins = [tuple(t.shape) for t in op.inputs if hasattr(t, "shape")]
-        outs = [tuple(t.shape) for t in op.outputs if hasattr(t, "shape")]
-        total += op_flops(op.name, ins, outs)
-    return 3.0 * total
+    return 3.0 * sum(op_flops(op) for op in graph.ops)

@@ -23,30 +23,15 @@ import json
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, List, Sequence, Tuple
 
 import torch
 
 from cube.sim import hardware
+from cube.sim.profile import time_call
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def _timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    """Median seconds of ``fn`` after a warm-up call."""
-    fn()
-    out = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def gemm_sweep(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], repeat: int = 5
@@ -56,7 +41,7 @@ def gemm_sweep(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], r
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        points.append((2.0 * n ** 3, _timed(lambda: torch.matmul(a, b), device, repeat)))
+        points.append((2.0 * n ** 3, time_call(lambda: torch.matmul(a, b), device, repeat)))
     return points
 
 
@@ -81,12 +66,12 @@ def bandwidth(device: torch.device, nbytes: int, repeat: int = 5) -> float:
     """Bytes per second a copy moves (read plus write)."""
     n = nbytes // 4
     x, y = torch.empty(n, device=device), torch.randn(n, device=device)
-    return 2 * nbytes / _timed(lambda: x.copy_(y), device, repeat)
+    return 2 * nbytes / time_call(lambda: x.copy_(y), device, repeat)
 
 
-def launch(device: torch.device, repeat: int = 50) -> float:
+def launch(device: torch.device, repeat: int = 9) -> float:
     x = torch.zeros(1, device=device)
-    return _timed(lambda: x.add_(1), device, repeat)
+    return time_call(lambda: x.add_(1), device, repeat)
 
 
 def profile(precision: str = "bf16", quick: bool = False, base: str = "dgx-a100-80g", name: str = "my-cluster",

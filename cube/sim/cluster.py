@@ -53,33 +53,24 @@ class DeviceCosts(Estimator):
         return n * (self.act_bytes if dtype.is_floating_point else dtype.itemsize)
 
     def op_cost(self, call) -> OpCost:
-        op = call.op
         ins, outs = local_shapes(call)
-        grad = needs_grad(call)
+        op = call.op
         # the same op at the same shapes costs the same: thousands of layers and micro-batches repeat
         key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)),
-               tuple(t.dtype for t in op.inputs), tuple(t.dtype for t in op.outputs), grad)
+               tuple(t.dtype for t in op.inputs), tuple(t.dtype for t in op.outputs), needs_grad(call))
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = self._op_cost(op, ins, outs, grad)
+            got = self._memo[key] = super().op_cost(call)
         return got
 
-    def _op_cost(self, op, ins, outs, grad: bool) -> OpCost:
-        info = op_info(op.name)
-        is_view = info.alias
+    def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
         if is_view:
-            fw = 0.0   # metadata only: no kernel
-        else:
-            nbytes = sum(self._bytes(s, t.dtype) for s, t in zip(ins, op.inputs)) + \
-                sum(self._bytes(s, t.dtype) for s, t in zip(outs, op.outputs))
-            flops = op_flops(op.name, ins, outs)
-            compute = flops / (self.peak * self.hw.curve(info.cost).at(flops)) if flops else 0.0
-            fw = self.launch + max(compute, nbytes / self.hw.memory_rate)
-        bw = self.backward_factor * fw if grad else 0.0
-        saved = tuple(("in", k) for k, t in enumerate(op.inputs)
-                      if t.dtype.is_floating_point and not is_view and grad)
-        alias = tuple(0 if is_view else -1 for _ in op.outputs)
-        return OpCost(fw, bw, saved, alias, measured=False)
+            return 0.0   # metadata only: no kernel
+        nbytes = sum(self._bytes(s, t.dtype) for s, t in zip(ins, op.inputs)) + \
+            sum(self._bytes(s, t.dtype) for s, t in zip(outs, op.outputs))
+        flops = op_flops(op.name, ins, outs)
+        compute = flops / (self.peak * self.hw.curve(op_info(op.name).cost).at(flops)) if flops else 0.0
+        return self.launch + max(compute, nbytes / self.hw.memory_rate)
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         per_param = float(self.hw.device.get("optimizer_bytes_per_param", 28))

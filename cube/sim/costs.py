@@ -83,22 +83,26 @@ class Estimator:
     mem_rate: float = 5e9
     launch: float = 10e-6
     adam_rate: float = 150e6
+    backward_factor: float = 2.0   # backward seconds per forward second
 
     def op_cost(self, call: Call) -> OpCost:
         op = call.op
         ins, outs = local_shapes(call)
+        is_view = op_info(op.name).alias   # a view of input 0: no new memory
+        grad = needs_grad(call)
+        fw = self.forward_seconds(op, ins, outs, is_view)
+        saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and not is_view and grad)
+        alias = tuple(0 if is_view else -1 for _ in op.outputs)
+        return OpCost(fw, self.backward_factor * fw if grad else 0.0, saved, alias, measured=False)
+
+    def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
+        """Forward seconds of ``op`` at local shapes ``ins``/``outs``."""
         itemsize = op.outputs[0].dtype.itemsize if op.outputs else 4
         nbytes = sum(_numel(s) * t.dtype.itemsize for s, t in zip(ins, op.inputs)) + \
             sum(_numel(s) for s in outs) * itemsize
         out = sum(_numel(s) for s in outs)
         flops = op_flops(op.name, ins, outs) or out   # a memory-bound op: one per output element
-        is_view = op_info(op.name).alias   # a view of input 0: no new memory
-        fw = self.launch + (0.0 if is_view else max(flops / self.flops_rate, nbytes / self.mem_rate))
-        bw = 2 * fw if needs_grad(call) else 0.0
-        saved = tuple(("in", k) for k, t in enumerate(op.inputs)
-                      if t.dtype.is_floating_point and not is_view and needs_grad(call))
-        alias = tuple(0 if is_view else -1 for _ in op.outputs)
-        return OpCost(fw, bw, saved, alias, measured=False)
+        return self.launch + (0.0 if is_view else max(flops / self.flops_rate, nbytes / self.mem_rate))
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         return len(numels) * self.launch * 4 + sum(numels) / self.adam_rate

@@ -95,7 +95,7 @@ class Writer:
             self.emit("wait", key=key, label=label, cat="wait")
 
     def send(self, key, nbytes: int, cat: str) -> None:
-        pair = key[0] if _is_pair(key) else 2   # the ranks, where the key names them
+        pair = message_pair(key) or 2   # the ranks, where the key names them
         self.emit("send", dur=self.comm.cost("p2p", nbytes, pair), key=key, label=f"send {nbytes / 2**20:.2f} MiB",
                   cat=cat, nbytes=nbytes)
 
@@ -104,7 +104,11 @@ class Writer:
 
 
 
-def _is_pair(key) -> bool:
-    """Whether a send's key starts with the two ranks it joins (then the network can tell the hop)."""
-    return isinstance(key, tuple) and len(key) >= 1 and isinstance(key[0], tuple) and len(key[0]) == 2 \
-        and all(isinstance(r, int) for r in key[0])
+
+def message_pair(key) -> Optional[Tuple[int, int]]:
+    """The (producer, consumer) ranks a point-to-point message's key starts with (``cube.sim.program``
+    keys a value's transfer ``((src, dst), tag, micro, "f" or "b")``), else None."""
+    if isinstance(key, tuple) and key and isinstance(key[0], tuple) and len(key[0]) == 2 \
+            and all(isinstance(r, int) for r in key[0]):
+        return key[0]
+    return None

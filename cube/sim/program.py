@@ -256,33 +256,29 @@ class Builder(Writer, StepEnd):
             self.coll("all_to_all", s.ranks, nbytes, "backward")
 
     # per op piece, the same every micro-batch: asked once
-    def _out_bytes(self, call: Call, j: int) -> int:
-        key = (id(call), j)
+    def _once(self, call: Call, what, compute):
+        key = (id(call), what)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = nbytes_of(box_shape(call.layout.outputs[j]), call.op.outputs[j].dtype)
+            got = self._memo[key] = compute()
         return got
 
+    def _out_bytes(self, call: Call, j: int) -> int:
+        return self._once(call, j, lambda: nbytes_of(box_shape(call.layout.outputs[j]), call.op.outputs[j].dtype))
+
     def _needs_grad(self, call: Call) -> bool:
-        key = (id(call), "grad")
-        got = self._memo.get(key)
-        if got is None:
-            got = self._memo[key] = needs_grad(call)
-        return got
+        return self._once(call, "grad", lambda: needs_grad(call))
 
     def _grad_reads(self, call: Call) -> list:
         """The values of a piece that receive a gradient (float, requiring one, read)."""
-        key = (id(call), "reads")
-        got = self._memo.get(key)
-        if got is None:
+        def reads():
             if call.op is not None:
-                reads = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
+                pairs = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
                          if k not in call.layout.unread]
             else:
-                reads = [(v, v) for v in call.inputs]
-            got = self._memo[key] = [v for v, logical in reads
-                                     if logical.requires_grad and logical.dtype.is_floating_point]
-        return got
+                pairs = [(v, v) for v in call.inputs]
+            return [v for v, logical in pairs if logical.requires_grad and logical.dtype.is_floating_point]
+        return self._once(call, "reads", reads)
 
     def grad_flow(self, call: Call, micro: int) -> None:
         """Gradients: the inputs' appear (parameters' stay until the optimizer), the outputs' go."""

@@ -25,8 +25,7 @@ def prediction(result: SimResult, hardware, ngpus: int, precision: Optional[str]
     ranks = {}
     for r, s in sorted(result.ranks.items()):
         comm = max(s.comm - s.waiting, 0.0)
-        real = fold.real_rank(r) if fold is not None else r
-        ranks[str(real)] = {"end_s": s.end, "compute_s": s.compute, "comm_s": comm,
+        ranks[str(result.real_rank(r))] = {"end_s": s.end, "compute_s": s.compute, "comm_s": comm,
                             "bubble_s": max(s.end - s.compute - comm, 0.0), "peak_memory_gib": s.peak / GIB}
     out = {
         "hardware": hardware.name,

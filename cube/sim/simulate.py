@@ -26,6 +26,7 @@ from cube.sim.comm import CommModel
 from cube.sim.costs import Estimator
 from cube.sim.host import Host
 from cube.sim.memory import KINDS, peak
+from cube.sim.instructions import message_pair
 from cube.sim.program import Builder, Ins
 
 
@@ -77,6 +78,10 @@ class SimResult:
         """The largest per-rank peak, in bytes."""
         return max(s.peak for s in self.ranks.values())
 
+    def real_rank(self, r: int) -> int:
+        """The rank ``r`` of this result is in the real world (itself, unless the world was folded)."""
+        return self.fold.real_rank(r) if self.fold is not None else r
+
     def summary(self) -> str:
         lines = [f"predicted step time {self.step_time * 1e3:.2f} ms, peak memory "
                  f"{self.peak_memory / 2**20:.1f} MiB"]
@@ -89,8 +94,7 @@ class SimResult:
         lines.append(f"{'rank':>4} {'end ms':>9} {'compute':>9} {'blocked':>9} {'peak MiB':>9}  breakdown at peak (MiB)")
         for r, s in sorted(self.ranks.items()):
             parts = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in s.breakdown.items() if v)
-            name = fold.real_rank(r) if fold is not None else r
-            lines.append(f"{name:>4} {s.end * 1e3:>9.2f} {s.compute * 1e3:>9.2f} {s.comm * 1e3:>9.2f} "
+            lines.append(f"{self.real_rank(r):>4} {s.end * 1e3:>9.2f} {s.compute * 1e3:>9.2f} {s.comm * 1e3:>9.2f} "
                          f"{s.peak / 2**20:>9.1f}  {parts}")
         return "\n".join(lines)
 
@@ -98,7 +102,7 @@ class SimResult:
         """Writes a Chrome trace JSON (``chrome://tracing`` or ui.perfetto.dev); returns the path."""
         out = []
         for r in sorted(self.ranks):
-            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {self.fold.real_rank(r) if self.fold is not None else r}"}})
+            out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {self.real_rank(r)}"}})
             for tid, name in ((0, "compute"), (1, "communication")):
                 out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": name}})
         for e in self.events:
@@ -197,12 +201,11 @@ def _senders(programs: dict) -> set:
         for i in prog.ins:
             if i.op != "recv" or i.key in sent:
                 continue
-            key = i.key
+            key, pair = i.key, message_pair(i.key)
             if isinstance(key, tuple) and key and key[0] == "loss":
                 out.add(key[1])
-            elif isinstance(key, tuple) and key and isinstance(key[0], tuple) and len(key[0]) == 2:
-                # (producer, consumer) pairs: activations go forward, gradients ("b") come back
-                out.add(key[0][1] if key[-1] == "b" else key[0][0])
+            elif pair is not None:   # activations go forward, gradients ("b") come back
+                out.add(pair[1] if key[-1] == "b" else pair[0])
             else:
                 raise CubeInternalError(f"simulate: cannot tell who sends message {key!r}")
     return out
