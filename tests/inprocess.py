@@ -23,6 +23,21 @@ def optimizer(name: str) -> Callable:
     raise ValueError(f"unknown optimizer {name!r}")
 
 
+def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[list, dict]:
+    """One optimizer step (``make(params)``) of a copy of the plain model per global batch: its losses
+    and its parameters after the last step, by name."""
+    ref = copy.deepcopy(model)
+    ref_opt = make(ref.parameters())
+    losses = []
+    for b in batches:
+        loss = ref(*b)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.detach())
+    return losses, dict(ref.named_parameters())
+
+
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
            opt: str = "sgd", build: Optional[Callable] = None, **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
@@ -39,17 +54,8 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         Per rank: (largest relative loss error, largest relative parameter-piece error).
     """
     batches = global_batches(sample, steps, nmicros)
-    ref = copy.deepcopy(model)
     make = optimizer(opt)
-    ref_opt = make(ref.parameters())
-    ref_losses = []
-    for i in range(steps):
-        loss = ref(*batches[i])
-        loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(loss.detach())
-    ref_params = dict(ref.named_parameters())
+    ref_losses, ref_params = eager_reference(model, batches, make)
     cache = tempfile.mkdtemp(prefix="cube-parity-")
 
     def body():

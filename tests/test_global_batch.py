@@ -16,7 +16,6 @@ import tempfile
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import cube
 import cube.debug
@@ -24,7 +23,8 @@ from policies.megatron3d import PASMegatron
 from policies.pipeline import PAS1F1B, PASGPipe
 from tests.launch import parity_across_ranks
 from tests.models import build
-from tests.parity import global_batches, rel
+from tests.inprocess import eager_reference, optimizer
+from tests.parity import compile_step, global_batches, rel
 
 RTOL = 1e-5
 
@@ -46,17 +46,8 @@ def _train(model, batches, policy, world, opt="adamw"):
     """Optimizer steps (AdamW, or ``opt="sgd"``) of the plain model and of cube on ``world``
     in-process ranks, one global batch each; returns per rank (loss error, parameter error,
     batches taken, BatchPart)."""
-    make = (lambda ps: torch.optim.SGD(ps, lr=1e-2)) if opt == "sgd" else (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    ref = copy.deepcopy(model)
-    opt = make(ref.parameters())
-    ref_losses = []
-    for b in batches:
-        loss = ref(*b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(loss.detach())
-    ref_params = dict(ref.named_parameters())
+    make = optimizer(opt)
+    ref_losses, ref_params = eager_reference(model, batches, make)
     cache = tempfile.mkdtemp(prefix="cube-global-")
 
     def body():
@@ -67,13 +58,7 @@ def _train(model, batches, policy, world, opt="adamw"):
                 taken.append(1)
                 yield b
         it = loader()
-
-        @cube.compile(copy.deepcopy(model), it, PAS=policy, cache_dir=cache)
-        def train_iter(model, dataloader):
-            data = next(dataloader)
-            loss = model(*data)
-            loss.backward()
-            return loss
+        train_iter = compile_step(copy.deepcopy(model), it, policy, cache)
         gen = cube.load_model()
         gen_opt = make(gen.parameters())
         losses = []

@@ -71,7 +71,6 @@ def read(src) -> Tuple[object, str]:
 
 def opset_of(model, label: str) -> Tuple[object, int]:
     """The model at an opset cube reads: older models are converted to opset 13 first."""
-    onnx = require_onnx()
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     if opset is None:
         raise ValueError(f"cube.onnx.load: {label} imports no default-domain opset")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from cube.errors import CubeInternalError
-from cube.onnx.ops import DTYPES, OPS, Handler
+from cube.onnx.ops import DTYPES, Handler
 
 
 @dataclass
