@@ -356,16 +356,32 @@ def test_background_from_the_cpu_time_other_programs_take():
 
 
 def test_sampler_sees_a_busy_program_during_its_span():
+    import os
     import subprocess
     import sys
     import time
     from cube.sim.host import Sampler
     sampler = Sampler([], interval=0.1, ranks=1)
     sampler.start()
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    # The spinner must be another program, not a descendant of this one (the sampler counts this
+    # process's children as ours): a short-lived parent starts it and exits, orphaning it.
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    launch = ("import subprocess, sys\n"
+              f"print(subprocess.Popen([sys.executable, '-c', {spin!r}], stdout=subprocess.DEVNULL, "
+              "stderr=subprocess.DEVNULL).pid)")
+    pid = int(subprocess.run([sys.executable, "-c", launch], capture_output=True, text=True, check=True).stdout)
+
+    def running() -> bool:   # (an orphan nobody reaps stays a zombie, state Z)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
     time.sleep(0.5)
     t0 = time.time()
-    busy.wait()
+    while running() and time.time() - t0 < 10:
+        time.sleep(0.02)
     t1 = time.time()
     time.sleep(0.2)
     assert sampler.during([(t0, t1)]) > 0.5   # a program spinning on a core (and whatever else runs)
