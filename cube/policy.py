@@ -25,7 +25,8 @@ class Resource:
 SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegatronTP": "policies.megatron",
            "PASHybrid": "policies.hybrid", "PASCol": "policies.gallery", "PASRow": "policies.gallery",
            "PAS1F1B": "policies.pipeline", "PASGPipe": "policies.pipeline",
-           "PAS1F1BInterleaved": "policies.pipeline", "PASMegatron": "policies.megatron3d",
+           "PAS1F1BInterleaved": "policies.pipeline", "PASZBH1": "policies.pipeline",
+           "PASZBV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
            "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto"}
 
 

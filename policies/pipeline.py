@@ -1,4 +1,4 @@
-"""PAS1F1B / PASGPipe / PAS1F1BInterleaved: pipeline parallel, stages balanced by cost.
+"""PAS1F1B / PASGPipe / PAS1F1BInterleaved / PASZBH1 / PASZBV: pipeline parallel, stages balanced by cost.
 
 The forward ops are cut into ``ngpus`` contiguous stages whose slowest stage
 is as fast as it can be (``cube.schedule.balance``: a dynamic program over an
@@ -12,6 +12,11 @@ tensors reach every stage. Pass measured op costs with ``cost=...``.
 nvirtual`` stages (``CUBE_VIRTUAL``, default 2 per device) and puts stage ``k``
 on device ``k % ngpus``: each device runs several smaller stages, which shrinks
 the pipeline's fill and drain; ``nmicros`` must be a multiple of the device count.
+
+``PASZBH1`` and ``PASZBV`` are the zero-bubble schedules (Qi et al., ICLR 2024),
+whose backward leaves the linear layers' weight gradients for later: ZB-H1 over
+``ngpus`` stages (1F1B's memory, a third of its bubble), ZB-V over ``2 x ngpus``
+stages, stage ``k`` and ``2 ngpus - 1 - k`` on device ``k`` (nearly no bubble).
 """
 from typing import Callable, Optional
 
@@ -30,13 +35,14 @@ def balanced_starts(graph: IRGraph, nstages: int, cost: Cost = None) -> list:
 
 
 def _pipeline(graph: IRGraph, resource, make, cost: Cost, nmicros: Optional[int], recompute: Recompute,
-              nvirtual: int = 1) -> IRGraph:
-    """``ngpus x nvirtual`` balanced stages, stage ``k`` on device ``k % ngpus``, then
-    ``make(graph, nmicros)`` sets the schedule."""
+              nvirtual: int = 1, v_shape: bool = False) -> IRGraph:
+    """``ngpus x nvirtual`` balanced stages, stage ``k`` on device ``k % ngpus`` (``v_shape``: on
+    device ``min(k, 2 ngpus - 1 - k)``), then ``make(graph, nmicros)`` sets the schedule."""
     meshes = DeviceMesh(("pp", resource.ngpus)).slices("pp")
-    stages = graph.staging(balanced_starts(graph, len(meshes) * nvirtual, cost))
+    n = len(meshes) * nvirtual
+    stages = graph.staging(balanced_starts(graph, n, cost))
     place_data(graph, meshes)   # every stage reads the batch
-    place_stages(graph, stages, meshes)
+    place_stages(graph, stages, [meshes[min(k, n - 1 - k)] for k in range(n)] if v_shape else meshes)
     apply_recompute(graph, recompute)
     make(graph, nmicros or config.micro_batches())
     return graph
@@ -63,3 +69,18 @@ def PAS1F1BInterleaved(graph: IRGraph, resource, cost: Cost = None, nmicros: Opt
     n, v = resource.ngpus, nvirtual or config.virtual_stages()
     return _pipeline(graph, resource, lambda g, m: schedule.sched_1f1b_interleaved(g, m, n, v), cost, nmicros,
                      recompute, v)
+
+
+def PASZBH1(graph: IRGraph, resource, cost: Cost = None, nmicros: Optional[int] = None,
+            recompute: Recompute = None) -> IRGraph:
+    """ZB-H1 over every device (``cube.schedule.sched_zb_h1``); ``cost``: an op's measured time (optional)."""
+    return _pipeline(graph, resource, lambda g, m: schedule.sched_zb_h1(g, m, resource.ngpus), cost, nmicros,
+                     recompute)
+
+
+def PASZBV(graph: IRGraph, resource, cost: Cost = None, nmicros: Optional[int] = None,
+           recompute: Recompute = None) -> IRGraph:
+    """ZB-V: ``2 x ngpus`` balanced stages in a V (``cube.schedule.sched_zbv``); ``cost``: an op's
+    measured time (optional)."""
+    return _pipeline(graph, resource, lambda g, m: schedule.sched_zbv(g, m, 2 * resource.ngpus), cost, nmicros,
+                     recompute, nvirtual=2, v_shape=True)

@@ -114,6 +114,8 @@ class _Emitter:
     def op_call(self, call: Call) -> str:
         op = call.op
         fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
+        if call.defer_wgrad and fn is None:
+            fn = "runtime.zb.linear"   # its weight gradient waits for the W action (split backward)
         self.subst = call.subst
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]

@@ -160,6 +160,9 @@ def build_program(graph: IRGraph, world: int, ranks: Optional[Sequence[int]] = N
     check_stage(graph, "plan")
     groups = all_groups(plans)
     actions = schedule_actions(graph, plans) if graph.schedule is not None else {}
+    if graph.schedule is not None and graph.schedule.splits_backward:
+        for plan in plans.values():
+            defer_weight_grads(plan)
     ranks = range(world) if ranks is None else ranks
     interleave = micro_interleave(graph, plans)
     program = Program(graph, world, {r: _rank_program(graph, plans[r], actions.get(r), interleave) for r in ranks},
@@ -193,8 +196,23 @@ def schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Li
     """
     sched = graph.schedule
     virtual = sched.nstages > sched.nranks
-    return {r: [a.label(virtual) for a in sched.ranks[stages[0]]]   # stages[0] is the pipeline rank
+    return {r: [a.label(virtual) for a in sched.ranks[sched.rank_of(stages[0])]]
             for r, stages in held_stages(graph, plans).items()}
+
+
+DEFERRABLE = ("linear",)   # ops whose weight gradient cube.runtime.zb computes apart
+
+
+def defer_weight_grads(plan: RankPlan) -> None:
+    """Marks the calls whose weight gradient a split backward (zero-bubble schedules) defers from B
+    to W: linear pieces reading a parameter of this rank as it is (not a value made from one, such
+    as ZeRO-3's gathered weight, whose gradient must flow back through what made it during B)."""
+    params = {id(t) for t, _ in plan.attrs if t.kind is TensorKind.PARAM and t.requires_grad}
+    for call in plan.calls:
+        op = call.op
+        if op is not None and op.name in DEFERRABLE and len(op.inputs) > 1:
+            w = op.inputs[1]
+            call.defer_wgrad = id(w) in params and call.subst.get(id(w), w) is w
 
 
 def micro_interleave(graph: IRGraph, plans: Dict[int, RankPlan]) -> int:

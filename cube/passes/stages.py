@@ -34,7 +34,7 @@ def held_stages(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Tuple[i
     Raises:
         ValueError: no stages, a stage count other than the schedule's, or a
             device whose ops are not those of exactly the stages of one
-            pipeline rank (stage ``k`` runs on pipeline rank ``k % nranks``).
+            pipeline rank (stage ``k`` runs on pipeline rank ``schedule.rank_of(k)``).
     """
     sched = graph.schedule
     if not graph.stages:
@@ -47,7 +47,7 @@ def held_stages(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Tuple[i
     out = {}
     for r, plan in plans.items():
         mine = sorted({stage_of.get(id(c.op.root)) for c in plan.calls if c.op is not None} - {None})
-        want = list(range(mine[0] % sched.nranks, sched.nstages, sched.nranks)) if mine else []
+        want = sched.stages_of(sched.rank_of(mine[0])) if mine else []
         if not mine or mine != want:
             raise ValueError(_misplaced(r, mine, want, sched))
         out[r] = tuple(mine)
@@ -60,9 +60,10 @@ def _misplaced(r: int, mine: List[int], want: List[int], sched) -> str:
         return (f"device {r} runs ops of stages {mine}; with a schedule each device runs the ops of exactly one "
                 f"stage: assign every op of a stage to that stage's devices")
     n = sched.nranks
+    where = ("stage k on pipeline rank k % {n}".format(n=n) if sched.placement is None else
+             "pipeline rank of each stage: " + ", ".join(f"{k}->{sched.rank_of(k)}" for k in range(sched.nstages)))
     return (f"device {r} runs ops of stages {mine}, but the {sched.name} schedule runs stages {want} together "
-            f"on one pipeline rank (stage k on pipeline rank k % {n}): put each stage k on the devices of "
-            f"stage k % {n}")
+            f"on one pipeline rank ({where}): put the stages of one pipeline rank on the same devices")
 
 
 def op_stages(graph: IRGraph) -> Dict[int, int]:

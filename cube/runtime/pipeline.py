@@ -12,7 +12,9 @@ A forward micro-step runs the rank's generated forward on one micro-batch:
 values for other stages are sent (``cube.runtime.p2p``, tags offset by the
 micro-batch) and their send markers kept; the last stage keeps the loss share.
 A backward micro-step runs autograd from that micro-batch's markers and, on the
-last stage, from its share, unscaled. Parameter gradients are summed over
+last stage, from its share, unscaled. Zero-bubble schedules split it: a B
+micro-step leaves the linear layers' weight gradients as work
+(``cube.runtime.zb``) that the micro-batch's W micro-step runs later. Parameter gradients are summed over
 ranks once, after the last micro-step.
 
 A rank holding several stages (virtual stages, interleaved 1F1B) has one
@@ -40,12 +42,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from cube.runtime import p2p, session
+from cube.runtime import p2p, session, zb
 from cube.runtime.collectives import wire
 
 LOSS_TAG = (1 << 30) - 1
 
-Step = Tuple[str, int, Optional[int]]   # (kind "F"/"B", micro-batch, stage or None: the rank's only stage)
+Step = Tuple[str, int, Optional[int]]   # (kind "F"/"B"/"W", micro-batch, stage or None: the rank's only stage)
 
 
 def parse_action(action: str) -> Step:
@@ -106,6 +108,8 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
          loss_to: Sequence[int], actions: Sequence[str]) -> torch.Tensor:
     nmicros = len(batches)
     forwards = [(i, s) for kind, i, s in steps if kind == "F"]
+    split = any(kind == "W" for kind, _, _ in steps)   # zero-bubble: B leaves weight gradients to W
+    deferred: Dict[Tuple[int, Optional[int]], list] = session.current().wgrads.pending
     roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
     if model._reducer is not None:
@@ -124,11 +128,21 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
                 roots[(i, s)] = (out, p2p.take_markers())
                 if out is not None:   # the stage making the loss
                     losses[i] = out
-            else:
+            elif kind == "B" and split:
+                out, markers = roots.pop((i, s))
+                with zb.collecting() as work:   # the linears' weight gradients wait for this W
+                    p2p.backward(out, markers, scale=1.0)
+                deferred[(i, s)] = work
+            elif kind == "B":
                 out, markers = roots.pop((i, s))
                 p2p.backward(out, markers, scale=1.0)   # a share of the global loss: no rescaling
+            else:
+                zb.apply(deferred.pop((i, s)))
     p2p.set_micro(0)
     p2p.finish()
+    if deferred:   # a B without its W: the schedule validator makes this impossible
+        raise RuntimeError(f"pipeline step ended with the weight gradients of {sorted(deferred)} not applied; "
+                           f"actions {list(actions)}")
     if p2p.untaken():   # posted for a forward or backward that did not run, or stashed for nobody: a cube bug
         raise RuntimeError(f"pipeline step ended with receives posted or values stashed but not taken: "
                            f"{p2p.untaken()}; actions {list(actions)}")

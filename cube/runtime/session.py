@@ -129,6 +129,19 @@ class P2PState:
 
 
 @dataclass(eq=False)
+class WeightGradState:
+    """Deferred weight gradients of a split backward (``cube.runtime.zb``).
+
+    Attributes:
+        sink: the list a running B action collects weight-gradient work in (None: compute at once).
+        pending: ``(micro, stage)`` -> the work its B left for its W.
+    """
+
+    sink: Optional[list] = None
+    pending: Dict[Tuple[int, Optional[int]], list] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
 class NormState:
     """What ``cube.runtime.norm`` learns once per program.
 
@@ -147,6 +160,7 @@ class RuntimeState:
     Attributes:
         p2p: point-to-point traffic.
         norm: the gradient norm's ownership tables.
+        wgrads: weight gradients deferred from B to W actions of a zero-bubble schedule.
         groups: the process groups (the process's shared table unless given).
         profile: the profiler region open in the program's forward and the profiler recording
             (``cube.runtime.profile``).
@@ -155,6 +169,7 @@ class RuntimeState:
     def __init__(self, groups: Optional[Groups] = None):
         self.p2p = P2PState()
         self.norm = NormState()
+        self.wgrads = WeightGradState()
         self.groups = groups if groups is not None else _PROCESS_GROUPS
         self.profile: Dict[str, Any] = {"handle": None, "mode": None}
         _STATES.add(self)

@@ -2,9 +2,15 @@
 
 A schedule lists, for every rank, actions ``F(stage, micro)`` and
 ``B(stage, micro)``. Stage ``s`` of ``nstages`` runs on rank ``s % nranks``
-(more stages than ranks are virtual stages, as in interleaved 1F1B).
+(more stages than ranks are virtual stages, as in interleaved 1F1B) unless the
+schedule has a ``placement`` (ZB-V: stages ``i`` and ``2n - 1 - i`` on rank ``i``).
 Dependencies: ``F(s, i)`` needs ``F(s-1, i)``; ``B(s, i)`` needs ``F(s, i)`` and
 ``B(s+1, i)`` (the last stage's backward follows its own forward).
+
+Zero-bubble schedules split the backward: ``B(s, i)`` computes the gradients of
+the stage's inputs (what the previous stage waits for) and ``W(s, i)``, which
+needs ``B(s, i)``, the deferred weight gradients (of the linear layers: see
+``cube.runtime.zb``), run where the rank would otherwise wait.
 
 ``validate`` replays a schedule one time step at a time (every action takes
 one step; a rank runs its actions in its order); a schedule that cannot make
@@ -17,10 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from cube.errors import CubeInternalError
+
 
 @dataclass(frozen=True)
 class Action:
-    """One micro-step: ``kind`` "F" or "B" of ``stage`` on micro-batch ``micro``."""
+    """One micro-step: ``kind`` "F", "B" or "W" (deferred weight gradients) of ``stage`` on
+    micro-batch ``micro``."""
 
     kind: str
     stage: int
@@ -39,19 +48,30 @@ class Schedule:
         nmicros: micro-batches per step.
         ranks: ``ranks[r]`` is rank ``r``'s list of actions.
         name: how the schedule was made (``gpipe``, ``1f1b``, ...).
+        placement: ``placement[s]`` is the rank of stage ``s``; None: ``s % nranks``.
     """
 
     nstages: int
     nmicros: int
     ranks: List[List[Action]]
     name: str = "custom"
+    placement: Optional[Tuple[int, ...]] = None
 
     @property
     def nranks(self) -> int:
         return len(self.ranks)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backward is split into B (input gradients) and W (weight gradients)."""
+        return any(a.kind == "W" for acts in self.ranks for a in acts)
+
     def rank_of(self, stage: int) -> int:
-        return stage % self.nranks
+        return self.placement[stage] if self.placement is not None else stage % self.nranks
+
+    def stages_of(self, rank: int) -> List[int]:
+        """The stages rank ``rank`` runs, in order."""
+        return [st for st in range(self.nstages) if self.rank_of(st) == rank]
 
     def __str__(self) -> str:
         virtual = self.nstages > self.nranks
@@ -72,13 +92,15 @@ class Schedule:
 
 
 def _expected(s: Schedule, r: int) -> List[Action]:
-    return [Action(k, st, i) for st in range(s.nstages) if s.rank_of(st) == r
-            for i in range(s.nmicros) for k in "FB"]
+    kinds = "FBW" if s.splits_backward else "FB"
+    return [Action(k, st, i) for st in s.stages_of(r) for i in range(s.nmicros) for k in kinds]
 
 
 def _deps(s: Schedule, a: Action) -> List[Action]:
     if a.kind == "F":
         return [Action("F", a.stage - 1, a.micro)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [Action("B", a.stage, a.micro)]
     deps = [Action("F", a.stage, a.micro)]
     if a.stage < s.nstages - 1:
         deps.append(Action("B", a.stage + 1, a.micro))
@@ -95,6 +117,10 @@ def validate(s: Schedule) -> Dict[Action, int]:
     if s.nstages < s.nranks or s.nstages % s.nranks:
         raise ValueError(f"schedule {s.name}: {s.nstages} stages on {s.nranks} ranks; use a multiple of the "
                          f"rank count (each rank holds nstages / nranks stages)")
+    if s.placement is not None and (len(s.placement) != s.nstages or
+                                    sorted(set(s.placement)) != list(range(s.nranks))):
+        raise ValueError(f"schedule {s.name}: placement {list(s.placement)} must give each of the {s.nstages} "
+                         f"stages a rank in 0..{s.nranks - 1}, every rank at least one stage")
     for r, acts in enumerate(s.ranks):
         want, got = _expected(s, r), list(acts)
         for a in got:
@@ -236,6 +262,96 @@ def sched_1f1b_interleaved(graph, nmicros: int, nranks: int, nvirtual: int) -> S
     return _attach(graph, Schedule(nstages, nmicros, ranks, "1f1b-interleaved"))
 
 
+def sched_zb_h1(graph, nmicros: int, nstages: int) -> Schedule:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B with the backward
+    split into B (input gradients) and W (weight gradients). Stage ``s`` runs 1F1B's warm-up
+    forwards, then F, B pairs, each followed by a W once ``s`` pairs have passed, and its
+    remaining W's last, where 1F1B's drain leaves it waiting. At most ``nstages`` micro-batches
+    are between their F and their W on any rank, as 1F1B holds at most ``nstages`` between F and B
+    on the first: the same peak activation memory; the bubble shrinks from ``(p - 1)(F + B + W)``
+    to ``(p - 1)(F + B - W)``."""
+    _check_args(nmicros, nstages, None)
+    ranks = []
+    for s in range(nstages):
+        warm = min(nstages - s - 1, nmicros)
+        acts = [Action("F", s, i) for i in range(warm)]
+        f, b, w = warm, 0, 0
+        while b < nmicros:
+            if f < nmicros:
+                acts.append(Action("F", s, f))
+                f += 1
+            acts.append(Action("B", s, b))
+            b += 1
+            if b > s:   # the W's of stage s trail its B's by s micro-batches
+                acts.append(Action("W", s, w))
+                w += 1
+        acts += [Action("W", s, i) for i in range(w, nmicros)]
+        ranks.append(acts)
+    return _attach(graph, Schedule(nstages, nmicros, ranks, "zb-h1"))
+
+
+def sched_zbv(graph, nmicros: int, nstages: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024): ``nstages = 2 x ranks``, stages ``i`` and ``nstages - 1 - i``
+    on rank ``i`` (the model goes down the ranks and back up, so the last stage, with the loss,
+    sits on rank 0 beside the first), backward split into B and W.
+
+    The order comes from a list-scheduling pass with unit-time F, B and W (the paper's setting):
+    each rank runs a ready B first (it unblocks the previous stage), else a ready F while fewer
+    than ``nstages`` of its stage-micro-batches are between F and W (1F1B's activation memory:
+    ``ranks`` micro-batches of a whole rank's layers), else a pending W, else waits."""
+    _check_args(nmicros, nstages, None)
+    if nstages % 2:
+        raise ValueError(f"ZB-V places two stages on each rank: nstages ({nstages}) must be even "
+                         f"(2 x the number of ranks)")
+    placement = tuple(min(st, nstages - 1 - st) for st in range(nstages))
+    return _attach(graph, Schedule(nstages, nmicros, _list_schedule(nstages, nmicros, placement, nstages),
+                                   "zbv", placement))
+
+
+def _list_schedule(nstages: int, nmicros: int, placement: Tuple[int, ...], limit: int) -> List[List[Action]]:
+    """Greedy list scheduling of F/B/W at unit time (see ``sched_zbv``)."""
+    nranks = max(placement) + 1
+    stages = [[st for st in range(nstages) if placement[st] == r] for r in range(nranks)]
+    done: Dict[Action, int] = {}
+    nxt = {k: [0] * nstages for k in "FBW"}
+    ranks: List[List[Action]] = [[] for _ in range(nranks)]
+    total, t = 3 * nstages * nmicros, 0
+
+    def ready(a: Action) -> bool:
+        if a.kind == "F":
+            deps = [Action("F", a.stage - 1, a.micro)] if a.stage > 0 else []
+        elif a.kind == "B":
+            deps = [Action("F", a.stage, a.micro)] + (
+                [Action("B", a.stage + 1, a.micro)] if a.stage < nstages - 1 else [])
+        else:
+            deps = [Action("B", a.stage, a.micro)]
+        return all(done.get(d, t) < t for d in deps)
+
+    while len(done) < total:
+        for r in range(nranks):
+            held = sum(nxt["F"][st] - nxt["W"][st] for st in stages[r])
+            pick = None
+            for kind in "BFW":
+                for st in sorted(stages[r], reverse=True):   # the deeper stage first
+                    i = nxt[kind][st]
+                    if i >= nmicros or (kind == "F" and held >= limit):
+                        continue
+                    a = Action(kind, st, i)
+                    if ready(a):
+                        pick = a
+                        break
+                if pick is not None:
+                    break
+            if pick is not None:
+                done[pick] = t
+                nxt[pick.kind][pick.stage] += 1
+                ranks[r].append(pick)
+        t += 1
+        if t > 4 * total + 4:
+            raise CubeInternalError(f"ZB-V list scheduling made no progress ({nstages} stages, {nmicros} micros)")
+    return ranks
+
+
 def custom(graph, nmicros: int, nstages: int, ranks: Sequence[Sequence[str]]) -> Schedule:
     """A hand-written schedule: ``ranks[r]`` like ``["F0", "F1", "B0", ...]`` (``F0.s2`` names
     virtual stage 2; without it, the rank's only stage)."""
@@ -249,9 +365,9 @@ def custom(graph, nmicros: int, nstages: int, ranks: Sequence[Sequence[str]]) ->
             if ".s" in rest:
                 rest, st = rest.split(".s", 1)
                 stage = int(st)
-            if kind not in ("F", "B") or not rest.isdigit():
-                raise ValueError(f"schedule entry {text!r} on rank {r}: write F<micro> or B<micro>, "
-                                 f"optionally .s<stage>")
+            if kind not in ("F", "B", "W") or not rest.isdigit():
+                raise ValueError(f"schedule entry {text!r} on rank {r}: write F<micro>, B<micro> or W<micro> "
+                                 f"(W: the deferred weight gradients, splitting backward), optionally .s<stage>")
             acts.append(Action(kind, stage, int(rest)))
         out.append(acts)
     return _attach(graph, Schedule(nstages, nmicros, out))

@@ -1,0 +1,136 @@
+"""Zero-bubble pipelines (ZB-H1, ZB-V): schedules as data, the split backward, parity with eager.
+
+The parity cases train on in-process ranks and compare the loss and every parameter piece after
+each step with the plain model trained on the same global batch (``tests.inprocess.parity``).
+"""
+import functools
+
+import pytest
+import torch
+
+from cube.schedule import Schedule, custom, sched_1f1b, sched_zb_h1, sched_zbv, validate
+from cube.schedule.schedules import Action
+from policies.pipeline import PASZBH1, PASZBV
+from tests.inprocess import assert_exact, parity
+from tests.models import build
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4), (3, 5), (4, 2)])
+def test_zb_h1_reaches_its_bound_and_keeps_1f1b_memory(p, m):
+    s = sched_zb_h1(None, m, p)
+    assert s.splits_backward and s.name == "zb-h1"
+    # unit-time F, B, W: every rank works 3m steps; the fill and drain cost (p - 1)(F + B - W) = p - 1
+    if m >= p:
+        assert s.steps() == 3 * m + p - 1
+    # 1F1B with a whole backward (B + W) per step: 3 (m + p - 1) unit steps
+    assert s.steps() < 3 * (m + p - 1)
+    for r, acts in enumerate(s.ranks):   # micro-batches between F and W never exceed 1F1B's p
+        held = peak = 0
+        for a in acts:
+            held += {"F": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        assert peak <= p
+
+
+@pytest.mark.parametrize("n,m", [(2, 4), (2, 8), (4, 8)])
+def test_zbv_places_stages_in_a_v_and_nearly_fills_the_pipeline(n, m):
+    s = sched_zbv(None, m, 2 * n)
+    assert [s.rank_of(k) for k in range(2 * n)] == list(range(n)) + list(reversed(range(n)))
+    assert s.stages_of(0) == [0, 2 * n - 1]
+    work = 6 * m   # two stages' F, B and W per micro-batch on each rank
+    assert s.steps() <= work + n   # the bubble is at most one unit per rank
+    for acts in s.ranks:
+        held = peak = 0
+        for a in acts:
+            held += {"F": 1, "W": -1}.get(a.kind, 0)
+            peak = max(peak, held)
+        assert peak <= 2 * n   # 1F1B's memory: n micro-batches of a rank's whole layers
+
+
+def test_a_w_before_its_b_is_a_deadlock_shown_on_the_grid():
+    with pytest.raises(ValueError, match=r"deadlocks .* W0.s0 waits for \[.B0.s0.\]"):
+        custom(None, 1, 2, [["F0", "W0", "B0"], ["F0", "B0", "W0"]])
+
+
+def test_a_split_schedule_must_list_every_w():
+    with pytest.raises(ValueError, match=r"rank 1 misses \['W1.s1'\]"):
+        custom(None, 2, 2, [["F0", "F1", "B0", "W0", "B1", "W1"], ["F0", "B0", "W0", "F1", "B1"]])
+
+
+def test_bad_entries_and_placements_are_clear_errors():
+    with pytest.raises(ValueError, match="write F<micro>, B<micro> or W<micro>"):
+        custom(None, 1, 1, [["F0", "X0"]])
+    with pytest.raises(ValueError, match="nstages .* must be even"):
+        sched_zbv(None, 4, 3)
+    bad = Schedule(2, 1, [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 1, 0), Action("B", 1, 0)]],
+                   "custom", placement=(0, 0))
+    with pytest.raises(ValueError, match="placement"):
+        validate(bad)
+
+
+def test_schedules_print_as_action_lists():
+    text = str(sched_zb_h1(None, 4, 2))
+    assert "rank 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3" in text
+    assert str(sched_1f1b(None, 4, 2)).count("W") == 0
+    assert "F0.s3" in str(sched_zbv(None, 4, 4))
+
+
+def test_generated_code_defers_the_weight_gradients_of_linear_layers_only():
+    from cube.compiler import generate_code
+    model, sample = build("gpt4_nobias")
+    batch = tuple(torch.cat([t] * 4) for t in sample)
+    src = generate_code(model, batch, functools.partial(PASZBH1, nmicros=4), world_size=2)[0]
+    assert "runtime.zb.linear(" in src and "aten.linear.default(" not in src
+    assert "aten.embedding.default(" in src   # other parameters' gradients stay in B
+    plain = generate_code(model, batch, "policies.pipeline:PAS1F1B", world_size=2)[0]
+    assert "runtime.zb" not in plain
+
+
+def test_the_split_backward_equals_autograd_on_one_linear():
+    from cube.runtime import zb
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    b = torch.nn.Parameter(torch.randn(6))
+    ref = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    torch.nn.functional.linear(*ref).pow(2).sum().backward()
+    with zb.collecting() as work:
+        zb.linear(x, w, b).pow(2).sum().backward()
+    assert torch.allclose(x.grad, ref[0].grad) and w.grad is None and b.grad is None and len(work) == 1
+    zb.apply(work)
+    assert torch.allclose(w.grad, ref[1].grad, rtol=1e-6) and torch.allclose(b.grad, ref[2].grad, rtol=1e-6)
+    assert not work
+
+
+PARITY = [
+    # (policy, world, micro-batches, optimizer, recompute)
+    (PASZBH1, 2, 4, "adamw", False),
+    (PASZBH1, 2, 8, "sgd", False),
+    (PASZBH1, 4, 4, "sgd", False),
+    (PASZBH1, 4, 8, "adamw", False),
+    (PASZBH1, 2, 4, "adamw", "all"),   # blocks recomputed in B: their linears still leave W its work
+    (PASZBV, 2, 4, "adamw", False),
+    (PASZBV, 2, 8, "sgd", False),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("policy,world,nmicros,opt,recompute", PARITY,
+                         ids=[f"{c[0].__name__}-pp{c[1]}-m{c[2]}-{c[3]}" + ("-recompute" if c[4] else "")
+                              for c in PARITY])
+def test_zero_bubble_trains_like_eager(policy, world, nmicros, opt, recompute):
+    model, sample = build("gpt4_nobias")
+    plan = functools.partial(policy, nmicros=nmicros, recompute=recompute)
+    assert_exact(parity(model, sample, plan, world, steps=3, nmicros=nmicros, opt=opt))
+
+
+@pytest.mark.multirank
+def test_zero_bubble_under_bf16_autocast_matches_1f1b():
+    """Under autocast the deferred weight gradient is computed in the forward's dtype, as autograd
+    does: ZB-H1 and 1F1B train the same bf16 model to the same parameters."""
+    from policies.pipeline import PAS1F1B
+    model, sample = build("gpt4_nobias")
+    a = parity(model, sample, functools.partial(PASZBH1, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
+    b = parity(model, sample, functools.partial(PAS1F1B, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
+    assert_exact(a, tol=1e-3)   # bf16-level differences from the float32 eager model (tests/test_precision.py)
+    assert a == pytest.approx(b, rel=0.05, abs=1e-6)   # and the same as 1F1B's
