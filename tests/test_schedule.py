@@ -47,7 +47,7 @@ def test_hand_written_schedule_is_checked():
     ([["F0", "F0", "F1", "B0", "B1"], ["F0", "B0", "F1", "B1"]], r"rank 0 repeats \['F0.s0'\]"),
     ([["F0", "F1", "B0", "B1", "F0.s1"], ["F0", "B0", "F1", "B1"]], r"stage 1 runs on rank 1"),
     ([["F0", "F2", "B0", "B2"], ["F0", "B0", "F1", "B1"]], r"micro-batches are 0..1"),
-    ([["X0"], ["F0"]], r"write F<micro> or B<micro>"),
+    ([["X0"], ["F0"]], r"write F<micro>, B<micro> or W<micro>"),
 ])
 def test_validator_names_the_offending_cell(ranks, match):
     with pytest.raises(ValueError, match=match) as info:

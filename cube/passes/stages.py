@@ -60,10 +60,14 @@ def _misplaced(r: int, mine: List[int], want: List[int], sched) -> str:
         return (f"device {r} runs ops of stages {mine}; with a schedule each device runs the ops of exactly one "
                 f"stage: assign every op of a stage to that stage's devices")
     n = sched.nranks
-    where = ("stage k on pipeline rank k % {n}".format(n=n) if sched.placement is None else
-             "pipeline rank of each stage: " + ", ".join(f"{k}->{sched.rank_of(k)}" for k in range(sched.nstages)))
+    if sched.placement is None:
+        return (f"device {r} runs ops of stages {mine}, but the {sched.name} schedule runs stages {want} together "
+                f"on one pipeline rank (stage k on pipeline rank k % {n}): put each stage k on the devices of "
+                f"stage k % {n}")
+    ranks = ", ".join(f"{k}->{sched.rank_of(k)}" for k in range(sched.nstages))
     return (f"device {r} runs ops of stages {mine}, but the {sched.name} schedule runs stages {want} together "
-            f"on one pipeline rank ({where}): put the stages of one pipeline rank on the same devices")
+            f"on one pipeline rank (stage -> pipeline rank: {ranks}): put the stages of one pipeline rank on "
+            f"the same devices")
 
 
 def op_stages(graph: IRGraph) -> Dict[int, int]:

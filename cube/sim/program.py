@@ -73,6 +73,7 @@ class Builder(Writer, StepEnd):
         self.launched: Dict[int, Hashable] = {}   # bucket index -> comm item
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
+        self.deferred: Dict[tuple, list] = {}   # (micro, stage) -> weight-gradient work its B left for W
 
     def _lay_out(self, program: RankProgram) -> None:
         """The calls of each segment (each stage this rank holds, or its only forward) one after
@@ -197,10 +198,18 @@ class Builder(Writer, StepEnd):
                 self.recompute(run, micro)
             call = self.calls[i]
             if call.op is not None:
+                saved = ("saved", micro, i, self.tag if run is not None else "")
                 if self._needs_grad(call):
-                    self.compute(self.costs.op_cost(call).bw, _label(call.op), "backward")
+                    bw = self.costs.op_cost(call).bw
+                    if call.defer_wgrad:   # B: the input's gradient; W gets the weight's (cube.runtime.zb)
+                        share = 0.5 if call.op.inputs[0].requires_grad else 0.0   # two equal products
+                        self.compute(bw * share, _label(call.op), "backward")
+                        self.deferred.setdefault((micro, stage), []).append((bw * (1 - share), call, saved))
+                    else:
+                        self.compute(bw, _label(call.op), "backward")
                     self.grad_flow(call, micro)
-                self.mem.release_all(("saved", micro, i, self.tag if run is not None else ""))
+                if not call.defer_wgrad:
+                    self.mem.release_all(saved)
             else:
                 self.bw_step(call, micro)
                 self.grad_flow(call, micro)
@@ -212,6 +221,13 @@ class Builder(Writer, StepEnd):
                 self.launch_ready(i)
         self.mem.release_all(("g", micro))   # gradients nothing consumed (the loss's seed)
         self.settle()
+
+    def weight(self, micro: int, stage: Optional[int] = None) -> None:
+        """A W action: the weight gradients its B deferred; their saved inputs go after."""
+        for seconds, call, saved in self.deferred.pop((micro, stage), []):
+            self.compute(seconds, _label(call.op) + " (W)", "backward")
+            self.mem.release_all(saved)
+            self.settle()
 
     def recompute(self, run, micro: int) -> None:
         """The run's forward again, its saved tensors held until its backward is done."""
@@ -309,8 +325,9 @@ class Builder(Writer, StepEnd):
             self.reduce_gradients()
             self.wait(loss_key, "loss sum")
         else:
+            run = {"F": self.forward, "B": self.backward, "W": self.weight}
             for kind, micro, stage in map(parse_action, self.actions):
-                (self.forward if kind == "F" else self.backward)(micro, stage)
+                run[kind](micro, stage)
             self.emit("flush", label="p2p.finish", cat="wait")
             self.reduce_gradients()
             if plan.loss_from is None:
