@@ -168,15 +168,15 @@ def whole(graph: IRGraph, resource) -> IRGraph:
     return graph
 
 
-SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe}
+SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe, "zb-h1": schedule.sched_zb_h1}
 
 
 def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
     """Applies a ``pp x dp x tp`` plan (what ``python -m cube.sim --search`` writes) to ``graph``.
 
     ``config`` holds ``dp``, ``tp``, ``pp`` and optionally ``starts`` (the index among the forward
-    ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b`` or
-    ``gpipe``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``. Stage ``s`` runs on
+    ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b``,
+    ``gpipe`` or ``zb-h1``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``. Stage ``s`` runs on
     the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel over ``tp``.
 
     Raises:

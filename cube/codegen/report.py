@@ -139,7 +139,8 @@ def placement_svg(plans: Dict[int, RankPlan]) -> str:
 
 
 def schedule_svg(schedule: Schedule) -> str:
-    """The schedule as a rank x time chart: forward and backward micro-steps, idle gaps blank."""
+    """The schedule as a rank x time chart: forward, backward (and weight-gradient) micro-steps, idle
+    gaps blank."""
     times = validate(schedule)
     w, h, left, top = 34, 24, 60, 24
     virtual = schedule.nstages > schedule.nranks
@@ -150,7 +151,7 @@ def schedule_svg(schedule: Schedule) -> str:
         for a in acts:
             x = left + times[a] * w
             color = COLORS[a.micro % len(COLORS)]
-            opacity = "1" if a.kind == "F" else "0.55"
+            opacity = {"F": "1", "B": "0.55", "W": "0.3"}[a.kind]
             body.append(f'<rect x="{x}" y="{y}" width="{w - 2}" height="{h}" fill="{color}" '
                         f'fill-opacity="{opacity}"/><text x="{x + 4}" y="{y + 16}">{a.label(virtual)}</text>')
     steps = max(times.values()) + 1 if times else 0

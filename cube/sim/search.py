@@ -70,7 +70,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute: Sequence[bool] = (False, True),
-            zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe"),
+            zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe", "zb-h1"),
             max_pp: Optional[int] = None) -> List[dict]:
     """Every configuration for ``world`` devices and a global ``batch`` (micro-batch counts: ``micros``
     times the pipeline depth)."""
