@@ -1,5 +1,5 @@
-"""cube's 1F1B and interleaved 1F1B pipelines side by side with torch.distributed.pipelining, in one
-torchrun job.
+"""cube's 1F1B, interleaved 1F1B and zero-bubble (ZB-H1, ZB-V) pipelines side by side with
+torch.distributed.pipelining, in one torchrun job.
 
     python -m benchmarks.pipeline [--quick] [--rounds 20] [--steps 1]
 
@@ -50,11 +50,19 @@ Measures, each the median over steps of the slowest rank's time:
   hand-split torch modules, median over the same rounds. ``(p - 1) / v`` is the
   fill and drain of (interleaved) 1F1B when every micro-step of a stage takes
   ``T / (v m)``.
+  Zero-bubble schedules shrink the fill and drain: with F, B and W taking a
+  third of ``T / m`` each, ZB-H1's is ``(p - 1) / 3`` micro-steps instead of
+  ``p - 1`` (``T x (m + (p - 1) / 3) / m``), and ZB-V's the idle unit steps of
+  its schedule grid (``cube.schedule.sched_zbv(...).steps()`` against ``6 m``).
 - ``bound_share``: ``bound_ms / pipeline_ms`` (1.0 reaches the bound).
+- ``bubble`` and ``bound_bubble``: the share of the pipeline part a rank waits,
+  ``1 - T / pipeline_ms``, and the same at the bound, ``1 - T / bound_ms``.
 
 Ratios (ms/step): ``cube / torch`` (1F1B, target <= 0.95), ``cube interleaved /
-torch interleaved`` (target <= 0.95) and ``cube interleaved / torch 1F1B``
-(below 1 when cube's interleaving beats torch's plain 1F1B). cube's bound share
+torch interleaved`` (target <= 0.95), ``cube interleaved / torch 1F1B``
+(below 1 when cube's interleaving beats torch's plain 1F1B), ``cube ZB-H1 /
+torch 1F1B`` (target <= 0.90 at m = 4) and ``cube ZB-V / torch ZB-V`` (target
+<= 0.95). cube's bound share
 target is >= 0.90.
 """
 from __future__ import annotations
@@ -81,8 +89,25 @@ from benchmarks._torchrun import compile_gpt, port  # noqa: E402
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 MICROS = (4, 8)
 STAGES = 2    # ranks
-VIRTUAL = {"1F1B": 1, "interleaved": 2}   # stages per rank of each kind of schedule
-POLICY = {"1F1B": "policies.pipeline:PAS1F1B", "interleaved": "policies.pipeline:PAS1F1BInterleaved"}
+VIRTUAL = {"1F1B": 1, "interleaved": 2, "ZB-H1": 1, "ZB-V": 2}   # stages per rank of each kind of schedule
+POLICY = {"1F1B": "policies.pipeline:PAS1F1B", "interleaved": "policies.pipeline:PAS1F1BInterleaved",
+          "ZB-H1": "policies.pipeline:PASZBH1", "ZB-V": "policies.pipeline:PASZBV"}
+TORCH = {"1F1B": "1F1B", "interleaved": "interleaved", "ZB-H1": None, "ZB-V": "ZB-V"}   # None: torch 1F1B's way
+
+
+def _rank_of(kind: str, k: int, nstages: int) -> int:
+    """The rank of stage ``k``: in a V for ZB-V, else ``k % STAGES``."""
+    return min(k, nstages - 1 - k) if kind == "ZB-V" else k % STAGES
+
+
+def _bound_steps(kind: str, m: int) -> float:
+    """Micro-steps of ``T / m`` each that the pipeline part takes at its bound (see the docstring)."""
+    if kind == "ZB-H1":
+        return m + (STAGES - 1) / 3
+    if kind == "ZB-V":
+        from cube.schedule import sched_zbv
+        return m * sched_zbv(None, m, 2 * STAGES).steps() / (6 * m)
+    return m + (STAGES - 1) / VIRTUAL[kind]
 
 
 def _gpt(cfg: dict):
@@ -203,34 +228,44 @@ def _bounds(every: List[Dict[int, List[int]]], layers: int) -> List[int]:
     return bounds
 
 
-def _torch_way(cfg: dict, m: int, base, bounds: List[int], rank: int) -> _Way:
+def _torch_way(cfg: dict, m: int, base, bounds: List[int], rank: int, kind: str) -> _Way:
     """torch.distributed.pipelining over the stages of ``bounds``: ``Schedule1F1B`` with one stage per
-    rank, ``ScheduleInterleaved1F1B`` with several (stage ``k`` on rank ``k % STAGES``)."""
+    rank, ``ScheduleInterleaved1F1B`` with several (stage ``k`` on rank ``k % STAGES``), or
+    ``ScheduleZBVZeroBubble`` (``kind`` ZB-V: stages in a V)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
+                                              ScheduleZBVZeroBubble)
     mods = _stage_modules(copy.deepcopy(base), bounds)
-    mine = [k for k in range(len(mods)) if k % STAGES == rank]
-    stages = [PipelineStage(mods[k], k, len(mods), torch.device("cpu")) for k in mine]
-    if len(stages) == 1:
-        kind, sched = "1F1B", Schedule1F1B(stages[0], n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
+    n = len(mods)
+    mine = [k for k in range(n) if _rank_of(kind, k, n) == rank]
+    stages = [PipelineStage(mods[k], k, n, torch.device("cpu")) for k in mine]
+    if kind == "ZB-V":
+        sched = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
+    elif len(stages) == 1:
+        sched = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
     else:
-        kind, sched = "interleaved", ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=_loss_fn,
-                                                             scale_grads=True)
+        sched = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
     opt = torch.optim.AdamW([p for k in mine for p in mods[k].parameters()], lr=1e-3)
-    tied = mods[0].wte.weight if rank == 0 else mods[-1].lm_head.weight
+    copies = [mods[k].wte.weight if k == 0 else mods[k].lm_head.weight for k in mine if k in (0, n - 1)]
+    last = _rank_of(kind, n - 1, n)   # the rank computing the loss
     it = iter(_batches(cfg, 10000))
 
     def step():
         ids, tgt = next(it)
-        if rank == 0:
-            sched.step(ids, return_outputs=False)
-            loss = None
+        losses = [] if rank == last else None
+        if rank == 0:   # the first stage's rank feeds the batch (and the last's, in a V, the targets)
+            sched.step(ids, target=tgt if rank == last else None, losses=losses, return_outputs=False)
         else:
-            losses = []
             sched.step(target=tgt, losses=losses, return_outputs=False)   # no concatenated logits
-            loss = torch.stack(losses).mean().detach()
-        dist.all_reduce(tied.grad)   # the untied embedding / LM head copies sum their gradients
+        loss = torch.stack(losses).mean().detach() if losses else None
+        # the untied embedding / LM head copies sum their gradients (on one rank in a V)
+        if len(copies) == 2:
+            total = copies[0].grad + copies[1].grad
+            for c in copies:
+                c.grad.copy_(total)
+        elif copies:   # one copy on each of two ranks
+            dist.all_reduce(copies[0].grad)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad()
@@ -241,10 +276,10 @@ def _torch_way(cfg: dict, m: int, base, bounds: List[int], rank: int) -> _Way:
 class _Ideal:
     """This rank's stages alone: forward and backward of ``m`` micro-batches, no communication."""
 
-    def __init__(self, cfg: dict, m: int, base, bounds: List[int], rank: int):
+    def __init__(self, cfg: dict, m: int, base, bounds: List[int], rank: int, kind: str):
         import torch
         mods = _stage_modules(copy.deepcopy(base), bounds)
-        self.m, self.mods = m, [mods[k] for k in range(len(mods)) if k % STAGES == rank]
+        self.m, self.mods = m, [mods[k] for k in range(len(mods)) if _rank_of(kind, k, len(mods)) == rank]
         mb = cfg["batch"] // m
         gen = torch.Generator().manual_seed(2)
         self.ids = torch.randint(0, cfg["vocab"], (mb, cfg["seq"]), generator=gen)
@@ -286,9 +321,15 @@ def worker(args) -> None:
             every = [None] * world
             dist.all_gather_object(every, blocks)
             splits[kind] = bounds = _bounds(every, cfg["layers"])
-            ideals[(kind, m)] = _Ideal(cfg, m, base, bounds, rank)
-            ways += [cube_way, _torch_way(cfg, m, base, bounds, rank)]
-            runners += ways[-2:] + [ideals[(kind, m)]]
+            ideals[(kind, m)] = _Ideal(cfg, m, base, bounds, rank, kind)
+            ways.append(cube_way)
+            if TORCH[kind] is not None:
+                ways.append(_torch_way(cfg, m, base, bounds, rank, kind))
+            elif bounds != splits["1F1B"]:
+                raise RuntimeError(f"{kind} split its stages {bounds} unlike 1F1B's {splits['1F1B']}: the "
+                                   f"comparison with torch's 1F1B would not be on the same stages")
+            runners += ways[-2:] if TORCH[kind] else ways[-1:]
+            runners.append(ideals[(kind, m)])
     for r in runners:
         for _ in range(args.warmup):
             r.step()
@@ -316,28 +357,35 @@ def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
 
     rows = []
     for m in MICROS:
-        first = {f"{who} {kind}": every[STAGES - 1][f"{who} {kind} m={m}"][2]
-                 for kind in VIRTUAL for who in ("cube", "torch")}
+        first = {}
+        for ranks in every:   # the loss is known on the rank of the last stage
+            for name, (_, _, loss) in ranks.items():
+                if name.endswith(f" m={m}") and loss is not None and loss == loss:
+                    first[name[:-len(f" m={m}")]] = loss
         ref = first["torch 1F1B"]
         if not all(abs(v - ref) <= 1e-5 * abs(ref) for v in first.values()):
             raise RuntimeError(f"m={m}: the first step's losses differ ({first}): the pipelines do not train "
                                f"the same model")
         got = {}
-        for kind, v in VIRTUAL.items():
+        for kind in VIRTUAL:
             ideal = max(statistics.median(ranks[f"ideal {kind} m={m}"][0]) for ranks in every) * 1e3
-            bound = ideal * (m + (STAGES - 1) / v) / m
-            for who in ("cube", "torch"):
+            bound = ideal * _bound_steps(kind, m) / m
+            for who in ("cube", "torch") if TORCH[kind] else ("cube",):
                 name = f"{who} {kind} m={m}"
                 pipe, whole = slowest(name, 0), slowest(name, 1)
                 got[f"{who} {kind}"] = whole
                 rows.append({"benchmark": "pipeline", "name": name, "micro_batches": m, "ms_per_step": whole,
                              "pipeline_ms": pipe, "bound_ms": bound, "bound_share": bound / pipe,
+                             "bubble": 1 - ideal / pipe, "bound_bubble": 1 - ideal / bound,
                              "ideal_rank_ms": ideal, "first_loss": first[f"{who} {kind}"],
                              "stage_blocks": splits[kind],
                              **({"target": "bound_share >= 0.90"} if who == "cube" else {})})
         for a, b, target in (("cube 1F1B", "torch 1F1B", "<= 0.95"),
                              ("cube interleaved", "torch interleaved", "<= 0.95"),
-                             ("cube interleaved", "torch 1F1B", "")):
+                             ("cube interleaved", "torch 1F1B", ""),
+                             ("cube ZB-H1", "torch 1F1B", "<= 0.90" if m == 4 else ""),
+                             ("cube ZB-H1", "cube 1F1B", ""),
+                             ("cube ZB-V", "torch ZB-V", "<= 0.95")):
             rows.append({"benchmark": "pipeline", "name": f"{a} / {b} m={m}", "micro_batches": m,
                          "time_ratio": got[a] / got[b], **({"target": target} if target else {})})
     return rows
@@ -360,12 +408,14 @@ def report(rows: List[dict], cfg: dict, nsteps: int) -> None:
           f"{cfg['batch']}, {STAGES} ranks (gloo, CPU), median of {nsteps} steps")
     for kind in VIRTUAL:
         bounds = next(r["stage_blocks"] for r in rows if r["name"].startswith(f"cube {kind} "))
-        print(f"{kind} stages (stage k on rank k % {STAGES}): {_describe(bounds)}")
-    print(f"{'way':<26}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'loss0':>10}")
+        where = "in a V" if kind == "ZB-V" else f"stage k on rank k % {STAGES}"
+        print(f"{kind} stages ({where}): {_describe(bounds)}")
+    print(f"{'way':<26}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'bubble':>8}{'bound':>7}"
+          f"{'loss0':>10}")
     for r in rows:
         if "ms_per_step" in r:
             print(f"{r['name']:<26}{r['ms_per_step']:>10.1f}{r['pipeline_ms']:>10.1f}{r['bound_ms']:>9.1f}"
-                  f"{r['bound_share']:>8.2f}{r['first_loss']:>10.5f}")
+                  f"{r['bound_share']:>8.2f}{r['bubble']:>8.2f}{r['bound_bubble']:>7.2f}{r['first_loss']:>10.5f}")
     for r in rows:
         if "time_ratio" in r:
             target = f" (target {r['target']})" if "target" in r else ""
