@@ -10,7 +10,9 @@ orders ranks. A step takes ``nmicros`` micro-batches (``CUBE_MICROS``, default
 4) through the 1F1B schedule. With ``nvirtual=v`` (``CUBE_VIRTUAL``, default 1)
 the ops are cut into ``pp x v`` stages instead, stage ``k`` on the devices of
 pipeline rank ``k % pp``, run by interleaved 1F1B (``nmicros`` then a multiple
-of ``pp``).
+of ``pp``). ``schedule="zb-h1"`` runs ZB-H1 over the ``pp`` stages and
+``schedule="zbv"`` ZB-V over ``2 x pp`` stages in a V (``cube.schedule``: the
+zero-bubble schedules, whose W fill the pipeline's waits).
 
 Degrees: ``tp`` and ``pp`` (``CUBE_TP``, ``CUBE_PP``, default 2 each); ``dp =
 ngpus // (tp * pp)``. With ``pp = 1`` it is ``PASHybrid`` with gradient
@@ -41,7 +43,7 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
-                recompute: Recompute = None) -> IRGraph:
+                recompute: Recompute = None, schedule_name: Optional[str] = None) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -53,16 +55,35 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         nvirtual: stages per pipeline rank (default ``CUBE_VIRTUAL``, else 1); more than one
             runs interleaved 1F1B.
         recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+        schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"`` or
+            ``"zbv"`` (two stages per pipeline rank in a V; ``nvirtual`` must be left out or 2).
+
+    Raises:
+        ValueError: an unknown schedule, or ZB-H1/ZB-V with another ``nvirtual``.
     """
     mesh = _mesh(resource.ngpus, tp, pp)
     pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
-    nvirtual = nvirtual or config.virtual_stages(default=1)
+    name = (schedule_name or "1f1b").lower()
+    if name not in ("1f1b", "zb-h1", "zbv"):
+        raise ValueError(f"PASMegatron: unknown schedule_name {schedule_name!r}; use '1f1b', 'zb-h1' or 'zbv'")
+    want = {"zb-h1": 1, "zbv": 2}.get(name)
+    if want is not None and nvirtual not in (None, want):
+        raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
+                         f"but nvirtual={nvirtual}; leave nvirtual out")
+    nvirtual = want or nvirtual or config.virtual_stages(default=1)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
-    place_data(graph, mesh.slices("pp"))   # every stage reads the batch
-    place_stages(graph, stages, mesh.slices("pp"), dp=data, tp=tensor)
+    meshes = mesh.slices("pp")
+    place_data(graph, meshes)   # every stage reads the batch
+    if name == "zbv":   # stage k on pipeline rank min(k, 2 pp - 1 - k)
+        meshes = [meshes[min(k, 2 * pp - 1 - k)] for k in range(2 * pp)]
+    place_stages(graph, stages, meshes, dp=data, tp=tensor)
     apply_recompute(graph, recompute)
-    if nvirtual > 1:
+    if name == "zb-h1":
+        schedule.sched_zb_h1(graph, nmicros, pp)
+    elif name == "zbv":
+        schedule.sched_zbv(graph, nmicros, 2 * pp)
+    elif nvirtual > 1:
         schedule.sched_1f1b_interleaved(graph, nmicros, pp, nvirtual)
     else:
         schedule.sched_1f1b(graph, nmicros, pp)

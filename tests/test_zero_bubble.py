@@ -170,3 +170,29 @@ def test_zbv_stages_placed_round_robin_are_a_clear_error():
     batch = tuple(torch.cat([t] * 4) for t in sample)
     with pytest.raises(ValueError, match=r"zbv schedule runs stages \[0, 3\] together .*0->0, 1->1, 2->1, 3->0"):
         generate_code(model, batch, round_robin, world_size=2)
+
+
+MEGATRON = [("zb-h1", "sgd"), ("zbv", "sgd")]
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("name,opt", MEGATRON, ids=[c[0] for c in MEGATRON])
+def test_megatron_pp2_tp2_with_zero_bubble_trains_like_eager(name, opt):
+    """Tensor parallel inside the stages: the column and row pieces' weight gradients wait for W too."""
+    from policies.megatron3d import PASMegatron
+    model, sample = build("gpt4_nobias")
+    plan = functools.partial(PASMegatron, tp=2, pp=2, nmicros=4, schedule_name=name)
+    assert_exact(parity(model, sample, plan, 4, steps=2, nmicros=4, opt=opt))
+
+
+def test_megatron_refuses_a_zero_bubble_schedule_with_other_virtual_stages():
+    from cube.compiler import generate_code
+    from policies.megatron3d import PASMegatron
+    model, sample = build("gpt4_nobias")
+    batch = tuple(torch.cat([t] * 4) for t in sample)
+    with pytest.raises(ValueError, match="schedule_name='zbv' runs 2 stage.*nvirtual=3"):
+        generate_code(model, batch, functools.partial(PASMegatron, tp=1, pp=2, nvirtual=3, schedule_name="zbv"),
+                      world_size=2)
+    with pytest.raises(ValueError, match="unknown schedule_name 'dualpipe'"):
+        generate_code(model, batch, functools.partial(PASMegatron, tp=1, pp=2, schedule_name="dualpipe"),
+                      world_size=2)
