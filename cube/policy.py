@@ -26,7 +26,8 @@ SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegat
            "PASHybrid": "policies.hybrid", "PASCol": "policies.gallery", "PASRow": "policies.gallery",
            "PAS1F1B": "policies.pipeline", "PASGPipe": "policies.pipeline",
            "PAS1F1BInterleaved": "policies.pipeline", "PASMegatron": "policies.megatron3d",
-           "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto"}
+           "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto",
+           "PASSpatial": "policies.spatial"}
 
 
 def resolve(name: str) -> str:
