@@ -158,16 +158,24 @@ def check(op: IRFwOperation, d: int, num: int) -> None:
     if not st.upsample and block % st.stride:
         raise _refuse(op, f"the stride {st.stride} does not divide the piece size {block} along dim {d}",
                       "Split into fewer pieces, or choose sizes where the stride divides each piece")
+    wins = windows(op, d, num)
+    halo = max(max(i * block - a, b - (i + 1) * block) for i, (a, b) in enumerate(wins))
     if st.extent > block:
-        raise _refuse(op, f"its kernel spans {st.extent} rows along dim {d}, more than a piece's {block}",
-                      f"Split into at most {st.size_in // st.extent} pieces along this dim")
-    for i, (a, b) in enumerate(windows(op, d, num)):
+        raise _refuse(op, f"its kernel spans {st.extent} rows along dim {d} (a halo of up to {halo}), more than "
+                          f"a piece's {block} rows (a split finer than the kernel allows)",
+                      f"Split into at most {_most(st.size_in, st.size_out, st.extent)} pieces along this dim")
+    for i, (a, b) in enumerate(wins):
         lo, hi = i * block, (i + 1) * block
-        if a < lo - block or b > hi + block:
-            halo = max(lo - a, b - hi)
-            raise _refuse(op, f"piece {i} needs a halo of {halo} rows along dim {d}, wider than a piece of "
-                              f"{block} rows (a split finer than the halo allows)",
-                          f"Split into at most {st.size_in // max(halo, 1)} pieces along this dim")
+        # rows outside the tensor are padding, made locally: only rows of the tensor count
+        if max(a, 0) < lo - block or min(b, st.size_in) > hi + block:
+            raise _refuse(op, f"piece {i} reads {max(lo - max(a, 0), min(b, st.size_in) - hi)} rows of its "
+                              f"neighbours along dim {d}, more than a piece of {block} rows (a split finer "
+                              f"than the halo allows)", "Split into fewer pieces along this dim")
+
+
+def _most(size_in: int, size_out: int, extent: int) -> int:
+    """The most pieces whose blocks are at least ``extent`` rows and divide both sizes."""
+    return max((n for n in range(1, size_in // extent + 1) if size_in % n == 0 and size_out % n == 0), default=1)
 
 
 def _gcd(a: int, b: int) -> int:

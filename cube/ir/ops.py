@@ -77,7 +77,7 @@ relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus erf clamp
 maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and logical_or bitwise_not
 bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
-zero_ copy_ reciprocal square floor ceil round sign native_dropout""", rule="elementwise")
+zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors""", rule="elementwise")
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")

@@ -35,8 +35,10 @@ class Inside:
             on the rest: a piece whose blocks read only themselves but whose arguments change.
         args, kwargs: its arguments (``IRTensor``s, ATen ops and constants; printed by codegen).
         groups: process groups the call's collectives use (made on every rank at start-up).
-        p2p: ``(peer, bytes)`` this rank sends each neighbour in forward; backward sends the
-            same amounts the other way.
+        p2p: ``(peer, bytes)`` this rank sends each neighbour in forward; backward receives the
+            same amounts back.
+        recvs: ``(peer, bytes)`` this rank receives from each neighbour in forward (and sends back
+            in backward).
         all_reduce: bytes all-reduced over ``groups[0]`` in forward (and again in backward).
     """
 
@@ -45,6 +47,7 @@ class Inside:
     kwargs: dict = field(default_factory=dict)
     groups: Tuple[Ranks, ...] = ()
     p2p: Tuple[Tuple[int, int], ...] = ()
+    recvs: Tuple[Tuple[int, int], ...] = ()
     all_reduce: int = 0
 
 
@@ -82,6 +85,7 @@ def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     shape = list(box_shape(layout.inputs[0]))
     itemsize = root.inputs[0].dtype.itemsize
     p2p: Dict[int, int] = {}
+    recvs: Dict[int, int] = {}
     for d in sorted(d for f in factors for d in halo.split_dims(root, f)):
         f = root.anno.inputs[0][d].head.name
         pos, num = _position(op, f)
@@ -97,6 +101,9 @@ def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
             lo, hi = max(a, pos * block), min(b, (pos + 1) * block)
             if q != pos and lo < hi:
                 p2p[ranks[q]] = p2p.get(ranks[q], 0) + math.prod(shape) // block * (hi - lo) * itemsize
+            lo, hi = max(wins[pos][0], q * block), min(wins[pos][1], (q + 1) * block)   # what mine reads of q's
+            if q != pos and lo < hi:
+                recvs[ranks[q]] = recvs.get(ranks[q], 0) + math.prod(shape) // block * (hi - lo) * itemsize
         specs.append((d, ranks, pos, wins))
         exchanged.append(d)
         shape[d] = wins[pos][1] - wins[pos][0]
@@ -105,7 +112,8 @@ def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     if not specs:
         return Inside(None, tuple(args), kwargs)
     kwargs = dict(kwargs, halo=tuple(specs), fill=halo.fill(root))
-    return Inside("runtime.halo.stencil", tuple(args), kwargs, p2p=tuple(sorted(p2p.items())))
+    return Inside("runtime.halo.stencil", tuple(args), kwargs, p2p=tuple(sorted(p2p.items())),
+                  recvs=tuple(sorted(recvs.items())))
 
 
 def _stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
