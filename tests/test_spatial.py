@@ -214,7 +214,6 @@ def test_splits_cube_cannot_compute_exactly_are_refused(module, shape, num, matc
 def test_policy_keeps_ops_whole_where_a_split_would_be_refused():
     """PASSpatial leaves an op it cannot split exactly whole (its inputs gathered): still exact."""
     torch.manual_seed(0)
-    model = One(nn.Conv2d(2, 2, 5, padding=2))
 
     class Wrap(nn.Module):
         def __init__(self):
@@ -229,4 +228,3 @@ def test_policy_keeps_ops_whole_where_a_split_would_be_refused():
     big = [op for op in graph.select(name="conv2d") if op.root.inputs[1].shape[-1] == 5]
     assert len(big) == 4 and all(not op.splits for op in big)
     assert_exact(parity(Wrap(), (x,), functools.partial(PASSpatial, dims="H"), 4, steps=2), 1e-5)
-    del model

@@ -93,8 +93,9 @@ class DimSplit:
         if kind is None:
             raise ValueError(
                 f"illegal split of op {op.name!r} ({op.where()}): '{ident.name}' is marked '~' (its pieces must "
-                f"communicate inside their call) but the op names no way to (OpInfo.inside). Register it with "
-                f"cube.register_op(..., inside=...) or leave the dim whole.")
+                f"communicate inside their call) but the op names no way to (OpInfo.inside). Leave the dim whole, "
+                f"or give the op a kind of cube.passes.inside.KINDS with "
+                f"cube.ir.ops.register({op.name!r}, inside=...).")
         if kind == "halo":
             for d, dim in enumerate(op.anno.inputs[0]):
                 if dim.head is not None and dim.head.name == ident.name:
