@@ -111,7 +111,8 @@ def stencil(op: IRFwOperation, d: int) -> Stencil:
     if name.startswith("adaptive"):
         if size_in % size_out:
             raise _refuse(op, f"its output size {size_out} does not divide the input size {size_in} along dim {d}, "
-                              f"so its bins overlap unevenly", "Choose sizes whose ratio is an integer, or keep it whole")
+                              f"so its bins overlap unevenly",
+                          "Choose sizes whose ratio is an integer, or keep it whole")
         k = size_in // size_out
         return Stencil(size_in, size_out, k, k, 0)
     if name.startswith("upsample_nearest"):

@@ -128,7 +128,9 @@ def _stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLa
     if len(ranks) < 2:
         return None
     channels = box_shape(layout.inputs[0])[1]
-    return Inside("runtime.sync_norm.batch_norm", tuple(op.args), dict(op.kwargs, ranks=ranks), groups=(ranks,), all_reduce=(2 * channels + 1) * 8)
+    # one all-reduce of (sums, sums of squares, count) per channel, in double precision
+    return Inside("runtime.sync_norm.batch_norm", tuple(op.args), dict(op.kwargs, ranks=ranks), groups=(ranks,),
+                  all_reduce=(2 * channels + 1) * 8)
 
 
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {

@@ -466,7 +466,8 @@ def creation(op: IRFwOperation) -> str:
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
-    "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm, "frozen_norm": frozen_norm,
+    "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
+    "frozen_norm": frozen_norm,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole
