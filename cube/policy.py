@@ -27,7 +27,8 @@ SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegat
            "PAS1F1B": "policies.pipeline", "PASGPipe": "policies.pipeline",
            "PAS1F1BInterleaved": "policies.pipeline", "PASZBH1": "policies.pipeline",
            "PASZBV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
-           "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto"}
+           "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto",
+           "PASSpatial": "policies.spatial"}
 
 
 def resolve(name: str) -> str:

@@ -97,6 +97,8 @@ class _Emitter:
             return "{" + ", ".join(f"{k!r}: {self.value(x)}" for k, x in v.items()) + "}"
         if isinstance(v, torch.device):
             return "self.device"
+        if isinstance(v, torch._ops.OpOverload):
+            return _target_str(v)
         if isinstance(v, torch.dtype):
             return str(v)
         if isinstance(v, (torch.layout, torch.memory_format)):
@@ -113,9 +115,14 @@ class _Emitter:
 
     def op_call(self, call: Call) -> str:
         op = call.op
-        fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
-        if call.defer_wgrad and fn is None:
-            fn = "runtime.zb.linear"   # its weight gradient waits for the W action (split backward)
+        if call.inside is not None:   # a piece communicating inside its call (cube.passes.inside)
+            fn, args, kwargs = call.inside.fn, list(call.inside.args), call.inside.kwargs
+            if fn is None:
+                fn, args = _target_str(args[0]), args[1:]
+        else:
+            fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
+            if call.defer_wgrad and fn is None:
+                fn = "runtime.zb.linear"   # its weight gradient waits for the W action (split backward)
         self.subst = call.subst
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]

@@ -9,6 +9,9 @@ Grammar (one group per tensor input, ``->``, one group per tensor output)::
 - ``k+`` is a reduction dimension: splitting it leaves outputs that lack it as
   partial sums (value splits);
 - ``k^`` may not be split;
+- ``h~`` may be split, but a piece then reads more than its block (a convolution's
+  halo) or needs statistics of the whole: it communicates inside its own call
+  (``OpInfo.inside`` in ``cube.ir.ops`` names how, ``cube.passes.inside`` plans it);
 - ``(h d)`` is one dimension that is a merge of ``h`` and ``d``; splitting it
   splits along ``h`` (the outer factor), so inner factors are never splittable;
 - ``1`` is a size-1 dimension that is never split; an empty group is a scalar.
@@ -20,7 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import List, Tuple
 
-_TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*[+^]?|1|\S")
+_TOKEN = re.compile(r"\(|\)|[A-Za-z_][A-Za-z0-9_]*[+^~]?|1|\S")
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,14 @@ class Ident:
     name: str
     reduce: bool = False   # '+'
     frozen: bool = False   # '^'
+    inside: bool = False   # '~': a piece split along it communicates inside its call
 
     def __str__(self) -> str:
-        return self.name + ("+" if self.reduce else "") + ("^" if self.frozen else "")
+        return self.name + ("+" if self.reduce else "") + ("^" if self.frozen else "") + ("~" if self.inside else "")
+
+    @property
+    def marked(self) -> bool:
+        return self.reduce or self.frozen or self.inside
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ def _parse_group(text: str, where: str) -> Tuple[Dim, ...]:
         elif tok == "1":
             dims.append(ONE)
             i += 1
-        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*[+^]?", tok):
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*[+^~]?", tok):
             dims.append(Dim((_ident(tok, where),)))
             i += 1
         else:
@@ -109,6 +117,8 @@ def _ident(tok: str, where: str) -> Ident:
         return Ident(tok[:-1], reduce=True)
     if tok.endswith("^"):
         return Ident(tok[:-1], frozen=True)
+    if tok.endswith("~"):
+        return Ident(tok[:-1], inside=True)
     return Ident(tok)
 
 
@@ -138,12 +148,11 @@ def parse(text: str, ninputs: int | None = None) -> OpAnno:
         for d in g:
             for ident in d.idents:
                 prev = seen.setdefault(ident.name, ident)
-                if (prev.reduce, prev.frozen) != (ident.reduce, ident.frozen):
-                    # an output may omit '+' / '^' marks given on the inputs
-                    if not (ident.reduce is False and ident.frozen is False) and not (
-                            prev.reduce is False and prev.frozen is False):
+                if prev != ident:
+                    # an output may omit '+' / '^' / '~' marks given on the inputs
+                    if ident.marked and prev.marked:
                         raise ValueError(f"annotation {text!r}: {ident.name!r} has conflicting marks")
-                    if not prev.reduce and not prev.frozen:
+                    if not prev.marked:
                         seen[ident.name] = ident
     # normalise: every occurrence carries the strongest marks of its letter
     def norm(g):

@@ -42,6 +42,10 @@ class OpInfo:
         mean_loss: a mean over every element (``mse_loss``): pieces divide by the global size.
         saves_output: autograd keeps its output for backward (else a partial sum it made may
             be summed in place).
+        inside: how a piece split along a ``~`` factor of its annotation communicates inside its
+            own call: ``"halo"`` (it reads a window of its input, exchanged with its neighbours:
+            convolutions, pooling), ``"stats"`` (it normalizes by statistics summed over its
+            group: batch norm); a row of ``cube.passes.inside.KINDS``.
     """
 
     name: str
@@ -56,6 +60,7 @@ class OpInfo:
     counts_targets: bool = False
     mean_loss: bool = False
     saves_output: bool = True
+    inside: Optional[str] = None
 
 
 _ROWS: Dict[str, OpInfo] = {}
@@ -72,7 +77,7 @@ relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus erf clamp
 maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and logical_or bitwise_not
 bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
-zero_ copy_ reciprocal square floor ceil round sign native_dropout""", rule="elementwise")
+zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors""", rule="elementwise")
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
@@ -80,10 +85,12 @@ _add("scaled_dot_product_attention", rule="sdpa")
 _add("embedding", rule="embedding")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")
-_add("group_norm batch_norm instance_norm", rule="batch_norm")
-_add("conv1d conv2d conv3d", rule="conv")
-_add("""max_pool1d max_pool2d max_pool2d_with_indices max_pool3d avg_pool1d avg_pool2d avg_pool3d
-adaptive_avg_pool1d adaptive_avg_pool2d adaptive_max_pool2d""", rule="pool")
+_add("batch_norm", rule="batch_norm", inside="stats")
+_add("group_norm instance_norm", rule="frozen_norm")
+_add("conv1d conv2d conv3d", rule="conv", inside="halo")
+_add("""max_pool1d max_pool2d max_pool3d avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d
+adaptive_avg_pool3d upsample_nearest1d upsample_nearest2d upsample_nearest3d""", rule="pool", inside="halo")
+_add("max_pool2d_with_indices adaptive_max_pool2d", rule="pool")
 _add("sum mean", rule="sum_rule")
 _add("amax amin max min argmax logsumexp norm", rule="max_rule")
 _add("cross_entropy_loss nll_loss", rule="loss")

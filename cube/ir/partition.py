@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
+from cube.ir import halo
 from cube.ir.annotation import Ident
+from cube.ir.ops import op_info
 
 
 def _register_hint(op) -> str:
@@ -71,14 +73,33 @@ class DimSplit:
             raise ValueError(f"op {op.name!r} ({op.where()}): num must be a positive int, got {num!r}")
         ident = self.ident(idx, dim)
         size = self.size(ident)
+        total = num
         for factor, _, n in op.splits:   # a piece of a piece splits what is left of the factor
             if factor == ident.name:
                 size //= n
+                total *= n
         if size % num != 0:
             raise ValueError(
                 f"uneven split of op {op.name!r} ({op.where()}): '{ident.name}' has size {size}, "
                 f"which {num} does not divide. Choose num among the divisors of {size}.")
+        if ident.inside:
+            self._check_inside(ident, total)
         return ident
+
+    def _check_inside(self, ident: Ident, total: int) -> None:
+        """A ``~`` factor: the op must say how its pieces communicate, and a halo must fit."""
+        op = self.op
+        kind = op_info(op.name).inside
+        if kind is None:
+            raise ValueError(
+                f"illegal split of op {op.name!r} ({op.where()}): '{ident.name}' is marked '~' (its pieces must "
+                f"communicate inside their call) but the op names no way to (OpInfo.inside). Leave the dim whole, "
+                f"or give the op a kind of cube.passes.inside.KINDS with "
+                f"cube.ir.ops.register({op.name!r}, inside=...).")
+        if kind == "halo":
+            for d, dim in enumerate(op.anno.inputs[0]):
+                if dim.head is not None and dim.head.name == ident.name:
+                    halo.check(op, d, total)
 
     def size(self, ident: Ident) -> int:
         """The size of one annotated factor, read from the tensors that carry it."""

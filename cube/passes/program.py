@@ -180,6 +180,8 @@ def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
                 groups.add(tuple(sorted(call.step.ranks)))
             if len(call.term_ranks) > 1:
                 groups.add(tuple(sorted(call.term_ranks)))
+            if call.inside is not None:
+                groups.update(tuple(sorted(g)) for g in call.inside.groups)
         for _, ranks in plan.reduce:
             groups.add(tuple(sorted(ranks)))
         if len(plan.loss_sum) > 1:

@@ -20,6 +20,7 @@ from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS, RERUNNABLE_KINDS, LayoutError, Step, narrow_step, transitions
 from cube.passes.exchange import Take, check, exchange, relative
+from cube.passes.inside import Inside, plan_inside
 
 
 @dataclass(eq=False)
@@ -36,6 +37,7 @@ class Call:
     count_of: Optional[IRTensor] = None     # the batch tensor a mean loss's targets are a view of
     rerun: bool = True                      # a collective step recompute may run again in backward
     defer_wgrad: bool = False               # a split backward computes its weight gradient in W (cube.runtime.zb)
+    inside: Optional[Inside] = None         # a piece communicating inside its call (cube.passes.inside)
 
 
 @dataclass
@@ -232,8 +234,8 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
             term_ranks = _term_ranks(p, r, by, layouts, term_groups)
             count_of = _batch_origin(p.inputs[1], makers) if term_ranks and op_info(p.name).counts_targets else None
             reads = [subst[r].get(id(t), t) for k, t in enumerate(p.inputs) if k not in lay.unread]
-            calls[r].append(Call(reads, list(p.outputs), op=p,
-                                 layout=lay, subst=subst[r], term_ranks=term_ranks, count_of=count_of))
+            calls[r].append(Call(reads, list(p.outputs), op=p, layout=lay, subst=subst[r], term_ranks=term_ranks,
+                                 count_of=count_of, inside=plan_inside(p, by, r, lay)))
 
     # the loss: the full value on every rank
     loss = graph.loss

@@ -133,6 +133,8 @@ class Builder(Writer, StepEnd):
             return
         op = call.op
         cost = self.costs.op_cost(call)
+        if call.inside is not None:
+            self.inside_comm(call, micro, cat, "f")
         self.compute(cost.fw, _label(op), cat)
         for j, o in enumerate(op.outputs):
             if self.tag:
@@ -155,6 +157,18 @@ class Builder(Writer, StepEnd):
                 self.mem.hold(self.vkey(op.outputs[arg], micro), holder)
             elif what == "x":
                 self.mem.alloc(("x", micro, i, self.tag, n), arg, holder=holder)
+
+    def inside_comm(self, call: Call, micro: int, cat: str, way: str) -> None:
+        """What a piece communicating inside its call moves (``cube.passes.inside``): its halo
+        messages (point to point, the other way in backward) and its all-reduce."""
+        inside, me, tag = call.inside, self.plan.rank, ("inside", id(call.op.root))
+        sends, recvs = (inside.p2p, inside.recvs) if way == "f" else (inside.recvs, inside.p2p)
+        for peer, nbytes in sends:
+            self.send(((me, peer), tag, micro, way), nbytes, cat)
+        for peer, _ in recvs:
+            self.recv(((peer, me), tag, micro, way), cat)
+        if inside.all_reduce and inside.groups:
+            self.coll("all_reduce", inside.groups[0], inside.all_reduce, cat)
 
     def fw_step(self, call: Call, micro: int, cat: str) -> None:
         s = call.step
@@ -207,6 +221,8 @@ class Builder(Writer, StepEnd):
                         self.deferred.setdefault((micro, stage), []).append((bw * (1 - share), call, saved))
                     else:
                         self.compute(bw, _label(call.op), "backward")
+                    if call.inside is not None:
+                        self.inside_comm(call, micro, "backward", "b")
                     self.grad_flow(call, micro)
                 if not call.defer_wgrad:
                     self.mem.release_all(saved)

@@ -164,33 +164,65 @@ def rms_norm(op: IRFwOperation) -> str:
     return layer_norm(op)
 
 
+def _inside(names: "_Names", n: int) -> List[str]:
+    """``n`` fresh letters marked ``~``: a piece split along one communicates inside its call."""
+    return [names() + "~" for _ in range(n)]
+
+
 def batch_norm(op: IRFwOperation) -> str:
+    """Batch and spatial dims split with statistics summed over the pieces (``OpInfo.inside``)."""
     x = op.inputs[0]
     names = _Names()
-    g = [names(True), "c"] + names.many(x.ndim - 2, frozen=True)
+    g = _inside(names, 1) + ["c"] + _inside(names, x.ndim - 2)
     return _anno([g] + [["c"]] * (len(op.inputs) - 1), [g])
 
 
+def frozen_norm(op: IRFwOperation) -> str:
+    """group_norm / instance_norm: statistics per sample (and group) over the spatial dims: only the
+    batch splits (a channel split would cut a group)."""
+    x = op.inputs[0]
+    names = _Names()
+    g = ["b"] + names.many(x.ndim - 1, frozen=True)
+    return _anno([g] + [names.many(t.ndim, frozen=True) for t in op.inputs[1:]], [g] + [["b"] + names.many(
+        o.ndim - 1, frozen=True) for o in op.outputs[1:]])
+
+
 def conv(op: IRFwOperation) -> str:
+    """Spatial dims split with a halo exchange inside the piece's call (``cube.ir.halo``)."""
     x, w = op.inputs[:2]
     groups = _arg(op, 6, "groups", 1)
-    out = op.outputs[0]
-    nsp = x.ndim - 2
+    nsp = w.ndim - 2
     c = "c+" if groups == 1 else "c^"
     o = "o" if groups == 1 else "o^"
     names = _Names()
-    ins = [["b", c] + names.many(nsp, True), [o, c] + names.many(nsp, True)]
+    sp = _inside(names, nsp)
+    lead = ["b", c] if x.ndim == nsp + 2 else [c]   # unbatched input: (c, spatial...)
+    olead = ["b", o] if x.ndim == nsp + 2 else [o]
+    ins = [lead + sp, [o, c] + names.many(nsp, True)]
     if len(op.inputs) == 3:
         ins.append([o])
-    return _anno(ins, [["b", o] + names.many(out.ndim - 2, True)])
+    return _anno(ins, [olead + sp])
 
 
 def pool(op: IRFwOperation) -> str:
+    """Pooling and upsampling: spatial dims split with a halo exchange when the op returns one tensor."""
     x = op.inputs[0]
+    nsp = _spatial(op)
     names = _Names()
-    lead = names.many(x.ndim - 2)
+    lead = names.many(x.ndim - nsp)
+    if len(op.outputs) == 1 and op.outputs[0].ndim == x.ndim:
+        sp = _inside(names, nsp)
+        return _anno([lead + sp], [lead + sp])
     outs = [lead + names.many(o.ndim - len(lead), True) for o in op.outputs]
-    return _anno([lead + names.many(2, True)], outs)
+    return _anno([lead + names.many(nsp, True)], outs)
+
+
+def _spatial(op: IRFwOperation) -> int:
+    """The number of spatial dims of a conv/pool/upsampling (``max_pool2d`` -> 2)."""
+    for n in (1, 2, 3):
+        if f"{n}d" in op.name:
+            return n
+    return 2
 
 
 # ----------------------------------------------------------------------------- reductions and losses
@@ -435,6 +467,7 @@ def creation(op: IRFwOperation) -> str:
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
+    "frozen_norm": frozen_norm,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole

@@ -1,0 +1,242 @@
+"""Geometry of a spatial split: which input rows each block of an op's output reads.
+
+A convolution or pooling split along a spatial dim (``h~`` in its annotation)
+runs each piece on a *window* of its input: its own block plus a halo from its
+neighbours, padded at the global borders as the op's padding would. This module
+computes the windows from the op's arguments (kernel, stride, padding,
+dilation), checks that a split is one cube computes exactly, and rewrites the
+op's arguments for a piece (no padding along a split dim: the window holds it;
+an adaptive pool's or an upsampling's output size becomes the block's).
+
+Everything here is a pure function of the op; ``cube.passes.inside`` turns it
+into the piece's call and ``cube.runtime.halo`` exchanges the windows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+from cube.ir.operator import IRFwOperation
+
+Window = Tuple[int, int]   # [start, stop) in the global coordinates of the input dim (may leave [0, size))
+
+
+@dataclass(frozen=True)
+class Stencil:
+    """How one spatial dim of an op's output reads its input.
+
+    Attributes:
+        size_in, size_out: the input's and the output's size along the dim.
+        extent: the input rows one output row reads (``dilation * (kernel - 1) + 1``).
+        stride: input rows between two output rows.
+        pad: zero (or -inf) rows the op adds before the input.
+        upsample: the integer factor of a nearest upsampling (output row ``o`` reads input row
+            ``o // upsample``), else 0.
+    """
+
+    size_in: int
+    size_out: int
+    extent: int = 1
+    stride: int = 1
+    pad: int = 0
+    upsample: int = 0
+
+    def window(self, o0: int, o1: int) -> Window:
+        """The input rows output rows ``[o0, o1)`` read."""
+        if self.upsample:
+            return o0 // self.upsample, -(-o1 // self.upsample)
+        return o0 * self.stride - self.pad, (o1 - 1) * self.stride - self.pad + self.extent
+
+
+def spatial(op: IRFwOperation) -> int:
+    """The number of spatial dims of a conv/pool/upsampling (``max_pool2d`` -> 2)."""
+    if op.name.startswith("conv"):
+        return op.inputs[1].ndim - 2
+    return next((n for n in (1, 2, 3) if f"{n}d" in op.name), 2)
+
+
+def _arg(op: IRFwOperation, name: str, default=None):
+    names = [a.name for a in op.target._schema.arguments]
+    i = names.index(name) if name in names else -1
+    if 0 <= i < len(op.args):
+        return op.args[i]
+    return op.kwargs.get(name, default)
+
+
+def _per_dim(v, n: int) -> List[int]:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v] * n
+    v = list(v)
+    return v * n if len(v) == 1 else v
+
+
+def _refuse(op: IRFwOperation, why: str, fix: str) -> ValueError:
+    return ValueError(f"spatial split of op {op.name!r} ({op.where()}): {why}. {fix}")
+
+
+def _conv_padding(op: IRFwOperation, nsp: int) -> List[int]:
+    pad = _arg(op, "padding", 0)
+    if not isinstance(pad, str):
+        return _per_dim(pad, nsp)
+    if pad == "valid":
+        return [0] * nsp
+    w = op.inputs[1].shape[2:]
+    dil = _per_dim(_arg(op, "dilation", 1), nsp)
+    total = [d * (k - 1) for d, k in zip(dil, w)]
+    if any(t % 2 for t in total):
+        raise _refuse(op, "padding='same' pads unevenly for this kernel", "Give explicit padding, or keep the op whole")
+    return [t // 2 for t in total]
+
+
+def stencil(op: IRFwOperation, d: int) -> Stencil:
+    """The geometry of input 0's spatial dim ``d`` (``>= 2``) of a convolution, pooling or upsampling.
+
+    Raises:
+        ValueError: an argument cube does not split exactly (``ceil_mode`` adding a row,
+            ``count_include_pad=False`` with padding, an adaptive pool or upsampling by a
+            non-integer factor).
+    """
+    x, out = op.inputs[0], op.outputs[0]
+    nsp = spatial(op)
+    j = d - (x.ndim - nsp)
+    size_in, size_out = x.shape[d], out.shape[d]
+    name = op.name
+    if name.startswith("conv"):
+        k = op.inputs[1].shape[2 + j]
+        dil = _per_dim(_arg(op, "dilation", 1), nsp)[j]
+        return Stencil(size_in, size_out, dil * (k - 1) + 1, _per_dim(_arg(op, "stride", 1), nsp)[j],
+                       _conv_padding(op, nsp)[j])
+    if name.startswith("adaptive"):
+        if size_in % size_out:
+            raise _refuse(op, f"its output size {size_out} does not divide the input size {size_in} along dim {d}, "
+                              f"so its bins overlap unevenly",
+                          "Choose sizes whose ratio is an integer, or keep it whole")
+        k = size_in // size_out
+        return Stencil(size_in, size_out, k, k, 0)
+    if name.startswith("upsample_nearest"):
+        if size_out % size_in:
+            raise _refuse(op, f"it upsamples dim {d} by {size_out}/{size_in}, not an integer factor",
+                          "Upsample by an integer factor, or keep it whole")
+        return Stencil(size_in, size_out, upsample=size_out // size_in)
+    if "pool" in name:
+        k = _per_dim(_arg(op, "kernel_size"), nsp)[j]
+        stride = _per_dim(_arg(op, "stride", None), nsp) or _per_dim(_arg(op, "kernel_size"), nsp)
+        pad = _per_dim(_arg(op, "padding", 0), nsp)[j]
+        dil = _per_dim(_arg(op, "dilation", 1), nsp)[j] if name.startswith("max") else 1
+        st = Stencil(size_in, size_out, dil * (k - 1) + 1, stride[j], pad)
+        if (size_in + 2 * pad - st.extent) // st.stride + 1 != size_out:
+            raise _refuse(op, f"ceil_mode=True adds a partial window along dim {d}",
+                          "Use ceil_mode=False (or sizes where it adds none), or keep it whole")
+        if name.startswith("avg") and pad and not _arg(op, "count_include_pad", True):
+            raise _refuse(op, "count_include_pad=False divides border windows by their real size",
+                          "Use count_include_pad=True, padding=0, or keep it whole")
+        return st
+    raise _refuse(op, "cube knows no window geometry for it", "Keep it whole along its spatial dims")
+
+
+def windows(op: IRFwOperation, d: int, num: int) -> Tuple[Window, ...]:
+    """The input window each of ``num`` even blocks of the output reads along dim ``d``."""
+    st = stencil(op, d)
+    b = st.size_out // num
+    return tuple(st.window(i * b, (i + 1) * b) for i in range(num))
+
+
+def check(op: IRFwOperation, d: int, num: int) -> None:
+    """Checks that ``num`` even blocks along input 0's dim ``d`` compute exactly.
+
+    Raises:
+        ValueError: the sizes are not divisible by ``num``, the stride does not divide a
+            block, the kernel is larger than a block, or a halo reaches past a neighbour's block.
+    """
+    st = stencil(op, d)
+    if st.size_in % num or st.size_out % num:
+        raise _refuse(op, f"dim {d} has input size {st.size_in} and output size {st.size_out}, which {num} pieces "
+                          f"do not both divide (uneven split)",
+                      f"Choose a number of pieces dividing both (gcd {_gcd(st.size_in, st.size_out)})")
+    block = st.size_in // num
+    if not st.upsample and block % st.stride:
+        raise _refuse(op, f"the stride {st.stride} does not divide the piece size {block} along dim {d}",
+                      "Split into fewer pieces, or choose sizes where the stride divides each piece")
+    wins = windows(op, d, num)
+    halo = max(max(i * block - a, b - (i + 1) * block) for i, (a, b) in enumerate(wins))
+    if st.extent > block:
+        raise _refuse(op, f"its kernel spans {st.extent} rows along dim {d} (a halo of up to {halo}), more than "
+                          f"a piece's {block} rows (a split finer than the kernel allows)",
+                      f"Split into at most {_most(st.size_in, st.size_out, st.extent)} pieces along this dim")
+    for i, (a, b) in enumerate(wins):
+        lo, hi = i * block, (i + 1) * block
+        # rows outside the tensor are padding, made locally: only rows of the tensor count
+        if max(a, 0) < lo - block or min(b, st.size_in) > hi + block:
+            raise _refuse(op, f"piece {i} reads {max(lo - max(a, 0), min(b, st.size_in) - hi)} rows of its "
+                              f"neighbours along dim {d}, more than a piece of {block} rows (a split finer "
+                              f"than the halo allows)", "Split into fewer pieces along this dim")
+
+
+def _most(size_in: int, size_out: int, extent: int) -> int:
+    """The most pieces whose blocks are at least ``extent`` rows and divide both sizes."""
+    return max((n for n in range(1, size_in // extent + 1) if size_in % n == 0 and size_out % n == 0), default=1)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def needs_exchange(op: IRFwOperation, d: int, num: int) -> bool:
+    """Whether a block reads rows outside itself (else it runs on its own block)."""
+    block = op.inputs[0].shape[d] // num
+    return any(w != (i * block, (i + 1) * block) for i, w in enumerate(windows(op, d, num)))
+
+
+def fill(op: IRFwOperation) -> float:
+    """The value the op's padding adds at the global borders."""
+    return float("-inf") if op.name.startswith("max") else 0.0
+
+
+def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int], out_shape: Sequence[int]
+               ) -> Tuple[Any, list, dict]:
+    """``(target, args, kwargs)`` of a piece that runs on windows along the ``exchanged`` dims.
+
+    Args:
+        split: the spatial dims of input 0 that are split.
+        exchanged: those of them whose piece reads a window (no padding there: the window has it).
+        out_shape: the piece's output shape (an adaptive pool's or upsampling's output size).
+    """
+    target, args, kwargs = op.target, list(op.args), dict(op.kwargs)
+    names = [a.name for a in target._schema.arguments]
+    nsp = spatial(op)
+    first = op.inputs[0].ndim - nsp   # input 0's first spatial dim
+
+    def put(name: str, value) -> None:
+        i = names.index(name)
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+
+    if "padding" in names and exchanged:
+        pad = _conv_padding(op, nsp) if op.name.startswith("conv") else _per_dim(_arg(op, "padding", 0), nsp)
+        if isinstance(_arg(op, "padding", 0), str):   # padding='same': the overload taking ints
+            import torch
+            target = getattr(torch.ops.aten, op.target._schema.name.split("::")[-1]).default
+            names = [a.name for a in target._schema.arguments]
+        put("padding", [0 if d + first in exchanged else p for d, p in enumerate(pad)])
+    if "output_size" in names and _arg(op, "output_size") is not None and split:
+        put("output_size", list(out_shape[first:]))
+    return target, args, kwargs
+
+
+def split_dims(op: IRFwOperation, factor: str) -> List[int]:
+    """The dims of input 0 whose annotated factor is ``factor``."""
+    return [d for d, dim in enumerate(op.anno.inputs[0]) if dim.head is not None and dim.head.name == factor]
+
+
+def inside_factor(op: IRFwOperation, factor: str) -> Optional[bool]:
+    """Whether ``factor`` of the op's annotation is marked ``~`` (None: the op has no such factor)."""
+    try:
+        return op.anno.ident(factor).inside
+    except (KeyError, AttributeError):
+        return None

@@ -1,0 +1,154 @@
+"""Op pieces that communicate inside their own call.
+
+A piece split along a factor its annotation marks ``~`` cannot run as the same
+ATen op on its block alone: a convolution's block of output reads a halo of
+its neighbours' input, a batch norm normalizes by statistics of the whole
+batch. Such a piece's call becomes a runtime function that does the
+communication itself (``OpInfo.inside`` names the kind; ``KINDS`` maps it to
+the planner below). The planner decides everything the call needs, as data:
+for each split factor the ranks of its group in block order and this rank's
+position, the windows each block reads, the op's arguments for one piece;
+and what moves (bytes to each neighbour, bytes all-reduced) for the
+simulator and the report. Ring attention is meant to be one more kind.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+from cube.errors import CubeInternalError
+from cube.ir import halo
+from cube.ir.layout import PieceLayout, box_shape
+from cube.ir.operator import IRFwOperation, IROperator
+from cube.ir.ops import op_info
+
+Ranks = Tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Inside:
+    """The call of a piece that communicates inside it.
+
+    Attributes:
+        fn: the runtime function (``runtime.halo.stencil``), or None to call ``args[0]`` (an ATen op)
+            on the rest: a piece whose blocks read only themselves but whose arguments change.
+        args, kwargs: its arguments (``IRTensor``s, ATen ops and constants; printed by codegen).
+        groups: process groups the call's collectives use (made on every rank at start-up).
+        p2p: ``(peer, bytes)`` this rank sends each neighbour in forward; backward receives the
+            same amounts back.
+        recvs: ``(peer, bytes)`` this rank receives from each neighbour in forward (and sends back
+            in backward).
+        all_reduce: bytes all-reduced over ``groups[0]`` in forward (and again in backward).
+    """
+
+    fn: Optional[str]
+    args: tuple
+    kwargs: dict = field(default_factory=dict)
+    groups: Tuple[Ranks, ...] = ()
+    p2p: Tuple[Tuple[int, int], ...] = ()
+    recvs: Tuple[Tuple[int, int], ...] = ()
+    all_reduce: int = 0
+
+
+def _inside_splits(p: IROperator) -> List[Tuple[int, str, int, int]]:
+    return [(lv, f, i, n) for lv, (f, i, n) in enumerate(p.splits) if p.anno.ident(f).inside]
+
+
+def _key(p: IROperator, r: int, drop) -> tuple:
+    """What a piece shares with the other members of its group: every split but the dropped
+    factors', its replicas, and its position among the devices holding it."""
+    return (tuple(s for s in p.splits if not drop(s[0])), p.replicas, p.device.index(r))
+
+
+def _position(p: IROperator, factor: str) -> Tuple[int, int]:
+    """(index, number) of the piece's block along ``factor`` over all partitions of it."""
+    index, num = 0, 1
+    for f, i, n in p.splits:
+        if f == factor:
+            index, num = index * n + i, num * n
+    return index, num
+
+
+def group_of(by: Dict[int, IROperator], r: int, factors) -> Ranks:
+    """The ranks whose pieces differ from rank ``r``'s only along ``factors``, in block order."""
+    p = by[r]
+    mine = _key(p, r, lambda f: f in factors)
+    members = [q for q, o in by.items() if _key(o, q, lambda f: f in factors) == mine]
+    return tuple(sorted(members, key=lambda q: [_position(by[q], f)[0] for f in factors]))
+
+
+def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    root = op.root
+    factors = sorted({f for _, f, _, _ in _inside_splits(op)})
+    specs, split, exchanged = [], [], []
+    shape = list(box_shape(layout.inputs[0]))
+    itemsize = root.inputs[0].dtype.itemsize
+    p2p: Dict[int, int] = {}
+    recvs: Dict[int, int] = {}
+    for d in sorted(d for f in factors for d in halo.split_dims(root, f)):
+        f = root.anno.inputs[0][d].head.name
+        pos, num = _position(op, f)
+        split.append(d)
+        if not halo.needs_exchange(root, d, num):
+            continue
+        ranks = group_of(by, r, (f,))
+        if len(ranks) != num:
+            raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {num} blocks along {f!r}")
+        wins = halo.windows(root, d, num)
+        block = shape[d]
+        for q, (a, b) in enumerate(wins):   # what each other block reads of mine
+            lo, hi = max(a, pos * block), min(b, (pos + 1) * block)
+            if q != pos and lo < hi:
+                p2p[ranks[q]] = p2p.get(ranks[q], 0) + math.prod(shape) // block * (hi - lo) * itemsize
+            lo, hi = max(wins[pos][0], q * block), min(wins[pos][1], (q + 1) * block)   # what mine reads of q's
+            if q != pos and lo < hi:
+                recvs[ranks[q]] = recvs.get(ranks[q], 0) + math.prod(shape) // block * (hi - lo) * itemsize
+        specs.append((d, ranks, pos, wins))
+        exchanged.append(d)
+        shape[d] = wins[pos][1] - wins[pos][0]
+    target, args, kwargs = halo.local_args(op, split, exchanged, box_shape(layout.outputs[0]))
+    args = [target] + args
+    if not specs:
+        return Inside(None, tuple(args), kwargs)
+    kwargs = dict(kwargs, halo=tuple(specs), fill=halo.fill(root))
+    return Inside("runtime.halo.stencil", tuple(args), kwargs, p2p=tuple(sorted(p2p.items())),
+                  recvs=tuple(sorted(recvs.items())))
+
+
+def _stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    root = op.root
+    names = [a.name for a in root.target._schema.arguments]
+    training = root.args[names.index("training")] if len(root.args) > names.index("training") else \
+        root.kwargs.get("training", False)
+    if not training:   # normalized by the running statistics: nothing to sum
+        return None
+    factors = tuple(sorted({f for _, f, _, _ in _inside_splits(op)}))
+    ranks = tuple(sorted(group_of(by, r, factors)))
+    if len(ranks) < 2:
+        return None
+    channels = box_shape(layout.inputs[0])[1]
+    # one all-reduce of (sums, sums of squares, count) per channel, in double precision
+    return Inside("runtime.sync_norm.batch_norm", tuple(op.args), dict(op.kwargs, ranks=ranks), groups=(ranks,),
+                  all_reduce=(2 * channels + 1) * 8)
+
+
+KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
+    "halo": _halo, "stats": _stats,
+}
+
+
+def plan_inside(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """The communicating call of rank ``r``'s piece ``op`` (``by``: the pieces of its op by rank), or
+    None when the piece is an ordinary call.
+
+    Raises:
+        CubeInternalError: the op splits a ``~`` factor but has no ``OpInfo.inside`` kind.
+    """
+    if not isinstance(op, IRFwOperation) or op.anno is None or not _inside_splits(op):
+        return None
+    kind = op_info(op.name).inside
+    if kind not in KINDS:
+        raise CubeInternalError(f"{op.name} ({op.root.where()}): split along a '~' factor without a planner "
+                                f"(OpInfo.inside={kind!r})")
+    return KINDS[kind](op, by, r, layout)
