@@ -122,7 +122,7 @@ class _Emitter:
         else:
             fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
             if call.defer_wgrad and fn is None:
-                fn = "runtime.zb.linear"   # its weight gradient waits for the W action (split backward)
+                fn = call.defer_wgrad   # its weight gradient waits for the W action (split backward)
         self.subst = call.subst
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]

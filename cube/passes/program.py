@@ -202,19 +202,27 @@ def schedule_actions(graph: IRGraph, plans: Dict[int, RankPlan]) -> Dict[int, Li
             for r, stages in held_stages(graph, plans).items()}
 
 
-DEFERRABLE = ("linear",)   # ops whose weight gradient cube.runtime.zb computes apart
+# op -> (index of its activation input, of its weight input, the cube.runtime.zb function deferring the latter's
+# gradient)
+DEFERRABLE = {"linear": (0, 1, "linear"), "mm": (0, 1, "matmul"), "matmul": (0, 1, "matmul"),
+              "addmm": (1, 2, "addmm")}
 
 
 def defer_weight_grads(plan: RankPlan) -> None:
     """Marks the calls whose weight gradient a split backward (zero-bubble schedules) defers from B
-    to W: linear pieces reading a parameter of this rank as it is (not a value made from one, such
-    as ZeRO-3's gathered weight, whose gradient must flow back through what made it during B)."""
+    to W: products (``DEFERRABLE``) reading a parameter of this rank as it is, a matrix for all
+    but ``linear`` (not a value made from one, such as ZeRO-3's gathered weight, whose gradient must
+    flow back through what made it during B)."""
     params = {id(t) for t, _ in plan.attrs if t.kind is TensorKind.PARAM and t.requires_grad}
     for call in plan.calls:
         op = call.op
-        if op is not None and op.name in DEFERRABLE and len(op.inputs) > 1:
-            w = op.inputs[1]
-            call.defer_wgrad = id(w) in params and call.subst.get(id(w), w) is w
+        if op is None or op.name not in DEFERRABLE:
+            continue
+        _, k, fn = DEFERRABLE[op.name]
+        if len(op.inputs) > k:
+            w = op.inputs[k]
+            if id(w) in params and call.subst.get(id(w), w) is w and (op.name == "linear" or w.ndim == 2):
+                call.defer_wgrad = f"runtime.zb.{fn}"
 
 
 def micro_interleave(graph: IRGraph, plans: Dict[int, RankPlan]) -> int:

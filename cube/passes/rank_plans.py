@@ -36,7 +36,7 @@ class Call:
     term_ranks: Tuple[int, ...] = ()        # ranks holding the other partial sums of the output
     count_of: Optional[IRTensor] = None     # the batch tensor a mean loss's targets are a view of
     rerun: bool = True                      # a collective step recompute may run again in backward
-    defer_wgrad: bool = False               # a split backward computes its weight gradient in W (cube.runtime.zb)
+    defer_wgrad: Optional[str] = None       # split backward: the cube.runtime.zb function leaving its weight grad to W
     inside: Optional[Inside] = None         # a piece communicating inside its call (cube.passes.inside)
 
 

@@ -2,13 +2,15 @@
 
 Under a schedule that splits backward (``cube.schedule.sched_zb_h1``,
 ``sched_zbv``), the generated code calls :func:`linear` instead of
-``aten.linear`` for a linear layer whose weight is a parameter of this rank.
+``aten.linear`` (and :func:`matmul`, :func:`addmm` instead of ``aten.mm``,
+``aten.matmul``, ``aten.addmm``) for a product whose weight is a parameter of
+this rank.
 Its backward computes the input's gradient at once, the gradient the previous
 stage waits for, and, while a B action runs (:func:`collecting`), leaves the
 weight and bias gradients as work in the collecting list: the layer's saved
 input and output gradient. The pipeline runs that work in the action's W
 (:func:`apply`), where the rank would otherwise wait for its neighbours. What a
-W computes is what autograd would have: ``grad_out^T @ input`` in the forward's
+W computes is what autograd would have: ``grad_out^T @ input`` (or its transpose) in the forward's
 compute dtype (autocast's, when it ran under autocast), cast to the weight's
 dtype and accumulated into ``.grad`` through autograd (so gradient hooks and
 tied weights behave as in one backward).
@@ -27,49 +29,80 @@ from torch.autograd import Function
 from cube.runtime import session
 from cube.runtime.compiled import outside_graph
 
-# (input, output gradient, weight or None, bias or None, the forward's compute dtype)
-Work = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.dtype]
+# (input, output gradient, weight or None, bias or None, the forward's compute dtype, weight is (out, in))
+Work = Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.dtype, bool]
 
 
-class _Linear(Function):
+class _Deferred(Function):
+    """``out = x @ w^T (+ b)`` (``transposed``: ``w`` is ``(out, in)``, as ``aten.linear``'s) or
+    ``x @ w (+ b)`` (``w`` is ``(in, out)``: ``mm``, ``matmul``, ``addmm``)."""
+
     @staticmethod
-    def forward(ctx, x, w, b, st):
-        out = F.linear(x, w, b)
-        ctx.st, ctx.w, ctx.b, ctx.dtype = st, w, b, out.dtype
+    def forward(ctx, x, w, b, st, transposed):
+        if transposed:
+            out = F.linear(x, w, b)
+        else:
+            out = x @ w if b is None else torch.addmm(b, x, w) if x.ndim == 2 else x @ w + b
+        ctx.st, ctx.w, ctx.b, ctx.dtype, ctx.transposed = st, w, b, out.dtype, transposed
         ctx.save_for_backward(x)
         return out
 
     @staticmethod
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
-        w, b, dtype = ctx.w, ctx.b, ctx.dtype
-        gx = (g @ w.to(dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
+        w, b, dtype, transposed = ctx.w, ctx.b, ctx.dtype, ctx.transposed
+        gx = None
+        if ctx.needs_input_grad[0]:
+            wd = w.to(dtype)
+            gx = (g @ (wd if transposed else wd.t())).to(x.dtype)
         wants = (w if ctx.needs_input_grad[1] else None, b if b is not None and ctx.needs_input_grad[2] else None)
         if wants == (None, None):
-            return gx, None, None, None
-        work = (x, g, wants[0], wants[1], dtype)
+            return gx, None, None, None, None
+        work = (x, g, wants[0], wants[1], dtype, transposed)
         sink = ctx.st.wgrads.sink
         if sink is not None and all(t is None or t.is_leaf for t in wants):
             sink.append(work)
-            return gx, None, None, None
+            return gx, None, None, None, None
         gw, gb = _weight_grads(work)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def _weight_grads(work: Work) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    x, g, w, b, dtype = work
-    g2 = g.reshape(-1, g.shape[-1])
-    gw = (g2.t() @ x.reshape(-1, x.shape[-1]).to(dtype)).to(w.dtype) if w is not None else None
+    x, g, w, b, dtype, transposed = work
+    g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1]).to(dtype)
+    gw = None
+    if w is not None:
+        gw = (g2.t() @ x2 if transposed else x2.t() @ g2).to(w.dtype)
     gb = g2.sum(0).to(b.dtype) if b is not None else None
     return gw, gb
+
+
+def _wants_grad(*params) -> bool:
+    return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params)
 
 
 @outside_graph
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``aten.linear`` whose weight gradient a B action defers to its W (see the module docstring)."""
-    if not torch.is_grad_enabled() or not (weight.requires_grad or (bias is not None and bias.requires_grad)):
+    if not _wants_grad(weight, bias):
         return F.linear(x, weight, bias)
-    return _Linear.apply(x, weight, bias, session.current())
+    return _Deferred.apply(x, weight, bias, session.current(), True)
+
+
+@outside_graph
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight`` (``aten.mm``/``aten.matmul`` with a 2-D weight ``(in, out)``), weight gradient deferred."""
+    if not _wants_grad(weight) or weight.ndim != 2:
+        return x @ weight
+    return _Deferred.apply(x, weight, None, session.current(), False)
+
+
+@outside_graph
+def addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    """``aten.addmm`` (Hugging Face's ``Conv1D``: ``bias + x @ weight``), weight and bias gradients deferred."""
+    if beta != 1 or alpha != 1 or not _wants_grad(weight, bias):
+        return torch.addmm(bias, x, weight, beta=beta, alpha=alpha)
+    return _Deferred.apply(x, weight, bias, session.current(), False)
 
 
 class collecting:

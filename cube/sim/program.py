@@ -24,7 +24,7 @@ from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.rank_plans import Call
-from cube.passes.program import RankProgram, last_uses
+from cube.passes.program import DEFERRABLE, RankProgram, last_uses
 from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
@@ -216,7 +216,8 @@ class Builder(Writer, StepEnd):
                 if self._needs_grad(call):
                     bw = self.costs.op_cost(call).bw
                     if call.defer_wgrad:   # B: the input's gradient; W gets the weight's (cube.runtime.zb)
-                        share = 0.5 if call.op.inputs[0].requires_grad else 0.0   # two equal products
+                        x = call.op.inputs[DEFERRABLE[call.op.name][0]]
+                        share = 0.5 if x.requires_grad else 0.0   # two equal products
                         self.compute(bw * share, _label(call.op), "backward")
                         self.deferred.setdefault((micro, stage), []).append((bw * (1 - share), call, saved))
                     else:
