@@ -389,7 +389,8 @@ def test_sampler_sees_a_busy_program_during_its_span():
 
 
 @pytest.mark.parametrize("example", ["examples/mlp/linears.py", "examples/gpt/train.py", "examples/bigmodel/train.py",
-                                     "examples/text/train.py", "examples/onnx/train.py"])
+                                     "examples/text/train.py", "examples/onnx/train.py",
+                                     "examples/spatial/train.py"])
 def test_the_readme_simulator_command_runs_on_every_example(example):
     """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as the README shows."""
     import subprocess

@@ -42,7 +42,7 @@ def shapes(model: str, size: int, batch: int):
     return [(batch, 3, size, size), (batch, 2, size, size)]
 
 
-def build(model: str = "stencil", size: int = 64, batch: int = 2, steps: int = 4):
+def build(model: str = "stencil", size: int = 64, batch: int = 4, steps: int = 4):
     """The model and its first batch (what ``python -m cube.sim examples/spatial/train.py`` plans)."""
     torch.manual_seed(0)
     net = Stencil(steps=steps) if model == "stencil" else UNet()
@@ -53,7 +53,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["stencil", "unet"], default="stencil")
     parser.add_argument("--size", type=int, default=64, help="the field is size x size")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dims", default="HW", help="spatial dims split (H, W or HW)")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
