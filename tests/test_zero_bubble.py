@@ -220,3 +220,14 @@ def test_megatron_refuses_a_zero_bubble_schedule_with_other_virtual_stages():
     with pytest.raises(ValueError, match="unknown schedule_name 'dualpipe'"):
         generate_code(model, batch, functools.partial(PASMegatron, tp=1, pp=2, schedule_name="dualpipe"),
                       world_size=2)
+
+
+@pytest.mark.multirank
+def test_a_searched_zb_h1_plan_trains_like_eager():
+    """``python -m cube.sim --search`` writes plans as ``cube.toolkit.grid_plan`` configs; zb-h1 among them."""
+    from cube.sim.search import configs
+    from cube.toolkit import grid_plan
+    assert any(c["schedule"] == "zb-h1" for c in configs(4, 16))
+    cfg = {"dp": 2, "tp": 1, "pp": 2, "nmicros": 4, "schedule": "zb-h1"}
+    model, sample = build("gpt4_nobias")
+    assert_exact(parity(model, sample, lambda g, r: grid_plan(g, r, cfg), 4, steps=2, nmicros=4, opt="adamw"))
