@@ -168,7 +168,8 @@ def whole(graph: IRGraph, resource) -> IRGraph:
     return graph
 
 
-SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe, "zb-h1": schedule.sched_zb_h1}
+SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe, "zb-h1": schedule.sched_zb_h1,
+             "zbv": schedule.sched_zbv}
 
 
 def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
@@ -176,8 +177,9 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
 
     ``config`` holds ``dp``, ``tp``, ``pp`` and optionally ``starts`` (the index among the forward
     ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b``,
-    ``gpipe`` or ``zb-h1``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``. Stage ``s`` runs on
-    the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel over ``tp``.
+    ``gpipe``, ``zb-h1`` or ``zbv``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``.
+    Stage ``s`` runs on the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel
+    over ``tp``; ``zbv`` cuts ``2 pp`` stages instead, stage ``s`` on ``pp = min(s, 2 pp - 1 - s)``.
 
     Raises:
         ValueError: the grid does not match the devices, a stage start is out of range or out of
@@ -193,21 +195,29 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
     if pp == 1:
         place_all(graph, mesh, dp=data, tp=tensor)
-    else:
+    name = config.get("schedule", "1f1b")
+    if pp > 1 and name not in SCHEDULES:
+        raise ValueError(f"PASAuto: unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
+    if pp > 1:
+        n = stage_count(pp, name)
         fw = graph.select(ntype=IRFwOperation)
-        starts = list(config.get("starts") or [k * len(fw) // pp for k in range(pp)])
-        if len(starts) != pp or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
+        starts = list(config.get("starts") or [k * len(fw) // n for k in range(n)])
+        if len(starts) != n or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
                 or starts[-1] >= len(fw):
-            raise ValueError(f"PASAuto: stage starts {starts} must be {pp} increasing forward-op indices "
+            raise ValueError(f"PASAuto: stage starts {starts} must be {n} increasing forward-op indices "
                              f"from 0 below {len(fw)}; search again for this model")
         meshes = mesh.slices("pp")
         stages = graph.staging([fw[i] for i in starts])
         place_data(graph, meshes)
+        if n > pp:   # ZB-V: stage k on pipeline rank min(k, n - 1 - k)
+            meshes = [meshes[min(k, n - 1 - k)] for k in range(n)]
         place_stages(graph, stages, meshes, dp=data, tp=tensor)
     apply_recompute(graph, config.get("recompute") or False)
     if pp > 1:
-        name = config.get("schedule", "1f1b")
-        if name not in SCHEDULES:
-            raise ValueError(f"PASAuto: unknown schedule {name!r}; use one of {sorted(SCHEDULES)}")
-        SCHEDULES[name](graph, int(config.get("nmicros", pp)), pp)
+        SCHEDULES[name](graph, int(config.get("nmicros", pp)), stage_count(pp, name))
     return graph
+
+
+def stage_count(pp: int, schedule_name: str) -> int:
+    """Stages of a ``pp``-deep pipeline under ``schedule_name`` (ZB-V: two per pipeline rank)."""
+    return 2 * pp if schedule_name == "zbv" else pp

@@ -70,7 +70,7 @@ def _divisors(n: int) -> List[int]:
 
 
 def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute: Sequence[bool] = (False, True),
-            zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe", "zb-h1"),
+            zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe", "zb-h1", "zbv"),
             max_pp: Optional[int] = None) -> List[dict]:
     """Every configuration for ``world`` devices and a global ``batch`` (micro-batch counts: ``micros``
     times the pipeline depth)."""
@@ -131,11 +131,12 @@ def planned(tracer: _Tracer, cfg: dict) -> IRGraph:
 def balance(tracer: _Tracer, cfg: dict, costs, comm) -> List[int]:
     """Stage starts for ``cfg`` from the op costs of its ``dp x tp`` layout on one micro-batch
     (``cube.sim.stages``)."""
-    from cube.toolkit import grid_plan as plan
+    from cube.toolkit import grid_plan as plan, stage_count
     flat = dict(cfg, pp=1, world=cfg["dp"] * cfg["tp"], recompute=False, zero=0, starts=None)
     graph = tracer.trace(cfg["micro_batch"]).place(lambda g, r: plan(g, r, flat), flat["world"], zero=0)
     per_op = stages.op_costs(graph, build_program(graph, flat["world"], ranks=[0])[0].plan, costs, comm)
-    return stages.balanced_starts(tracer.graph(cfg["micro_batch"]), cfg["pp"], per_op, comm)
+    n = stage_count(cfg["pp"], cfg.get("schedule", "1f1b"))
+    return stages.balanced_starts(tracer.graph(cfg["micro_batch"]), n, per_op, comm)
 
 
 def search(model: torch.nn.Module, batch, world: int, costs, comm, mem_cap: Optional[float] = None,
@@ -163,7 +164,7 @@ def search(model: torch.nn.Module, batch, world: int, costs, comm, mem_cap: Opti
         cand = Candidate(cfg)
         try:
             if cfg["pp"] > 1 and not cfg.get("starts"):
-                key = (cfg["dp"], cfg["tp"], cfg["pp"], cfg["micro_batch"])
+                key = (cfg["dp"], cfg["tp"], cfg["pp"], cfg["micro_batch"], cfg.get("schedule") == "zbv")
                 if key not in starts:
                     starts[key] = balance(tracer, cfg, costs, comm)
                 cfg["starts"] = starts[key]
