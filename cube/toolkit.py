@@ -17,8 +17,10 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, cut, megatron_flow
+from cube.ir.follow import Flow, batch_flow, cut, follow, megatron_flow
 from cube.ir.graph import IRGraph
+from cube.ir.ops import op_info
+from cube.ir.tensor import TensorKind
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
 
@@ -42,6 +44,41 @@ def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
     found from the graph's structure (``cube.ir.follow.megatron_flow``)."""
     n = _size(over)
     return megatron_flow(graph, n) if n > 1 else Flow()
+
+
+def sequence_parallel(graph: IRGraph, tensor: Flow, over: Union[MeshDim, int], dim: int = 1) -> Flow:
+    """Megatron's sequence parallel over ``over``: ``tensor`` (the tensor parallel plan over the
+    same devices) plus, for every op it leaves whole, the split of the batch's sequence dim
+    (``dim`` of the batch tensors) where the op can carry it: norms, dropout, residual adds and
+    embeddings run on a piece of the sequence between the tensor-parallel regions, so each
+    transition is one reduce-scatter (a row linear's partial sums into sequence pieces) or one
+    all-gather (the pieces into the whole sequence before a column linear).
+
+    Only ops bound by memory are split along the sequence: a matmul, convolution or attention
+    the tensor plan leaves whole (a language model's head) runs whole on the gathered sequence,
+    as Megatron-LM gathers the sequence before its output layer; so does an op that cannot run
+    on a piece of the sequence, and one whose parameters hold more than half the elements of
+    its output (an embedding table): split, its weight gradient would be partial and summed
+    over ``over`` (``2 (n-1)/n`` of the weight), while whole it costs at most a gather of the
+    output's gradient (``(n-1)/n`` of the output). The data operation stays whole over
+    ``over`` (each member narrows what it reads).
+
+    Args:
+        tensor: ``tensor_parallel(graph, over)``.
+        over: the tensor parallel mesh dimension (or its size).
+        dim: the sequence dim of the batch tensors.
+    """
+    n = _size(over)
+    if n == 1:
+        return tensor
+    data = graph.select(ntype=IRDataOperation)[0]
+    seeds = {id(t): dim for t in data.outputs if t.ndim > dim}
+    return follow(graph, seeds, n, flow=tensor, whole=_whole_in_sequence)
+
+
+def _whole_in_sequence(op: IRFwOperation) -> bool:
+    params = sum(t.numel() for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM)
+    return op_info(op.name).cost != "memory" or 2 * params > sum(t.numel() for t in op.outputs)
 
 
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:

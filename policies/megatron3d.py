@@ -21,7 +21,8 @@ from typing import Callable, Optional
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import Recompute, apply_recompute, data_parallel, grid, place_data, place_stages, tensor_parallel
+from cube.toolkit import (Recompute, apply_recompute, data_parallel, grid, place_data, place_stages,
+                          sequence_parallel, tensor_parallel)
 
 
 def degrees(ngpus: int, tp: Optional[int] = None, pp: Optional[int] = None) -> tuple:
@@ -41,7 +42,7 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
-                recompute: Recompute = None) -> IRGraph:
+                recompute: Recompute = None, sp: bool = False) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -59,6 +60,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     nvirtual = nvirtual or config.virtual_stages(default=1)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    if sp:
+        tensor = sequence_parallel(graph, tensor, mesh["tp"])
     place_data(graph, mesh.slices("pp"))   # every stage reads the batch
     place_stages(graph, stages, mesh.slices("pp"), dp=data, tp=tensor)
     apply_recompute(graph, recompute)

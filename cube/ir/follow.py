@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
@@ -44,13 +44,17 @@ class Flow:
 
 
 def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
-           start: Optional[Dict[int, Tuple[int, int]]] = None) -> Flow:
+           start: Optional[Dict[int, Tuple[int, int]]] = None,
+           whole: Optional[Callable[[IRFwOperation], bool]] = None) -> Flow:
     """Follows splits of ``num`` pieces from ``seeds`` (tensor id -> dim) in program order.
 
     Args:
         start: op id -> (idx, dim) splits to make regardless of tracked inputs
             (e.g. a column linear split on its weight).
         flow: an earlier result to extend (it is copied, not changed).
+        whole: ops it says True of (and not split by ``flow`` or ``start``) stay whole; the split
+            dim is still followed through them when they could carry it, so a later op may run
+            on a piece of their output.
     """
     out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced),
                flow.batch) if flow else Flow()
@@ -65,6 +69,9 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             choice = out.splits[id(op)][1:]
         else:
             choice = _choose(op, out, num)
+            if choice is not None and whole is not None and whole(op):
+                _carry(op, *choice, out.tracked)   # the dim goes on: a later op may split the output
+                continue
             if choice is None:
                 if _reads(op, out):
                     out.blocked.append(op)

@@ -1,0 +1,70 @@
+"""Sequence parallel and expert parallel at their real cost: the plans train exactly like the
+plain model (in-process world, against eager), and their programs send what Megatron-SP and an
+all-to-all MoE send, computed from the model's config."""
+import functools
+
+import pytest
+import torch
+
+import cube
+from cube.codegen.report import step_bytes
+from policies.megatron3d import PASMegatron
+from tests.inprocess import assert_exact, parity
+from tests.models import build
+
+F32 = 4   # bytes per element
+
+
+def _sp(tp: int = 2, sp: bool = True):
+    return functools.partial(PASMegatron, tp=tp, pp=1, nmicros=1, sp=sp)
+
+
+def _kinds(plan, rank: int = 0) -> list:
+    return [c.step.kind for c in plan.program.plans[rank].calls if c.step is not None]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_sequence_parallel_is_exact(opt):
+    model, sample = build("gpt_nobias")
+    assert_exact(parity(model, sample, _sp(), 2, steps=2, opt=opt))
+
+
+def test_sequence_parallel_sends_megatron_sp_bytes():
+    """Per layer, forward two all-gathers and two reduce-scatters of ``b*s*h`` (backward the
+    same): tensor parallel's two all-reduces each way. Around the layers: the embeddings are
+    whole (their tables are bigger than their outputs), cut into sequence pieces (backward
+    all-gathers their gradients), and the final norm's output is gathered for the whole head;
+    the norm weights' gradients are partial over the sequence pieces and summed over tp."""
+    model, sample = build("gpt_nobias")
+    cfg, (b, s), n = model.config, sample[0].shape, 2
+    h, layers = cfg.n_embd, cfg.n_layer
+    act = b * s * h * F32                      # one b*s*h activation
+    piece = (n - 1) * act // n                 # a ring all-gather or reduce-scatter of it
+    sp = cube.plan(model, sample, _sp(n), n)
+    tp = cube.plan(model, sample, _sp(n, sp=False), n)
+    for r in range(n):
+        kinds = _kinds(sp, r)
+        assert kinds.count("reduce_scatter") == 2 * layers and "all_reduce" not in kinds
+        assert kinds.count("all_gather") == 2 * layers + 1   # and the head's
+        got, base = step_bytes(sp.program.plans[r]), step_bytes(tp.program.plans[r])
+        assert base == {"forward": 2 * layers * 2 * piece, "backward": 2 * layers * 2 * piece, "gradients": 0}
+        assert got == {
+            "forward": 4 * layers * piece + piece,                                    # + the head's gather
+            "backward": 4 * layers * piece + piece + (n - 1) * s * h * F32 // n,      # + the embeddings' chunks
+            "gradients": (2 * layers + 1) * 2 * (n - 1) * h * F32 // n}               # the norm weights
+
+
+def test_sequence_parallel_with_data_parallel_is_exact():
+    model, sample = build("gpt_nobias")
+    assert_exact(parity(model, sample, _sp(), 4, steps=2, opt="adamw"))
+
+
+def test_sequence_parallel_norms_and_adds_hold_a_piece_of_the_sequence():
+    """The activations between the tensor-parallel regions are divided by tp."""
+    model, sample = build("gpt_nobias")
+    s = sample[0].shape[1]
+    plan = cube.plan(model, sample, _sp(2), 2)
+    boxes = [c.layout.outputs[0] for c in plan.program.plans[1].calls
+             if c.op is not None and c.op.name in ("layer_norm", "add")]
+    assert len(boxes) == 4 * model.config.n_layer + 2   # two norms and two adds a layer, ln_f, the embeddings' add
+    assert all(box[1] == (s // 2, s) for box in boxes), boxes
