@@ -81,6 +81,33 @@ def _whole_in_sequence(op: IRFwOperation) -> bool:
     return op_info(op.name).cost != "memory" or 2 * params > sum(t.numel() for t in op.outputs)
 
 
+def expert_parallel(graph: IRGraph, data: Flow, over: Union[MeshDim, int]) -> Flow:
+    """``data`` (a data parallel plan over devices that include ``over``) with the experts split
+    over ``over``: from each expert weight (a parameter of three or more dims read by a batched
+    matmul, its leading dim the experts), every op that carries the expert dim splits along it,
+    up to (not including) the op that sums it away (the combine). So the tokens, batch-split
+    outside, reach the experts through one all-to-all (batch pieces into expert pieces) and go
+    back through one more; each device keeps only its experts' weights.
+
+    Raises:
+        ValueError: the graph has no expert weights.
+    """
+    n = _size(over)
+    weights = {id(t): 0 for op in graph.select(ntype=IRFwOperation) if op_info(op.name).batched
+               for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM and t.ndim >= 3}
+    if not weights:
+        raise ValueError("expert parallel: the model has no expert weights (a parameter with a leading expert "
+                         "dim, (E, d, f), read by torch.bmm/einsum/matmul); write the experts as one such "
+                         "weight, or drop ep=")
+    if n == 1:
+        return data
+    experts = follow(graph, weights, n)
+    ends = {id(op) for op in experts.reduced}
+    out = Flow(dict(data.splits), dict(data.tracked), list(data.blocked), list(data.reduced), data.batch)
+    out.splits.update({k: v for k, v in experts.splits.items() if k not in ends})
+    return out
+
+
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:
     """The ``("pp", pp), ("dp", dp), ("tp", tp)`` mesh of ``ngpus`` devices, ``dp = ngpus // (tp * pp)``.
 
@@ -140,19 +167,22 @@ def place_all(graph: IRGraph, mesh: DeviceMesh, ops: Optional[Sequence[IROperato
         place(graph, op, mesh, **splits)
 
 
-def place_data(graph: IRGraph, meshes: Union[DeviceMesh, Sequence[DeviceMesh]], batch: str = "dp") -> None:
+def place_data(graph: IRGraph, meshes: Union[DeviceMesh, Sequence[DeviceMesh]],
+               batch: Union[str, Sequence[str]] = "dp") -> None:
     """Every pipeline stage reads the batch: each data operation is copied once per stage mesh and
-    split along the batch over the stage's ``batch`` dimension (whole on its other dimensions).
+    split along the batch over the stage's ``batch`` dimensions (whole on its other dimensions).
 
     Args:
         meshes: the stages' meshes (``mesh.slices("pp")``), or one mesh.
-        batch: the data parallel dimension (a stage without it reads the whole batch).
+        batch: the data parallel dimension, or several (a factored one: ``("edp", "ep")``); a
+            stage without them reads the whole batch.
     """
     meshes = [meshes] if isinstance(meshes, DeviceMesh) else list(meshes)
+    names = (batch,) if isinstance(batch, str) else tuple(batch)
     for node in graph.select(ntype=IRDataOperation):
         copies = graph.replicate(node, times=len(meshes)) if len(meshes) > 1 else [node]
         for mesh, piece in zip(meshes, copies):
-            place(graph, piece, mesh, **({batch: (0, 0)} if batch in mesh else {}))
+            place(graph, piece, mesh, **{name: (0, 0) for name in names if name in mesh})
 
 
 def place_stages(graph: IRGraph, stages: Sequence[Sequence[IROperator]], meshes: Sequence[DeviceMesh],

@@ -21,8 +21,8 @@ from typing import Callable, Optional
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import (Recompute, apply_recompute, data_parallel, grid, place_data, place_stages,
-                          sequence_parallel, tensor_parallel)
+from cube.toolkit import (Recompute, apply_recompute, data_parallel, expert_parallel, grid, place_data,
+                          place_stages, sequence_parallel, tensor_parallel)
 
 
 def degrees(ngpus: int, tp: Optional[int] = None, pp: Optional[int] = None) -> tuple:
@@ -42,7 +42,7 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
-                recompute: Recompute = None, sp: bool = False) -> IRGraph:
+                recompute: Recompute = None, sp: bool = False, ep: int = 1) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -54,6 +54,14 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         nvirtual: stages per pipeline rank (default ``CUBE_VIRTUAL``, else 1); more than one
             runs interleaved 1F1B.
         recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+        sp: sequence parallel: norms, dropout and residual adds between the tensor-parallel
+            regions run on ``1/tp`` of the sequence (``cube.toolkit.sequence_parallel``).
+        ep: expert parallel degree, dividing ``dp``: the experts (weights with a leading expert
+            dim) are split over groups of ``ep`` data-parallel neighbours, the tokens reach them
+            by all-to-all (``cube.toolkit.expert_parallel``).
+
+    Raises:
+        ValueError: the degrees do not fit the devices, or ``ep`` does not divide ``dp``.
     """
     mesh = _mesh(resource.ngpus, tp, pp)
     pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
@@ -62,8 +70,15 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
     if sp:
         tensor = sequence_parallel(graph, tensor, mesh["tp"])
-    place_data(graph, mesh.slices("pp"))   # every stage reads the batch
-    place_stages(graph, stages, mesh.slices("pp"), dp=data, tp=tensor)
+    splits = dict(dp=data, tp=tensor)
+    if ep != 1:
+        if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:
+            raise ValueError(f"PASMegatron: ep={ep!r} must divide the data parallel degree dp={mesh['dp'].size} "
+                             f"(devices / (tp * pp)); the experts are split over groups of ep data-parallel ranks")
+        mesh = mesh.factor("dp", edp=mesh["dp"].size // ep, ep=ep)
+        splits = dict(edp=data, ep=expert_parallel(graph, data, mesh["ep"]), tp=tensor)
+    place_data(graph, mesh.slices("pp"), batch=("dp", "edp", "ep"))   # every stage reads the batch
+    place_stages(graph, stages, mesh.slices("pp"), **splits)
     apply_recompute(graph, recompute)
     if nvirtual > 1:
         schedule.sched_1f1b_interleaved(graph, nmicros, pp, nvirtual)

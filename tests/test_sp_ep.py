@@ -68,3 +68,39 @@ def test_sequence_parallel_norms_and_adds_hold_a_piece_of_the_sequence():
              if c.op is not None and c.op.name in ("layer_norm", "add")]
     assert len(boxes) == 4 * model.config.n_layer + 2   # two norms and two adds a layer, ln_f, the embeddings' add
     assert all(box[1] == (s // 2, s) for box in boxes), boxes
+
+
+def _ep(ep: int = 2, tp: int = 1):
+    return functools.partial(PASMegatron, tp=tp, pp=1, nmicros=1, ep=ep)
+
+
+@pytest.mark.parametrize("world,opt", [(4, "sgd"), (4, "adamw"), (2, "adamw")])
+def test_expert_parallel_is_exact(world, opt):
+    """ep 2 x dp 2 (expert weights replicated over pairs, summed) and ep 2 alone."""
+    model, sample = build("moe")
+    assert_exact(parity(model, sample, _ep(2), world, steps=2, opt=opt))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_dispatch_and_combine_are_one_all_to_all_each(world):
+    """Dispatch and combine each send ``(ep-1)/ep`` of the rank's dispatched tokens ``(E, b*C, d)``
+    (``b`` the rank's batch) forward, and the same backward; nothing is gathered; each rank holds
+    ``E/ep`` experts."""
+    model, sample = build("moe")
+    moe, ep = model.moe, 2
+    b = sample[0].shape[0] // world
+    d = moe.w1.shape[1]
+    dispatched = moe.experts * b * moe.capacity * d * F32
+    a2a = (ep - 1) * dispatched // ep
+    plan = cube.plan(model, sample, _ep(ep), world)
+    for r, p in plan.program.plans.items():
+        kinds = _kinds(plan, r)
+        assert kinds.count("all_to_all") == 2 and "all_gather" not in kinds and "chunk" not in kinds, kinds
+        sends = step_bytes(p)
+        loss_sum = 2 * (world - 1) * F32 // world   # the mean loss's partial sums
+        assert (sends["forward"], sends["backward"]) == (2 * a2a + loss_sum, 2 * a2a)
+        experts = [b for t, b in p.attrs if t.names[0] in ("moe.w1", "moe.w2")]
+        assert [box[0][1] - box[0][0] for box in experts] == [moe.experts // ep] * 2
+        # an expert's gradient is complete on its rank; only its replicas (one per ep group) sum it
+        summed = {t.names[0]: len(ranks) for t, ranks in p.reduce}
+        assert all(summed.get(name, 1) == world // ep for name in ("moe.w1", "moe.w2")), summed
