@@ -104,3 +104,21 @@ def test_expert_parallel_dispatch_and_combine_are_one_all_to_all_each(world):
         # an expert's gradient is complete on its rank; only its replicas (one per ep group) sum it
         summed = {t.names[0]: len(ranks) for t, ranks in p.reduce}
         assert all(summed.get(name, 1) == world // ep for name in ("moe.w1", "moe.w2")), summed
+
+
+def test_bad_expert_parallel_settings_are_clear_errors():
+    moe, moe_sample = build("moe")
+    with pytest.raises(ValueError, match=r"ep=3 must divide the data parallel degree dp=4"):
+        cube.plan(moe, moe_sample, _ep(3), 4)
+    gpt, gpt_sample = build("gpt_nobias")
+    with pytest.raises(ValueError, match=r"no expert weights .*\(E, d, f\)"):
+        cube.plan(gpt, gpt_sample, _ep(2), 2)
+    with pytest.raises(ValueError, match=r"dp=4 does not factor into \{'edp': 3, 'ep': 2\}"):
+        cube.DeviceMesh(("dp", 4)).factor("dp", edp=3, ep=2)
+
+
+def test_mesh_factor_keeps_the_device_order():
+    mesh = cube.DeviceMesh(("pp", 2), ("dp", 4), ("tp", 2)).factor("dp", edp=2, ep=2)
+    assert mesh.dims == (("pp", 2), ("edp", 2), ("ep", 2), ("tp", 2))
+    assert mesh.device(pp=1, edp=1, ep=0, tp=1) == 8 + 4 + 1
+    assert [m.devices for m in mesh.select(pp=0, tp=0).slices("edp")] == [(0, 2), (4, 6)]

@@ -88,7 +88,7 @@ def backward_bytes(call: Call) -> int:
 def step_bytes(plan: RankPlan) -> Dict[str, int]:
     """Bytes a rank sends in one step (one micro-batch of a pipeline plan): ``forward`` and
     ``backward`` (its steps), and ``gradients`` (the reducer's all-reduces of its parameter pieces
-    after backward)."""
+    after backward). Collectives a recompute run repeats in backward are not counted twice."""
     held = {id(t): b for t, b in plan.attrs}
     grads = sum(_ring("all_reduce", len(ranks), _nbytes(t, held.get(id(t)))) for t, ranks in plan.reduce)
     return {"forward": sum(sent_bytes(c) for c in plan.calls),
