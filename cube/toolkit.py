@@ -17,10 +17,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, cut, follow, megatron_flow
+from cube.ir.follow import Flow, batch_flow, cut, expert_flow, megatron_flow, sequence_flow
 from cube.ir.graph import IRGraph
-from cube.ir.ops import op_info
-from cube.ir.tensor import TensorKind
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
 
@@ -47,65 +45,24 @@ def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
 
 
 def sequence_parallel(graph: IRGraph, tensor: Flow, over: Union[MeshDim, int], dim: int = 1) -> Flow:
-    """Megatron's sequence parallel over ``over``: ``tensor`` (the tensor parallel plan over the
-    same devices) plus, for every op it leaves whole, the split of the batch's sequence dim
-    (``dim`` of the batch tensors) where the op can carry it: norms, dropout, residual adds and
-    embeddings run on a piece of the sequence between the tensor-parallel regions, so each
-    transition is one reduce-scatter (a row linear's partial sums into sequence pieces) or one
-    all-gather (the pieces into the whole sequence before a column linear).
-
-    Only ops bound by memory are split along the sequence: a matmul, convolution or attention
-    the tensor plan leaves whole (a language model's head) runs whole on the gathered sequence,
-    as Megatron-LM gathers the sequence before its output layer; so does an op that cannot run
-    on a piece of the sequence, and one whose parameters hold more than half the elements of
-    its output (an embedding table): split, its weight gradient would be partial and summed
-    over ``over`` (``2 (n-1)/n`` of the weight), while whole it costs at most a gather of the
-    output's gradient (``(n-1)/n`` of the output). The data operation stays whole over
-    ``over`` (each member narrows what it reads).
-
-    Args:
-        tensor: ``tensor_parallel(graph, over)``.
-        over: the tensor parallel mesh dimension (or its size).
-        dim: the sequence dim of the batch tensors.
-    """
+    """Megatron's sequence parallel over ``over``: ``tensor`` (``tensor_parallel(graph, over)``)
+    plus the split of the sequence (``dim`` of the batch tensors) for the norms, dropout and
+    residual adds between its regions (``cube.ir.follow.sequence_flow``): each transition is one
+    reduce-scatter (a row linear's partial sums into sequence pieces) or one all-gather (the
+    pieces into the whole sequence before a column linear)."""
     n = _size(over)
-    if n == 1:
-        return tensor
-    data = graph.select(ntype=IRDataOperation)[0]
-    seeds = {id(t): dim for t in data.outputs if t.ndim > dim}
-    return follow(graph, seeds, n, flow=tensor, whole=_whole_in_sequence)
-
-
-def _whole_in_sequence(op: IRFwOperation) -> bool:
-    params = sum(t.numel() for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM)
-    return op_info(op.name).cost != "memory" or 2 * params > sum(t.numel() for t in op.outputs)
+    return sequence_flow(graph, tensor, n, dim) if n > 1 else tensor
 
 
 def expert_parallel(graph: IRGraph, data: Flow, over: Union[MeshDim, int]) -> Flow:
-    """``data`` (a data parallel plan over devices that include ``over``) with the experts split
-    over ``over``: from each expert weight (a parameter of three or more dims read by a batched
-    matmul, its leading dim the experts), every op that carries the expert dim splits along it,
-    up to (not including) the op that sums it away (the combine). So the tokens, batch-split
-    outside, reach the experts through one all-to-all (batch pieces into expert pieces) and go
-    back through one more; each device keeps only its experts' weights.
+    """``data`` (a data parallel plan over devices that include ``over``) with the experts of
+    every MoE layer split over ``over`` (``cube.ir.follow.expert_flow``): the batch-split tokens
+    reach their experts by one all-to-all and come back by another.
 
     Raises:
         ValueError: the graph has no expert weights.
     """
-    n = _size(over)
-    weights = {id(t): 0 for op in graph.select(ntype=IRFwOperation) if op_info(op.name).batched
-               for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM and t.ndim >= 3}
-    if not weights:
-        raise ValueError("expert parallel: the model has no expert weights (a parameter with a leading expert "
-                         "dim, (E, d, f), read by torch.bmm/einsum/matmul); write the experts as one such "
-                         "weight, or drop ep=")
-    if n == 1:
-        return data
-    experts = follow(graph, weights, n)
-    ends = {id(op) for op in experts.reduced}
-    out = Flow(dict(data.splits), dict(data.tracked), list(data.blocked), list(data.reduced), data.batch)
-    out.splits.update({k: v for k, v in experts.splits.items() if k not in ends})
-    return out
+    return expert_flow(graph, data, _size(over))
 
 
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:

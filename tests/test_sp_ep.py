@@ -122,3 +122,19 @@ def test_mesh_factor_keeps_the_device_order():
     assert mesh.dims == (("pp", 2), ("edp", 2), ("ep", 2), ("tp", 2))
     assert mesh.device(pp=1, edp=1, ep=0, tp=1) == 8 + 4 + 1
     assert [m.devices for m in mesh.select(pp=0, tp=0).slices("edp")] == [(0, 2), (4, 6)]
+
+
+def test_sequence_parallel_on_hf_llama_is_exact_at_megatron_sp_cost():
+    """RMS norms, rotary embeddings, grouped-query attention: the same reduce-scatters and
+    all-gathers; around the layers the embedding's output is cut (its gradient gathered) and the
+    final norm's gathered for the head, whose logits the loss reads whole."""
+    model, sample = build("hf_llama")
+    assert_exact(parity(model, sample, _sp(), 2, steps=2))
+    cfg, (b, s), n = model.model.config, sample[0].shape, 2
+    piece = (n - 1) * b * s * cfg.hidden_size * F32 // n
+    layers = cfg.num_hidden_layers
+    plan = cube.plan(model, sample, _sp(n), n)
+    for r in range(n):
+        assert step_bytes(plan.program.plans[r]) == {
+            "forward": 4 * layers * piece + piece, "backward": 4 * layers * piece + piece,
+            "gradients": (2 * layers + 1) * 2 * (n - 1) * cfg.hidden_size * F32 // n}
