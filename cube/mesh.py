@@ -139,6 +139,22 @@ class DeviceMesh:
             self._slices[name] = [self.select(**{name: k}) for k in range(self[name].size)]
         return list(self._slices[name])
 
+    def factor(self, name: str, **parts: int) -> "DeviceMesh":
+        """The same devices with dimension ``name`` factored into ``parts`` (outermost first), so
+        a split can go over a part of it: ``mesh.factor("dp", edp=2, ep=2)`` of a ``dp = 4``
+        mesh has ``edp`` and ``ep`` in its place, ``ep`` innermost (neighbours differ by 1).
+
+        Raises:
+            KeyError: an unknown dimension.
+            ValueError: the parts' sizes do not multiply to the dimension's size.
+        """
+        axis = self._axis(name)
+        if math.prod(parts.values()) != self.shape[axis]:
+            raise ValueError(f"DeviceMesh{self.dims}: {name}={self.shape[axis]} does not factor into "
+                             f"{dict(parts)}; the sizes must multiply to {self.shape[axis]}")
+        dims = self.dims[:axis] + tuple(parts.items()) + self.dims[axis + 1:]
+        return DeviceMesh(*dims, devices=self.devices)
+
     def device(self, **coords: int) -> int:
         """The device at a full set of coordinates.
 

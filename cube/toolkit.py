@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, cut, megatron_flow
+from cube.ir.follow import Flow, batch_flow, cut, expert_flow, megatron_flow, sequence_flow
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
@@ -42,6 +42,27 @@ def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
     found from the graph's structure (``cube.ir.follow.megatron_flow``)."""
     n = _size(over)
     return megatron_flow(graph, n) if n > 1 else Flow()
+
+
+def sequence_parallel(graph: IRGraph, tensor: Flow, over: Union[MeshDim, int], dim: int = 1) -> Flow:
+    """Megatron's sequence parallel over ``over``: ``tensor`` (``tensor_parallel(graph, over)``)
+    plus the split of the sequence (``dim`` of the batch tensors) for the norms, dropout and
+    residual adds between its regions (``cube.ir.follow.sequence_flow``): each transition is one
+    reduce-scatter (a row linear's partial sums into sequence pieces) or one all-gather (the
+    pieces into the whole sequence before a column linear)."""
+    n = _size(over)
+    return sequence_flow(graph, tensor, n, dim) if n > 1 else tensor
+
+
+def expert_parallel(graph: IRGraph, data: Flow, over: Union[MeshDim, int]) -> Flow:
+    """``data`` (a data parallel plan over devices that include ``over``) with the experts of
+    every MoE layer split over ``over`` (``cube.ir.follow.expert_flow``): the batch-split tokens
+    reach their experts by one all-to-all and come back by another.
+
+    Raises:
+        ValueError: the graph has no expert weights.
+    """
+    return expert_flow(graph, data, _size(over))
 
 
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:
@@ -103,19 +124,22 @@ def place_all(graph: IRGraph, mesh: DeviceMesh, ops: Optional[Sequence[IROperato
         place(graph, op, mesh, **splits)
 
 
-def place_data(graph: IRGraph, meshes: Union[DeviceMesh, Sequence[DeviceMesh]], batch: str = "dp") -> None:
+def place_data(graph: IRGraph, meshes: Union[DeviceMesh, Sequence[DeviceMesh]],
+               batch: Union[str, Sequence[str]] = "dp") -> None:
     """Every pipeline stage reads the batch: each data operation is copied once per stage mesh and
-    split along the batch over the stage's ``batch`` dimension (whole on its other dimensions).
+    split along the batch over the stage's ``batch`` dimensions (whole on its other dimensions).
 
     Args:
         meshes: the stages' meshes (``mesh.slices("pp")``), or one mesh.
-        batch: the data parallel dimension (a stage without it reads the whole batch).
+        batch: the data parallel dimension, or several (a factored one: ``("edp", "ep")``); a
+            stage without them reads the whole batch.
     """
     meshes = [meshes] if isinstance(meshes, DeviceMesh) else list(meshes)
+    names = (batch,) if isinstance(batch, str) else tuple(batch)
     for node in graph.select(ntype=IRDataOperation):
         copies = graph.replicate(node, times=len(meshes)) if len(meshes) > 1 else [node]
         for mesh, piece in zip(meshes, copies):
-            place(graph, piece, mesh, **({batch: (0, 0)} if batch in mesh else {}))
+            place(graph, piece, mesh, **{name: (0, 0) for name in names if name in mesh})
 
 
 def place_stages(graph: IRGraph, stages: Sequence[Sequence[IROperator]], meshes: Sequence[DeviceMesh],

@@ -23,7 +23,8 @@ from typing import Callable, Optional
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import Recompute, apply_recompute, data_parallel, grid, place_data, place_stages, tensor_parallel
+from cube.toolkit import (Recompute, apply_recompute, data_parallel, expert_parallel, grid, place_data,
+                          place_stages, sequence_parallel, tensor_parallel)
 
 
 def degrees(ngpus: int, tp: Optional[int] = None, pp: Optional[int] = None) -> tuple:
@@ -43,7 +44,8 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
-                recompute: Recompute = None, schedule_name: Optional[str] = None) -> IRGraph:
+                recompute: Recompute = None, sp: bool = False, ep: int = 1,
+                schedule_name: Optional[str] = None) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -55,11 +57,17 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         nvirtual: stages per pipeline rank (default ``CUBE_VIRTUAL``, else 1); more than one
             runs interleaved 1F1B.
         recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+        sp: sequence parallel: norms, dropout and residual adds between the tensor-parallel
+            regions run on ``1/tp`` of the sequence (``cube.toolkit.sequence_parallel``).
+        ep: expert parallel degree, dividing ``dp``: the experts (weights with a leading expert
+            dim) are split over groups of ``ep`` data-parallel neighbours, the tokens reach them
+            by all-to-all (``cube.toolkit.expert_parallel``).
         schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"`` or
             ``"zbv"`` (two stages per pipeline rank in a V; ``nvirtual`` must be left out or 2).
 
     Raises:
-        ValueError: an unknown schedule, or ZB-H1/ZB-V with another ``nvirtual``.
+        ValueError: the degrees do not fit the devices, ``ep`` does not divide ``dp``, an unknown
+            schedule, or ZB-H1/ZB-V with another ``nvirtual``.
     """
     mesh = _mesh(resource.ngpus, tp, pp)
     pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
@@ -73,11 +81,20 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    if sp:
+        tensor = sequence_parallel(graph, tensor, mesh["tp"])
+    splits = dict(dp=data, tp=tensor)
+    if ep != 1:
+        if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:
+            raise ValueError(f"PASMegatron: ep={ep!r} must divide the data parallel degree dp={mesh['dp'].size} "
+                             f"(devices / (tp * pp)); the experts are split over groups of ep data-parallel ranks")
+        mesh = mesh.factor("dp", edp=mesh["dp"].size // ep, ep=ep)
+        splits = dict(edp=data, ep=expert_parallel(graph, data, mesh["ep"]), tp=tensor)
     meshes = mesh.slices("pp")
-    place_data(graph, meshes)   # every stage reads the batch
+    place_data(graph, meshes, batch=("dp", "edp", "ep"))   # every stage reads the batch
     if name == "zbv":   # stage k on pipeline rank min(k, 2 pp - 1 - k)
         meshes = [meshes[min(k, 2 * pp - 1 - k)] for k in range(2 * pp)]
-    place_stages(graph, stages, meshes, dp=data, tp=tensor)
+    place_stages(graph, stages, meshes, **splits)
     apply_recompute(graph, recompute)
     if name == "zb-h1":
         schedule.sched_zb_h1(graph, nmicros, pp)

@@ -101,6 +101,58 @@ class WritesIntoViews(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class StaticMoE(nn.Module):
+    """A mixture of experts with static shapes, as ordinary PyTorch: top-``k`` routing (``k``
+    argmaxes) with a fixed ``capacity`` per expert and sequence (later tokens over it are
+    dropped), the experts one ``(E, d, f)`` and one ``(E, f, d)`` weight applied with ``bmm`` to
+    the ``(E, batch x capacity, d)`` dispatched tokens, combined back weighted by the router.
+
+    Routing looks only within a sequence, so a batch split changes nothing."""
+
+    def __init__(self, dim=16, hidden=32, experts=4, k=2, capacity=6):
+        super().__init__()
+        self.experts, self.k, self.capacity = experts, k, capacity
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) * dim ** -0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) * hidden ** -0.5)
+
+    def forward(self, x):
+        B, S, D = x.shape
+        E, C = self.experts, self.capacity
+        probs = torch.softmax(self.gate(x), dim=-1)                        # (B, S, E)
+        ids = torch.arange(E, device=x.device)
+        chosen, left = torch.zeros_like(probs), probs
+        for _ in range(self.k):
+            hit = left.argmax(dim=-1, keepdim=True) == ids                  # (B, S, E)
+            chosen = chosen + hit.to(x.dtype)
+            left = left.masked_fill(hit, -1.0)
+        slot = torch.cumsum(chosen, dim=1) * chosen - 1                    # place in the expert's queue; -1: not routed
+        dispatch = (slot.unsqueeze(-1) == torch.arange(C, device=x.device)).to(x.dtype)   # (B, S, E, C)
+        combine = dispatch * (probs * chosen).unsqueeze(-1)
+        xe = torch.bmm(dispatch.reshape(B, S, E * C).transpose(1, 2), x)   # (B, E*C, D)
+        xe = xe.reshape(B, E, C, D).transpose(0, 1).reshape(E, B * C, D)  # (E, B*C, D): the experts' tokens
+        ye = torch.bmm(F.gelu(torch.bmm(xe, self.w1)), self.w2)           # (E, B*C, D)
+        ye = ye.reshape(E, B, C, D).transpose(0, 1).reshape(B, E * C, D)
+        return torch.bmm(combine.reshape(B, S, E * C), ye)                 # (B, S, D)
+
+
+class MoEModel(nn.Module):
+    """A pre-norm residual MoE block between two linears; mean squared error loss (written out:
+    ``F.mse_loss`` broadcasts its inputs first, an op cube cannot split)."""
+
+    def __init__(self, dim=16, **moe):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.moe = StaticMoE(dim, **moe)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        h = h + self.moe(self.norm(h))
+        return ((self.out(h) - y) ** 2).mean()
+
+
 def hf_gpt2(layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
     cfg = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=4,
@@ -188,6 +240,8 @@ def build(name: str):
         return PatchViT(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
     if name == "cnn":
         return SmallCNN(), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))
+    if name == "moe":
+        return MoEModel(), (torch.randn(8, 8, 16), torch.randn(8, 8, 16))
     raise KeyError(name)
 
 

@@ -49,6 +49,52 @@ def sent_bytes(call: Call) -> int:
             "reduce_scatter": (n - 1) * nbytes, "all_to_all": (n - 1) * nbytes // n}[s.kind]
 
 
+def _ring(kind: str, n: int, nbytes: int) -> int:
+    """Bytes one member sends in a ring collective over ``n`` ranks whose whole (unsplit) value
+    is ``nbytes``."""
+    return {"all_reduce": 2 * (n - 1) * nbytes // n, "all_gather": (n - 1) * nbytes // n,
+            "reduce_scatter": (n - 1) * nbytes // n, "all_to_all": (n - 1) * nbytes // n}[kind]
+
+
+def _nbytes(t, box=None) -> int:
+    shape = t.shape if box is None else tuple(e - b for b, e in box)
+    return math.prod(shape) * t.dtype.itemsize
+
+
+def backward_bytes(call: Call) -> int:
+    """Bytes this rank sends in backward for a step (the adjoint of its forward, as
+    ``cube.sim.program`` times it); 0 for an op piece, a local step or a value without a gradient."""
+    s = call.step
+    if s is None or not call.outputs or s.grad == "none" or not call.outputs[0].requires_grad:
+        return 0
+    out, n = call.outputs[0], len(s.ranks)
+    if s.kind == "identity_all_reduce":
+        return _ring("all_reduce", n, _nbytes(out))
+    if s.kind == "all_gather":   # "V": the gradients are partial sums, reduce-scattered; "R": kept
+        return _ring("reduce_scatter", n, _nbytes(out)) if s.grad == "V" else 0
+    if s.kind in ("reduce_scatter", "chunk"):   # the gradient pieces are all-gathered
+        return _ring("all_gather", n, n * _nbytes(out))
+    if s.kind == "all_to_all":
+        return _ring("all_to_all", n, _nbytes(out))
+    if s.kind in ("recv", "grad_to"):   # the gradient goes back to the sender
+        return _nbytes(out)
+    if s.kind == "gather":
+        me = s.ranks[0]
+        return sum(_nbytes(out, place) * ((bool(back) and src != me) + len(links))
+                   for src, _, _, place, back, links in s.takes)
+    return 0
+
+
+def step_bytes(plan: RankPlan) -> Dict[str, int]:
+    """Bytes a rank sends in one step (one micro-batch of a pipeline plan): ``forward`` and
+    ``backward`` (its steps), and ``gradients`` (the reducer's all-reduces of its parameter pieces
+    after backward). Collectives a recompute run repeats in backward are not counted twice."""
+    held = {id(t): b for t, b in plan.attrs}
+    grads = sum(_ring("all_reduce", len(ranks), _nbytes(t, held.get(id(t)))) for t, ranks in plan.reduce)
+    return {"forward": sum(sent_bytes(c) for c in plan.calls),
+            "backward": sum(backward_bytes(c) for c in plan.calls), "gradients": grads}
+
+
 def _call_line(call: Call) -> str:
     if call.step is not None:
         s = call.step
@@ -62,8 +108,9 @@ def _call_line(call: Call) -> str:
             srcs = sorted({src for src, *_ in s.takes if src != s.ranks[0]})
             extra += f" box={s.box} from ranks {srcs}" + (" and itself" if any(
                 src == s.ranks[0] for src, *_ in s.takes) else "")
-        sent = sent_bytes(call)
+        sent, back = sent_bytes(call), backward_bytes(call)
         extra += f"  sends {sent} B" if sent else ""
+        extra += f"  sends {back} B in backward" if back else ""
         return f"{s.kind:<20} {what}  ranks={tuple(s.ranks)}{extra}"
     op, lay = call.op, call.layout
     ins = ", ".join(f"{_name(t)}{_box(b, t.shape)}" for t, b in zip(op.inputs, lay.inputs))
@@ -89,7 +136,10 @@ def plan_text(program: Program) -> str:
         out += [f"  {t.names[0]}{_box(b, t.shape)}" for t, b in params]
         out.append("forward:")
         out += [f"  {i:>4}  {_call_line(c)}" for i, c in enumerate(p.calls)]
-        out.append(f"sends in forward: {sum(sent_bytes(c) for c in p.calls) / 2**20:.3f} MiB")
+        sends = step_bytes(p)
+        out.append(f"sends in forward: {sends['forward'] / 2**20:.3f} MiB")
+        out.append(f"sends per step: forward {sends['forward']} B, backward {sends['backward']} B, "
+                   f"gradient sums {sends['gradients']} B")
         if p.reduce:
             out.append("gradients summed after backward (reducer):")
             out += [f"  {t.names[0]} over {tuple(ranks)}" for t, ranks in p.reduce]

@@ -10,11 +10,12 @@ from __future__ import annotations
 import heapq
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
+from cube.ir.tensor import TensorKind
 
 
 @dataclass
@@ -44,13 +45,17 @@ class Flow:
 
 
 def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
-           start: Optional[Dict[int, Tuple[int, int]]] = None) -> Flow:
+           start: Optional[Dict[int, Tuple[int, int]]] = None,
+           whole: Optional[Callable[[IRFwOperation], bool]] = None) -> Flow:
     """Follows splits of ``num`` pieces from ``seeds`` (tensor id -> dim) in program order.
 
     Args:
         start: op id -> (idx, dim) splits to make regardless of tracked inputs
             (e.g. a column linear split on its weight).
         flow: an earlier result to extend (it is copied, not changed).
+        whole: ops it says True of (and not split by ``flow`` or ``start``) stay whole; the split
+            dim is still followed through them when they could carry it, so a later op may run
+            on a piece of their output.
     """
     out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced),
                flow.batch) if flow else Flow()
@@ -65,6 +70,9 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             choice = out.splits[id(op)][1:]
         else:
             choice = _choose(op, out, num)
+            if choice is not None and whole is not None and whole(op):
+                _carry(op, *choice, out.tracked)   # the dim goes on: a later op may split the output
+                continue
             if choice is None:
                 if _reads(op, out):
                     out.blocked.append(op)
@@ -146,6 +154,78 @@ def megatron_flow(graph: IRGraph, num: int) -> Flow:
             flow.tracked.update(tracked)
             flow.reduced.extend(reduced)
     return flow
+
+
+def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
+    """``tensor`` (a Megatron plan of ``num`` pieces) plus, for the ops it leaves whole between
+    its regions, the split of the sequence (``dim`` of the batch tensors): Megatron's sequence
+    parallel.
+
+    The sequence dim is followed from the batch through the ops ``tensor`` leaves whole. Only
+    ops bound by memory split along it; a matmul, convolution or attention stays whole (a
+    language model's head runs on the gathered sequence, as in Megatron-LM), and so does an op
+    whose parameters hold more than half the elements of its output (an embedding table: split,
+    its weight gradient would be partial, summed at ``2 (n-1)/n`` of the table; whole, it costs
+    at most a gather of the output's gradient). The dim is still followed through such ops, so
+    what comes after them can run on a piece. Of the ops split, a connected run is kept only when
+    it meets a tensor-parallel region (reads its partial sums or feeds it): a run that does not
+    (after the head: a dtype cast before a loss that needs the whole sequence) would only cut a
+    whole value and gather it again.
+    """
+    data = graph.select(ntype=IRDataOperation)[0]
+    seeds = {id(t): dim for t in data.outputs if t.ndim > dim}
+    flow = follow(graph, seeds, num, flow=tensor, whole=_whole_in_sequence)
+    seq = {k: e for k, e in flow.splits.items() if k not in tensor.splits}
+    run = {k: k for k in seq}                 # union-find over the split ops, joined by the tensors between them
+
+    def root(k):
+        while run[k] != k:
+            run[k] = run[run[k]]
+            k = run[k]
+        return k
+    maker = {id(t): k for k, (op, _, _) in seq.items() for t in op.outputs}
+    for k, (op, _, _) in seq.items():
+        for t in op.inputs:
+            if id(t) in maker:
+                run[root(k)] = root(maker[id(t)])
+    partial = {id(t) for op in tensor.reduced for t in op.outputs}
+    feeds = {id(t) for op, _, _ in tensor.splits.values() for t in op.inputs}
+    meets = {root(k) for k, (op, _, _) in seq.items()
+             if any(id(t) in partial for t in op.inputs) or any(id(t) in feeds for t in op.outputs)}
+    out = Flow(dict(tensor.splits), dict(flow.tracked), list(flow.blocked), list(tensor.reduced), tensor.batch)
+    out.splits.update({k: e for k, e in seq.items() if root(k) in meets})
+    return out
+
+
+def _whole_in_sequence(op: IRFwOperation) -> bool:
+    params = sum(t.numel() for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM)
+    return op_info(op.name).cost != "memory" or 2 * params > sum(t.numel() for t in op.outputs)
+
+
+def expert_flow(graph: IRGraph, data: Flow, num: int) -> Flow:
+    """``data`` (a data parallel plan) with the experts split ``num`` ways: from each expert weight
+    (a parameter of three or more dims read by a batched matmul, its leading dim the experts),
+    every op that carries the expert dim splits along it, up to (not including) the op that sums
+    it away (the combine). So the tokens, batch-split outside, reach the experts through one
+    all-to-all (batch pieces into expert pieces) and go back through one more, and each device
+    keeps only its experts' weights.
+
+    Raises:
+        ValueError: the graph has no expert weights.
+    """
+    weights = {id(t): 0 for op in graph.select(ntype=IRFwOperation) if op_info(op.name).batched
+               for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM and t.ndim >= 3}
+    if not weights:
+        raise ValueError("expert parallel: the model has no expert weights (a parameter with a leading expert "
+                         "dim, (E, d, f), read by torch.bmm/einsum/matmul); write the experts as one such "
+                         "weight, or drop ep=")
+    if num == 1:
+        return data
+    experts = follow(graph, weights, num)
+    ends = {id(op) for op in experts.reduced}
+    out = Flow(dict(data.splits), dict(data.tracked), list(data.blocked), list(data.reduced), data.batch)
+    out.splits.update({k: v for k, v in experts.splits.items() if k not in ends})
+    return out
 
 
 class _Readers:

@@ -228,6 +228,7 @@ def _spatial(op: IRFwOperation) -> int:
 # ----------------------------------------------------------------------------- reductions and losses
 def _reduce(op: IRFwOperation, dims, keepdim: bool, mark: str) -> str:
     x = op.inputs[0]
+    dims = [dims] if isinstance(dims, int) else dims   # argmax(x, dim), amax(x, [dims])
     dims = set(range(x.ndim)) if dims is None or len(dims) == 0 else {_dim(d, x.ndim) for d in dims}
     names = _Names()
     ig, og = [], []
