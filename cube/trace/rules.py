@@ -177,16 +177,6 @@ def batch_norm(op: IRFwOperation) -> str:
     return _anno([g] + [["c"]] * (len(op.inputs) - 1), [g])
 
 
-def frozen_norm(op: IRFwOperation) -> str:
-    """group_norm / instance_norm: statistics per sample (and group) over the spatial dims: only the
-    batch splits (a channel split would cut a group)."""
-    x = op.inputs[0]
-    names = _Names()
-    g = ["b"] + names.many(x.ndim - 1, frozen=True)
-    return _anno([g] + [names.many(t.ndim, frozen=True) for t in op.inputs[1:]], [g] + [["b"] + names.many(
-        o.ndim - 1, frozen=True) for o in op.outputs[1:]])
-
-
 def group_norm(op: IRFwOperation) -> str:
     """group_norm / instance_norm: statistics per sample (and group) over the channels of a group and
     the spatial dims. Spatial dims split with the statistics summed over the pieces
@@ -500,7 +490,7 @@ def creation(op: IRFwOperation) -> str:
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
-    "frozen_norm": frozen_norm, "group_norm": group_norm, "conv_transpose": conv_transpose,
+    "group_norm": group_norm, "conv_transpose": conv_transpose,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole
