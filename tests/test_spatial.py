@@ -371,13 +371,32 @@ class _Norms(nn.Module):
         return self.gnorm(self.inorm(self.conv(x))).sin().mean()
 
 
+def _batch_by_h(graph, resource):
+    """Fields split 2 along the batch x 2 along H: group norm sums over H only, instance norm's
+    running statistics over all four."""
+    from cube.ir.operator import IRFwOperation
+    from cube.mesh import DeviceMesh
+    from cube.toolkit import place
+    mesh = DeviceMesh(("b", 2), ("h", 2))
+    for op in graph.nodes():
+        if isinstance(op, IRFwOperation) and op.inputs and op.inputs[0].ndim == 4 and op.anno is not None:
+            place(graph, op, mesh, b=(0, 0), h=(0, 2))
+        else:
+            place(graph, op, mesh)
+    return graph
+
+
 @pytest.mark.parametrize("policy,world", [(functools.partial(PASSpatial, dims="HW"), 4),
-                                          ("policies.data:PASData", 2)], ids=["spatial-2x2", "batch-2"])
+                                          ("policies.data:PASData", 2), (_batch_by_h, 4)],
+                         ids=["spatial-2x2", "batch-2", "batch-2-x-H-2"])
 def test_instance_norm_running_stats_equal_single_device(policy, world):
     """Instance norm's running statistics average over the whole batch: split along the batch
-    (PASData) or the grid, they equal the single-device module's; so do the parameters."""
+    (PASData), the grid, or both, they equal the single-device module's; so do the parameters."""
     torch.manual_seed(0)
     model, sample = _Norms(), (torch.randn(4, 3, 8, 8),)
+    if policy is _batch_by_h:
+        source = cube.plan(model, sample, policy, world).source(2)
+        assert "ranks=(0, 1, 2, 3), batch=(2, 4)" in source and "ranks=(2, 3), batch=(0, 2)" in source
     got, want = _trained_buffers(model, sample, policy, world)
     for rank_buffers in got:
         assert set(rank_buffers) == set(want)
