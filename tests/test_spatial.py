@@ -228,3 +228,218 @@ def test_policy_keeps_ops_whole_where_a_split_would_be_refused():
     big = [op for op in graph.select(name="conv2d") if op.root.inputs[1].shape[-1] == 5]
     assert len(big) == 4 and all(not op.splits for op in big)
     assert_exact(parity(Wrap(), (x,), functools.partial(PASSpatial, dims="H"), 4, steps=2), 1e-5)
+
+
+# ------------------------------------------------------------------------- transposed convolutions,
+# bilinear upsampling, group and instance norm
+def _unet(up, norm):
+    return lambda: (UNet(cin=3, cout=2, width=4, up=up, norm=norm),
+                    (torch.randn(2, 3, 16, 16), torch.randn(2, 2, 16, 16)))
+
+
+UNETS = {"unet-transpose-group": _unet("transpose", "group"), "unet-bilinear-group": _unet("bilinear", "group")}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("dims,world", [("H", 2), ("HW", 4)])
+@pytest.mark.parametrize("name", sorted(UNETS))
+def test_unet_upsampling_and_group_norm_train_like_eager(name, dims, world, opt):
+    """ConvTranspose2d (stride 2) or bilinear up-sampling, GroupNorm: every op split, exact."""
+    torch.manual_seed(0)
+    model, sample = UNETS[name]()
+    policy = functools.partial(PASSpatial, dims=dims)
+    source = cube.plan(model, sample, policy, world).source(0)
+    split = "runtime.halo.stencil(aten.conv_transpose2d" if "transpose" in name else "runtime.halo.linear("
+    assert split in source and "runtime.sync_norm.group_norm(" in source
+    assert_exact(parity(model, sample, policy, world, steps=2, opt=opt), 1e-5)
+
+
+def _transposed_blocks(module, x, num, dim=2):
+    """Each of ``num`` output blocks along ``dim`` computed as a piece does: the op without padding
+    on its window (zero rows outside the input), cropped. Returns (blocks, eager output)."""
+    from cube.ir import halo
+    graph = cube.trace_model(One(module), (x,)).graph
+    op = graph.select(name=f"conv_transpose{x.dim() - 2}d")[0]
+    halo.check(op, dim, num)
+    st = halo.stencil(op, dim)
+    nsp = x.dim() - 2
+    pad = list(module.padding)
+    pad[dim - 2] = 0
+    opad = list(module.output_padding)
+    opad[dim - 2] = 0
+    conv = getattr(F, f"conv_transpose{nsp}d")
+    block = st.size_out // num
+    blocks = []
+    for i, (a, b) in enumerate(halo.windows(op, dim, num)):
+        lo, hi = max(a, 0), min(b, st.size_in)
+        win = x.narrow(dim, lo, hi - lo)
+        zeros = [0] * (2 * nsp)
+        k = 2 * (x.dim() - 1 - dim)   # F.pad lists the last dim first
+        zeros[k], zeros[k + 1] = lo - a, b - hi
+        y = conv(F.pad(win, zeros), module.weight, module.bias, module.stride, pad, opad, module.groups,
+                 module.dilation)
+        blocks.append(y.narrow(dim, st.crop(i * block, (i + 1) * block), block))
+    return blocks, module(x)
+
+
+@pytest.mark.parametrize("kw,num", [
+    (dict(kernel_size=2, stride=2), 4),
+    (dict(kernel_size=3, stride=2, padding=1, output_padding=1), 4),
+    (dict(kernel_size=4, stride=2, padding=1), 8),
+    (dict(kernel_size=3, stride=1, padding=1), 8),
+    (dict(kernel_size=1, stride=2, output_padding=1), 4),        # stride > kernel: rows only the bias reaches
+    (dict(kernel_size=2, stride=3, output_padding=1), 4),
+    (dict(kernel_size=3, stride=2, padding=2, dilation=2, output_padding=1), 4),
+    (dict(kernel_size=5, stride=1, padding=0), 2),               # grows: 8 -> 12 rows
+    (dict(kernel_size=3, stride=3, padding=0), 8),
+], ids=["k2s2", "k3s2p1op1", "k4s2p1", "k3s1p1", "k1s2op1", "k2s3op1", "dilated", "valid-k5", "k3s3"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_conv_transpose_windows_compute_every_output_block(kw, num, groups):
+    """Geometry alone (no processes): each output block, computed on its window and cropped, equals
+    the eager output's block, for strides above and below the kernel, padding, output padding,
+    dilation, grouped (depthwise) and not; in 1-D and 2-D."""
+    torch.manual_seed(0)
+    for nsp in (1, 2):
+        module = getattr(nn, f"ConvTranspose{nsp}d")(4, 4, groups=groups, **kw)
+        x = torch.randn(2, 4, *[8] * nsp)
+        blocks, want = _transposed_blocks(module, x, num)
+        assert torch.allclose(torch.cat(blocks, 2), want, atol=1e-6), (kw, nsp)
+
+
+@pytest.mark.parametrize("kw,shape,num", [
+    (dict(kernel_size=3, stride=2, padding=1, output_padding=1), (1, 2, 4, 4, 4), 2),
+    (dict(kernel_size=2, stride=2), (1, 2, 4, 4, 4), 4),
+], ids=["k3s2p1op1", "k2s2"])
+def test_conv_transpose3d_split_trains_like_eager(kw, shape, num):
+    torch.manual_seed(0)
+    model = One(nn.ConvTranspose3d(2, 2, **kw))
+    policy = functools.partial(PASSpatial, dims="D")
+    assert "runtime.halo.stencil(aten.conv_transpose3d" in cube.plan(model, (torch.randn(*shape),), policy,
+                                                                       num).source(0)
+    assert_exact(parity(model, (torch.randn(*shape),), policy, num, steps=2), 1e-5)
+
+
+class _Conv1dTransposed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose1d(4, 4, 3, stride=2, padding=1, output_padding=1, groups=4)
+        self.mix = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.mix(self.up(x)).sin().mean()
+
+
+def test_conv_transpose1d_depthwise_split_trains_like_eager():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 16)
+    policy = functools.partial(PASSpatial, dims="H")
+    assert_exact(parity(_Conv1dTransposed(), (x,), policy, 4, steps=2, opt="adamw"), 1e-5)
+
+
+class _Bilinear(nn.Module):
+    def __init__(self, scale, align_corners):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.scale, self.align_corners = scale, align_corners
+
+    def forward(self, x):
+        return F.interpolate(self.conv(x), scale_factor=self.scale, mode="bilinear",
+                             align_corners=self.align_corners).sin().mean()
+
+
+@pytest.mark.parametrize("scale,align", [(2, False), (2, True), (3, False), (4, True)])
+def test_bilinear_split_over_a_grid_trains_like_eager(scale, align):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 12)
+    policy = functools.partial(PASSpatial, dims="HW")
+    plan = cube.plan(_Bilinear(scale, align), (x,), policy, 4)
+    assert "runtime.halo.linear(" in plan.source(0)
+    if scale == 2 and not align:   # the geometry's halo: one input row (column) each side, no more
+        call = next(c for c in plan.program[0].plan.calls if c.inside is not None and c.inside.fn.endswith("linear"))
+        assert [w[0] for _, _, _, w in call.inside.kwargs["halo"]] == [(0, 5), (0, 7)]
+    assert_exact(parity(_Bilinear(scale, align), (x,), policy, 4, steps=2), 1e-5)
+
+
+class _Norms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.inorm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.gnorm = nn.GroupNorm(2, 4)
+
+    def forward(self, x):
+        return self.gnorm(self.inorm(self.conv(x))).sin().mean()
+
+
+def _batch_by_h(graph, resource):
+    """Fields split 2 along the batch x 2 along H: group norm sums over H only, instance norm's
+    running statistics over all four."""
+    from cube.ir.operator import IRFwOperation
+    from cube.mesh import DeviceMesh
+    from cube.toolkit import place
+    mesh = DeviceMesh(("b", 2), ("h", 2))
+    for op in graph.nodes():
+        if isinstance(op, IRFwOperation) and op.inputs and op.inputs[0].ndim == 4 and op.anno is not None:
+            place(graph, op, mesh, b=(0, 0), h=(0, 2))
+        else:
+            place(graph, op, mesh)
+    return graph
+
+
+@pytest.mark.parametrize("policy,world", [(functools.partial(PASSpatial, dims="HW"), 4),
+                                          ("policies.data:PASData", 2), (_batch_by_h, 4)],
+                         ids=["spatial-2x2", "batch-2", "batch-2-x-H-2"])
+def test_instance_norm_running_stats_equal_single_device(policy, world):
+    """Instance norm's running statistics average over the whole batch: split along the batch
+    (PASData), the grid, or both, they equal the single-device module's; so do the parameters."""
+    torch.manual_seed(0)
+    model, sample = _Norms(), (torch.randn(4, 3, 8, 8),)
+    if policy is _batch_by_h:
+        source = cube.plan(model, sample, policy, world).source(2)
+        assert "ranks=(0, 1, 2, 3), batch=(2, 4)" in source and "ranks=(2, 3), batch=(0, 2)" in source
+    got, want = _trained_buffers(model, sample, policy, world)
+    for rank_buffers in got:
+        assert set(rank_buffers) == set(want)
+        for name, value in rank_buffers.items():
+            if value.is_floating_point():
+                assert rel(value, want[name]) <= 1e-5, (name, value, want[name])
+    assert_exact(parity(model, sample, policy, world, steps=2), 1e-5)
+
+
+def _recompute_all(graph, resource, dims="H"):
+    """PASSpatial with every forward op that may run twice in one recompute group."""
+    from cube.ir.blocks import rerun_hazard
+    from cube.ir.operator import IRFwOperation
+    graph.recompute([op for op in graph.nodes() if isinstance(op, IRFwOperation) and not rerun_hazard(op)])
+    return PASSpatial(graph, resource, dims=dims)
+
+
+@pytest.mark.parametrize("name,dims,world", [("stencil", "HW", 4), ("unet-transpose-group", "H", 2),
+                                             ("unet-bilinear-group", "HW", 4)])
+def test_halo_pieces_inside_a_recompute_run_stay_exact(name, dims, world):
+    """Halo exchanges and summed statistics re-run in backward on every member: the run turns
+    checkpoint's early stop off even when it holds no collective step."""
+    torch.manual_seed(0)
+    model, sample = {**CASES, **UNETS}[name]()
+    policy = functools.partial(_recompute_all, dims=dims)
+    source = cube.plan(model, sample, policy, world).source(0)
+    assert "torch.utils.checkpoint.checkpoint(self._recompute_0" in source
+    assert "set_checkpoint_early_stop(False)" in source
+    assert_exact(parity(model, sample, policy, world, steps=2), 1e-5)
+
+
+@pytest.mark.parametrize("module,shape,num,name,match", [
+    (nn.ConvTranspose2d(2, 2, 3, stride=2, padding=1), (1, 2, 8, 8), 2, "conv_transpose2d",
+     r"input size 8 and output size 15, which 2 pieces do not both divide \(uneven split\).*output_padding"),
+    (nn.ConvTranspose2d(2, 2, 7, padding=3), (1, 2, 8, 8), 8, "conv_transpose2d",
+     r"piece 0 reads 3 rows of its neighbours along dim 2, more than a piece of 1 rows.*"
+     r"Split into at most 2 pieces"),
+    (nn.ConvTranspose1d(2, 2, 4, stride=1), (1, 2, 8), 4, "conv_transpose1d",
+     r"input size 8 and output size 11"),
+    (nn.Upsample(scale_factor=0.25, mode="bilinear"), (1, 2, 16, 16), 8, "upsample_bilinear2d",
+     r"input size 16 and output size 4, which 8 pieces do not both divide"),
+], ids=["transposed-uneven-output", "transposed-reach", "transposed-1d-uneven", "bilinear-uneven"])
+def test_transposed_and_bilinear_splits_cube_cannot_compute_are_refused(module, shape, num, name, match):
+    with pytest.raises(ValueError, match=match) as info:
+        _split(module, shape, 2, num, name)
+    assert f"op {name!r} (module 'op', " in str(info.value) and "test_spatial.py:" in str(info.value)

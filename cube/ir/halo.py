@@ -8,14 +8,26 @@ dilation), checks that a split is one cube computes exactly, and rewrites the
 op's arguments for a piece (no padding along a split dim: the window holds it;
 an adaptive pool's or an upsampling's output size becomes the block's).
 
+Two geometries read their input differently. A transposed convolution scatters
+each input row over ``extent`` output rows ``stride`` apart: an output block
+reads the input rows whose contributions land in it, and the piece runs the op
+without padding on that window and crops its block out of the result
+(:meth:`Stencil.crop`). A linear interpolation (``upsample_bilinear2d``) reads
+the two input rows around each output row's source coordinate, which depends
+on the global sizes: its window is those rows (plus one each side, so float
+rounding of the coordinate never reads past it), and the piece interpolates
+with the global coordinates (``cube.runtime.halo.linear``).
+
 Everything here is a pure function of the op; ``cube.passes.inside`` turns it
 into the piece's call and ``cube.runtime.halo`` exchanges the windows.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
+from cube.errors import CubeInternalError
 from cube.ir.operator import IRFwOperation
 
 Window = Tuple[int, int]   # [start, stop) in the global coordinates of the input dim (may leave [0, size))
@@ -32,6 +44,10 @@ class Stencil:
         pad: zero (or -inf) rows the op adds before the input.
         upsample: the integer factor of a nearest upsampling (output row ``o`` reads input row
             ``o // upsample``), else 0.
+        transposed: a transposed convolution: input row ``i`` adds to output rows
+            ``i * stride - pad + [0, extent)``.
+        linear: a linear interpolation's ``align_corners`` (None: not one).
+        scale: a linear interpolation's input rows per output row (as ATen computes it).
     """
 
     size_in: int
@@ -40,12 +56,40 @@ class Stencil:
     stride: int = 1
     pad: int = 0
     upsample: int = 0
+    transposed: bool = False
+    linear: Optional[bool] = None
+    scale: float = 0.0
 
     def window(self, o0: int, o1: int) -> Window:
         """The input rows output rows ``[o0, o1)`` read."""
         if self.upsample:
             return o0 // self.upsample, -(-o1 // self.upsample)
+        if self.transposed:
+            s, p, e = self.stride, self.pad, self.extent
+            # every row adding to [o0, o1), and enough rows that the window's own output (which
+            # starts at a * s - p and ends at (b - 1) * s - p + e) covers [o0, o1) even where the
+            # stride leaves rows no input reaches (stride > extent: they hold only the bias)
+            a = min(-(-(o0 + p - e + 1) // s), (o0 + p) // s)
+            b = max((o1 - 1 + p) // s + 1, -(-(o1 + p - e) // s) + 1)
+            return a, b
+        if self.linear is not None:
+            # rows floor(src) and floor(src) + 1 of each output row; a coordinate within 1e-4 of an
+            # integer may floor either way in ATen's float32, so both rows around it count
+            lo = math.floor(self.source(o0) - 1e-4)
+            hi = math.floor(self.source(o1 - 1) + 1e-4) + 2
+            return max(lo, 0), min(hi, self.size_in)
         return o0 * self.stride - self.pad, (o1 - 1) * self.stride - self.pad + self.extent
+
+    def source(self, o: int) -> float:
+        """A linear interpolation's source coordinate of output row ``o`` (ATen's formula)."""
+        if self.linear:
+            return self.scale * o
+        return max(self.scale * (o + 0.5) - 0.5, 0.0)
+
+    def crop(self, o0: int, o1: int) -> int:
+        """Where output row ``o0`` lies in the output of a transposed convolution run without
+        padding on the window of ``[o0, o1)``."""
+        return o0 - (self.window(o0, o1)[0] * self.stride - self.pad)
 
 
 def spatial(op: IRFwOperation) -> int:
@@ -103,6 +147,11 @@ def stencil(op: IRFwOperation, d: int) -> Stencil:
     j = d - (x.ndim - nsp)
     size_in, size_out = x.shape[d], out.shape[d]
     name = op.name
+    if name.startswith("conv_transpose"):
+        return _transposed(op, d, j, nsp, size_in, size_out)
+    if name.startswith("upsample_linear") or name.startswith("upsample_bilinear") or \
+            name.startswith("upsample_trilinear"):
+        return _linear(op, j, size_in, size_out)
     if name.startswith("conv"):
         k = op.inputs[1].shape[2 + j]
         dil = _per_dim(_arg(op, "dilation", 1), nsp)[j]
@@ -136,6 +185,41 @@ def stencil(op: IRFwOperation, d: int) -> Stencil:
     raise _refuse(op, "cube knows no window geometry for it", "Keep it whole along its spatial dims")
 
 
+def _transposed(op: IRFwOperation, d: int, j: int, nsp: int, size_in: int, size_out: int) -> Stencil:
+    k = op.inputs[1].shape[2 + j]
+    dil = _per_dim(_arg(op, "dilation", 1), nsp)[j]
+    stride = _per_dim(_arg(op, "stride", 1), nsp)[j]
+    pad = _per_dim(_arg(op, "padding", 0), nsp)[j]
+    st = Stencil(size_in, size_out, dil * (k - 1) + 1, stride, pad, transposed=True)
+    if (size_in - 1) * stride - 2 * pad + st.extent > size_out:
+        raise CubeInternalError(f"{op.name} ({op.where()}): output size {size_out} along dim {d} is less than "
+                                f"the transposed geometry gives")
+    return st
+
+
+def _linear(op: IRFwOperation, j: int, size_in: int, size_out: int) -> Stencil:
+    """ATen's scale (``area_pixel_compute_scale``): ``(in - 1) / (out - 1)`` with
+    ``align_corners``, else ``1 / scale_factor`` when one is given, else ``in / out``."""
+    align = bool(_arg(op, "align_corners", False))
+    if align:
+        scale = (size_in - 1) / (size_out - 1) if size_out > 1 else 0.0
+    else:
+        given = _arg(op, "scale_factors") if "scale_factors" in _names(op) else \
+            [_arg(op, n) for n in ("scales_d", "scales_h", "scales_w") if n in _names(op)]
+        factor = given[j] if given and j < len(given) else None
+        scale = 1.0 / factor if factor is not None and factor > 0 else size_in / size_out
+    return Stencil(size_in, size_out, linear=align, scale=scale)
+
+
+def linear_align(op: IRFwOperation) -> bool:
+    """A linear interpolation's ``align_corners``."""
+    return bool(_arg(op, "align_corners", False))
+
+
+def _names(op: IRFwOperation) -> List[str]:
+    return [a.name for a in op.target._schema.arguments]
+
+
 def windows(op: IRFwOperation, d: int, num: int) -> Tuple[Window, ...]:
     """The input window each of ``num`` even blocks of the output reads along dim ``d``."""
     st = stencil(op, d)
@@ -152,10 +236,15 @@ def check(op: IRFwOperation, d: int, num: int) -> None:
     """
     st = stencil(op, d)
     if st.size_in % num or st.size_out % num:
+        fix = f"Choose a number of pieces dividing both (gcd {_gcd(st.size_in, st.size_out)})"
+        if st.transposed:
+            fix += f", or an output_padding (or padding) making the output size a multiple of {num}"
         raise _refuse(op, f"dim {d} has input size {st.size_in} and output size {st.size_out}, which {num} pieces "
-                          f"do not both divide (uneven split)",
-                      f"Choose a number of pieces dividing both (gcd {_gcd(st.size_in, st.size_out)})")
+                          f"do not both divide (uneven split)", fix)
     block = st.size_in // num
+    if st.transposed or st.linear is not None:   # no kernel or stride limit: only the halo's reach
+        _check_reach(op, d, num, st, f"Split into at most {_most_reaching(op, d)} pieces along this dim")
+        return
     if not st.upsample and block % st.stride:
         raise _refuse(op, f"the stride {st.stride} does not divide the piece size {block} along dim {d}",
                       "Split into fewer pieces, or choose sizes where the stride divides each piece")
@@ -165,13 +254,34 @@ def check(op: IRFwOperation, d: int, num: int) -> None:
         raise _refuse(op, f"its kernel spans {st.extent} rows along dim {d} (a halo of up to {halo}), more than "
                           f"a piece's {block} rows (a split finer than the kernel allows)",
                       f"Split into at most {_most(st.size_in, st.size_out, st.extent)} pieces along this dim")
-    for i, (a, b) in enumerate(wins):
+    _check_reach(op, d, num, st, "Split into fewer pieces along this dim")
+
+
+def _check_reach(op: IRFwOperation, d: int, num: int, st: Stencil, fix: str) -> None:
+    """Refuses a split whose windows reach past a neighbour's block (the exchange sends only to
+    the next block each side)."""
+    block = st.size_in // num
+    for i, (a, b) in enumerate(windows(op, d, num)):
         lo, hi = i * block, (i + 1) * block
         # rows outside the tensor are padding, made locally: only rows of the tensor count
         if max(a, 0) < lo - block or min(b, st.size_in) > hi + block:
             raise _refuse(op, f"piece {i} reads {max(lo - max(a, 0), min(b, st.size_in) - hi)} rows of its "
                               f"neighbours along dim {d}, more than a piece of {block} rows (a split finer "
-                              f"than the halo allows)", "Split into fewer pieces along this dim")
+                              f"than the halo allows)", fix)
+
+
+def _most_reaching(op: IRFwOperation, d: int) -> int:
+    """The most even pieces along dim ``d`` whose windows reach no further than a neighbour."""
+    st = stencil(op, d)
+    best = 1
+    for n in range(2, st.size_in + 1):
+        if st.size_in % n or st.size_out % n:
+            continue
+        block = st.size_in // n
+        if all(max(a, 0) >= i * block - block and min(b, st.size_in) <= (i + 2) * block
+               for i, (a, b) in enumerate(windows(op, d, n))):
+            best = n
+    return best
 
 
 def _most(size_in: int, size_out: int, extent: int) -> int:
@@ -224,6 +334,9 @@ def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int]
             target = getattr(torch.ops.aten, op.target._schema.name.split("::")[-1]).default
             names = [a.name for a in target._schema.arguments]
         put("padding", [0 if d + first in exchanged else p for d, p in enumerate(pad)])
+    if "output_padding" in names and exchanged:   # a transposed convolution: the piece crops its block
+        put("output_padding", [0 if d + first in exchanged else p
+                               for d, p in enumerate(_per_dim(_arg(op, "output_padding", 0), nsp))])
     if "output_size" in names and _arg(op, "output_size") is not None and split:
         put("output_size", list(out_shape[first:]))
     return target, args, kwargs

@@ -44,8 +44,12 @@ class OpInfo:
             be summed in place).
         inside: how a piece split along a ``~`` factor of its annotation communicates inside its
             own call: ``"halo"`` (it reads a window of its input, exchanged with its neighbours:
-            convolutions, pooling), ``"stats"`` (it normalizes by statistics summed over its
-            group: batch norm); a row of ``cube.passes.inside.KINDS``.
+            convolutions, pooling), ``"halo_transposed"`` (a window, then its block cropped out of
+            the larger output: transposed convolutions), ``"halo_linear"`` (a window interpolated
+            at the global coordinates: bilinear upsampling), ``"stats"`` (it normalizes by
+            statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
+            sample and group summed over its group: group and instance norm); a row of
+            ``cube.passes.inside.KINDS``.
     """
 
     name: str
@@ -86,8 +90,10 @@ _add("embedding", rule="embedding")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")
 _add("batch_norm", rule="batch_norm", inside="stats")
-_add("group_norm instance_norm", rule="frozen_norm")
+_add("group_norm instance_norm", rule="group_norm", inside="group_stats")
 _add("conv1d conv2d conv3d", rule="conv", inside="halo")
+_add("conv_transpose1d conv_transpose2d conv_transpose3d", rule="conv_transpose", inside="halo_transposed")
+_add("upsample_bilinear2d", rule="pool", inside="halo_linear")
 _add("""max_pool1d max_pool2d max_pool3d avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d
 adaptive_avg_pool3d upsample_nearest1d upsample_nearest2d upsample_nearest3d""", rule="pool", inside="halo")
 _add("max_pool2d_with_indices adaptive_max_pool2d", rule="pool")
@@ -121,11 +127,12 @@ _add("scaled_dot_product_attention", cost="attention")
 _add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze select slice alias detach
 unflatten flatten split chunk unbind narrow as_strided view_as expand_as""", alias=True)
 _add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
+_add("conv_transpose1d conv_transpose2d conv_transpose3d", saves_output=False)
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)
 _add("view _unsafe_view", shape_view=True)
-_add("linear conv1d conv2d conv3d", bias=2)
+_add("linear conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d", bias=2)
 _add("addmm", bias=0)
 _add("cross_entropy_loss nll_loss", counts_targets=True)
 _add("mse_loss l1_loss smooth_l1_loss", mean_loss=True)

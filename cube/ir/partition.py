@@ -96,7 +96,7 @@ class DimSplit:
                 f"communicate inside their call) but the op names no way to (OpInfo.inside). Leave the dim whole, "
                 f"or give the op a kind of cube.passes.inside.KINDS with "
                 f"cube.ir.ops.register({op.name!r}, inside=...).")
-        if kind == "halo":
+        if kind.startswith("halo"):   # halo, halo_transposed, halo_linear: windows must fit
             for d, dim in enumerate(op.anno.inputs[0]):
                 if dim.head is not None and dim.head.name == ident.name:
                     halo.check(op, d, total)

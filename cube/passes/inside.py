@@ -80,6 +80,25 @@ def group_of(by: Dict[int, IROperator], r: int, factors) -> Ranks:
 
 def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
     root = op.root
+    specs, split, exchanged, p2p, recvs = _exchanges(op, by, r, layout)
+    target, args, kwargs = halo.local_args(op, split, exchanged, box_shape(layout.outputs[0]))
+    args = [target] + args
+    if not specs:
+        return Inside(None, tuple(args), kwargs)
+    kwargs = dict(kwargs, halo=tuple(specs), fill=halo.fill(root))
+    return Inside("runtime.halo.stencil", tuple(args), kwargs, p2p=tuple(sorted(p2p.items())),
+                  recvs=tuple(sorted(recvs.items())))
+
+
+def _exchanges(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout):
+    """What a piece split along its ``~`` spatial dims exchanges.
+
+    Returns:
+        ``(specs, split, exchanged, p2p, recvs)``: one ``(dim, ranks, position, windows)`` per
+        exchanged dim, the split dims of input 0, those whose window leaves the block, and the
+        bytes sent to / received from each peer in forward.
+    """
+    root = op.root
     factors = sorted({f for _, f, _, _ in _inside_splits(op)})
     specs, split, exchanged = [], [], []
     shape = list(box_shape(layout.inputs[0]))
@@ -107,12 +126,43 @@ def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
         specs.append((d, ranks, pos, wins))
         exchanged.append(d)
         shape[d] = wins[pos][1] - wins[pos][0]
-    target, args, kwargs = halo.local_args(op, split, exchanged, box_shape(layout.outputs[0]))
-    args = [target] + args
-    if not specs:
-        return Inside(None, tuple(args), kwargs)
-    kwargs = dict(kwargs, halo=tuple(specs), fill=halo.fill(root))
-    return Inside("runtime.halo.stencil", tuple(args), kwargs, p2p=tuple(sorted(p2p.items())),
+    return specs, split, exchanged, p2p, recvs
+
+
+def _transposed(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """A transposed convolution's piece: the op without padding (nor output padding) along its
+    split dims on its window, then its block cropped out of the window's larger output."""
+    root = op.root
+    specs, split, _, p2p, recvs = _exchanges(op, by, r, layout)
+    out = box_shape(layout.outputs[0])
+    target, args, kwargs = halo.local_args(op, split, split, out)
+    crop = []
+    for d in split:
+        pos, num = _position(op, root.anno.inputs[0][d].head.name)
+        st = halo.stencil(root, d)
+        o0 = pos * out[d]
+        crop.append((d, st.crop(o0, o0 + out[d]), out[d]))
+    kwargs = dict(kwargs, halo=tuple(specs), fill=0.0, crop=tuple(crop))
+    return Inside("runtime.halo.stencil", (target, *args), kwargs, p2p=tuple(sorted(p2p.items())),
+                  recvs=tuple(sorted(recvs.items())))
+
+
+def _linear(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """A linear interpolation's piece: its window's rows interpolated at the global coordinates
+    (``runtime.halo.linear``)."""
+    root = op.root
+    specs, split, _, p2p, recvs = _exchanges(op, by, r, layout)
+    x = root.inputs[0]
+    out = box_shape(layout.outputs[0])
+    axes = []
+    for d in range(x.ndim - halo.spatial(root), x.ndim):
+        st = halo.stencil(root, d)
+        start = 0
+        if d in split:
+            start = _position(op, root.anno.inputs[0][d].head.name)[0] * out[d]
+        axes.append((d, st.size_in, st.size_out, st.scale, start, out[d]))
+    kwargs = dict(align_corners=bool(halo.linear_align(root)), axes=tuple(axes), halo=tuple(specs))
+    return Inside("runtime.halo.linear", (op.inputs[0],), kwargs, p2p=tuple(sorted(p2p.items())),
                   recvs=tuple(sorted(recvs.items())))
 
 
@@ -133,8 +183,34 @@ def _stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLa
                   all_reduce=(2 * channels + 1) * 8)
 
 
+def _group_stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """Group / instance norm: one all-reduce of (sum, sum of squares, count) per sample and group
+    over the pieces that split its spatial dims (and its batch, when an instance norm's running
+    statistics need the whole batch: each piece fills its samples' rows of the global batch)."""
+    root = op.root
+    names = [a.name for a in root.target._schema.arguments]
+    if "use_input_stats" in names:   # instance norm
+        i = names.index("use_input_stats")
+        if not (root.args[i] if len(root.args) > i else root.kwargs.get("use_input_stats", False)):
+            return None   # normalized by the running statistics: nothing to sum
+    factors = tuple(sorted({f for _, f, _, _ in _inside_splits(op)}))
+    ranks = tuple(sorted(group_of(by, r, factors)))
+    if len(ranks) < 2:
+        return None
+    n, c = box_shape(layout.inputs[0])[:2]
+    batch = root.anno.inputs[0][0].head.name
+    start, total = 0, n
+    if root.anno.ident(batch).inside:
+        start, total = _position(op, batch)[0] * n, root.inputs[0].shape[0]
+    groups = c if "num_groups" not in names else \
+        (root.args[1] if len(root.args) > 1 else root.kwargs["num_groups"])
+    return Inside(f"runtime.sync_norm.{root.name}", tuple(op.args), dict(op.kwargs, ranks=ranks, batch=(start, total)),
+                  groups=(ranks,), all_reduce=total * groups * 3 * 8)
+
+
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
     "halo": _halo, "stats": _stats,
+    "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
 }
 
 

@@ -16,10 +16,12 @@ What a run holds, and why:
   member of the step's process group. As pieces of one op must share one group
   (checked here), all members put a collective inside a run, or all outside.
 - Collectives (all-reduce, all-gather, reduce-scatter, all-to-all) inside a
-  run run again in backward. That is safe: they block, and every member re-runs
-  the same run at the same point of the same backward. A run holding one turns
-  checkpoint's early stop off, so the whole run, collectives included, is re-made
-  on every member even where the tail of the run saved nothing.
+  run run again in backward, and so do op pieces communicating inside their
+  call (a halo exchange, a norm's summed statistics: ``Call.inside``). That is
+  safe: they block, and every member re-runs the same run at the same point of
+  the same backward. A run holding one turns checkpoint's early stop off, so
+  the whole run, collectives included, is re-made on every member even where
+  the tail of the run saved nothing.
 - No collective feeding an op some rank also feeds point to point (``Call.rerun``
   is False, decided for all ranks when planning): a transfer cuts the run on
   the ranks that make it, and the collective would be inside a run on some
@@ -229,7 +231,10 @@ def _describe(calls: List[Call], start: int, stop: int, group: int, keep: IRTens
         if len(set(level)) != 1:
             break
         common.append(level[0])
+    # a piece communicating inside its call (halo exchange, summed statistics) blocks like a
+    # collective: every member must re-make it, so checkpoint must not stop early either
     collective = any(c.step is not None and c.step.kind in COLLECTIVE_KINDS and len(c.step.ranks) > 1
+                     or c.inside is not None and bool(c.inside.p2p or c.inside.recvs or c.inside.all_reduce)
                      for c in inside)
     return Run(group, start, stop, inputs=list(inputs.values()), outputs=outputs,
                freed=freed, collective=collective, where=".".join(common))

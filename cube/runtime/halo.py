@@ -119,10 +119,58 @@ def window(x: torch.Tensor, dim: int, ranks: Sequence[int], pos: int, wins: Sequ
     return HaloExchange.apply(x, dim, tuple(ranks), pos, tuple(map(tuple, wins)), fill)
 
 
-def stencil(op, x: torch.Tensor, *args, halo=(), fill: float = 0.0, **kwargs) -> torch.Tensor:
+def stencil(op, x: torch.Tensor, *args, halo=(), fill: float = 0.0, crop=(), **kwargs) -> torch.Tensor:
     """``op(window, *args, **kwargs)``: the op on this rank's window (``halo``: one
     ``(dim, ranks, position, windows)`` per exchanged dim, in order), whose padding along those
-    dims is 0 (the window holds it). Returns this rank's block of the global output."""
+    dims is 0 (the window holds it). Returns this rank's block of the global output.
+
+    ``crop``: ``(dim, start, length)`` of the block in the op's output, for an op whose window's
+    output is larger than the block (a transposed convolution scatters past its block's edges).
+    """
     for dim, ranks, pos, wins in halo:
         x = window(x, dim, ranks, pos, wins, fill)
-    return op(x, *args, **kwargs)
+    y = op(x, *args, **kwargs)
+    for dim, start, length in crop:
+        y = y.narrow(dim, start, length)
+    return y
+
+
+def linear(x: torch.Tensor, *, align_corners: bool, axes=(), halo=()) -> torch.Tensor:
+    """Linear interpolation (``upsample_bilinear2d``) of this rank's block, with the global
+    coordinates.
+
+    Each output row ``o`` reads input rows ``i0 = floor(src)`` and ``i1 = min(i0 + 1, size - 1)``
+    with weights ``1 - l`` and ``l`` (``l = src - i0``), ``src`` as ATen computes it in float
+    (``scale * o`` with ``align_corners``, else ``max(scale * (o + 0.5) - 0.5, 0)``). Dims are
+    interpolated last first, as ATen does, so the sums round alike.
+
+    Args:
+        x: this rank's block of the input.
+        align_corners: the op's ``align_corners``.
+        axes: one ``(dim, size_in, size_out, scale, out_start, out_len)`` per spatial dim: the
+            global sizes, ATen's scale, and this rank's rows of the output.
+        halo: one ``(dim, ranks, position, windows)`` per split dim (:func:`stencil`); a dim's
+            rows are then counted from its window's start.
+    """
+    starts = {}
+    for dim, ranks, pos, wins in halo:
+        x = window(x, dim, ranks, pos, wins)
+        starts[dim] = wins[pos][0]
+    acc = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32   # ATen's opmath
+    for dim, size_in, size_out, scale, out_start, out_len in reversed(tuple(axes)):
+        if size_in == size_out:   # ATen copies rows through: this rank's rows of its window
+            x = x.narrow(dim, out_start - starts.get(dim, 0), out_len)
+            continue
+        o = torch.arange(out_start, out_start + out_len, dtype=acc, device=x.device)
+        s = torch.tensor(scale, dtype=acc, device=x.device)
+        src = s * o if align_corners else (s * (o + 0.5) - 0.5).clamp_min(0)
+        i0 = src.floor().long().clamp_max(size_in - 1)
+        i1 = (i0 + 1).clamp_max(size_in - 1)
+        l1 = (src - i0.to(acc)).clamp(0, 1)
+        l0 = 1 - l1
+        shape = [1] * x.dim()
+        shape[dim] = out_len
+        start = starts.get(dim, 0)
+        x = (x.index_select(dim, i0 - start) * l0.to(x.dtype).view(shape)
+             + x.index_select(dim, i1 - start) * l1.to(x.dtype).view(shape))
+    return x

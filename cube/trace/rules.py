@@ -177,14 +177,37 @@ def batch_norm(op: IRFwOperation) -> str:
     return _anno([g] + [["c"]] * (len(op.inputs) - 1), [g])
 
 
-def frozen_norm(op: IRFwOperation) -> str:
-    """group_norm / instance_norm: statistics per sample (and group) over the spatial dims: only the
-    batch splits (a channel split would cut a group)."""
+def group_norm(op: IRFwOperation) -> str:
+    """group_norm / instance_norm: statistics per sample (and group) over the channels of a group and
+    the spatial dims. Spatial dims split with the statistics summed over the pieces
+    (``OpInfo.inside``); the batch splits freely, except under an instance norm updating running
+    statistics (they average over the whole batch: summed too). A channel split would cut a group."""
     x = op.inputs[0]
     names = _Names()
-    g = ["b"] + names.many(x.ndim - 1, frozen=True)
-    return _anno([g] + [names.many(t.ndim, frozen=True) for t in op.inputs[1:]], [g] + [["b"] + names.many(
-        o.ndim - 1, frozen=True) for o in op.outputs[1:]])
+    running = op.name == "instance_norm" and bool(_arg(op, 5, "use_input_stats", False)) and \
+        _arg(op, 3, "running_mean") is not None
+    g = ["b~" if running else "b", "c^"] + _inside(names, x.ndim - 2)
+    ins = [g] + [["c^"] if t.ndim == 1 and t.shape[0] == x.shape[1] else names.many(t.ndim, frozen=True)
+                 for t in op.inputs[1:]]
+    return _anno(ins, [g] + [["b"] + names.many(o.ndim - 1, frozen=True) for o in op.outputs[1:]])
+
+
+def conv_transpose(op: IRFwOperation) -> str:
+    """Transposed convolution: weight ``(in, out / groups, kernel...)``; spatial dims split with a
+    halo exchange and a crop inside the piece's call (``cube.ir.halo``)."""
+    x, w = op.inputs[:2]
+    groups = _arg(op, 6, "groups", 1)
+    nsp = w.ndim - 2
+    c = "c+" if groups == 1 else "c^"
+    o = "o" if groups == 1 else "o^"
+    names = _Names()
+    sp = _inside(names, nsp)
+    lead = ["b", c] if x.ndim == nsp + 2 else [c]
+    olead = ["b", o] if x.ndim == nsp + 2 else [o]
+    ins = [lead + sp, [c, o] + names.many(nsp, True)]
+    if len(op.inputs) == 3:
+        ins.append([o])
+    return _anno(ins, [olead + sp])
 
 
 def conv(op: IRFwOperation) -> str:
@@ -468,7 +491,7 @@ def creation(op: IRFwOperation) -> str:
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
-    "frozen_norm": frozen_norm,
+    "group_norm": group_norm, "conv_transpose": conv_transpose,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole

@@ -1,4 +1,5 @@
-"""Models for spatial partitioning: a WRF-like stencil model and a small U-Net."""
+"""Models for spatial partitioning: a WRF-like stencil model and a small U-Net (nearest, bilinear or
+transposed-convolution up-sampling; batch or group norm)."""
 from __future__ import annotations
 
 import torch
@@ -26,24 +27,43 @@ class Stencil(nn.Module):
         return F.mse_loss(x, target)
 
 
-def _block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU())
+def _block(cin: int, cout: int, norm: str = "batch") -> nn.Sequential:
+    norm_layer = nn.BatchNorm2d(cout) if norm == "batch" else nn.GroupNorm(2, cout)
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), norm_layer, nn.ReLU())
 
 
 class UNet(nn.Module):
-    """Two down-sampling levels (max pool), two up-sampling levels (nearest) with skip connections."""
+    """Two down-sampling levels (max pool), two up-sampling levels with skip connections.
 
-    def __init__(self, cin: int = 3, cout: int = 2, width: int = 8):
+    Args:
+        up: how a level up-samples: ``"nearest"`` (interpolation), ``"bilinear"`` (interpolation,
+            ``align_corners`` False), or ``"transpose"`` (a learned 2 x 2 ``ConvTranspose2d`` of
+            stride 2).
+        norm: ``"batch"`` (``BatchNorm2d``) or ``"group"`` (``GroupNorm`` of 2 groups).
+    """
+
+    def __init__(self, cin: int = 3, cout: int = 2, width: int = 8, up: str = "nearest", norm: str = "batch"):
         super().__init__()
-        self.enc1, self.enc2 = _block(cin, width), _block(width, 2 * width)
-        self.mid = _block(2 * width, 2 * width)
-        self.dec2, self.dec1 = _block(4 * width, width), _block(2 * width, width)
+        if up not in ("nearest", "bilinear", "transpose") or norm not in ("batch", "group"):
+            raise ValueError(f"UNet: up={up!r} (nearest, bilinear, transpose), norm={norm!r} (batch, group)")
+        self.up = up
+        self.enc1, self.enc2 = _block(cin, width, norm), _block(width, 2 * width, norm)
+        self.mid = _block(2 * width, 2 * width, norm)
+        self.dec2, self.dec1 = _block(4 * width, width, norm), _block(2 * width, width, norm)
+        if up == "transpose":
+            self.up2 = nn.ConvTranspose2d(2 * width, 2 * width, 2, stride=2)
+            self.up1 = nn.ConvTranspose2d(width, width, 2, stride=2)
         self.out = nn.Conv2d(width, cout, 1)
+
+    def _up(self, x: torch.Tensor, level: int) -> torch.Tensor:
+        if self.up == "transpose":
+            return (self.up2 if level == 2 else self.up1)(x)
+        return F.interpolate(x, scale_factor=2, mode=self.up)
 
     def forward(self, image: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         e1 = self.enc1(image)
         e2 = self.enc2(F.max_pool2d(e1, 2))
         m = self.mid(F.max_pool2d(e2, 2))
-        d2 = self.dec2(torch.cat([F.interpolate(m, scale_factor=2, mode="nearest"), e2], dim=1))
-        d1 = self.dec1(torch.cat([F.interpolate(d2, scale_factor=2, mode="nearest"), e1], dim=1))
+        d2 = self.dec2(torch.cat([self._up(m, 2), e2], dim=1))
+        d1 = self.dec1(torch.cat([self._up(d2, 1), e1], dim=1))
         return F.mse_loss(self.out(d1), target)

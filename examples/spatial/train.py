@@ -3,6 +3,7 @@
     SINGLE_DEV_MODE=1 python examples/spatial/train.py                    # one device, the reference
     torchrun --nproc_per_node=4 examples/spatial/train.py                 # 2 x 2 grid (PASSpatial dims=HW)
     torchrun --nproc_per_node=2 examples/spatial/train.py --dims H --model unet
+    torchrun --nproc_per_node=4 examples/spatial/train.py --model unet-transpose   # ConvTranspose2d + GroupNorm
     python -m cube.sim examples/spatial/train.py --ngpus 4 --policy PASSpatial --option dims=HW --estimate
 """
 from __future__ import annotations
@@ -45,13 +46,14 @@ def shapes(model: str, size: int, batch: int):
 def build(model: str = "stencil", size: int = 64, batch: int = 4, steps: int = 4):
     """The model and its first batch (what ``python -m cube.sim examples/spatial/train.py`` plans)."""
     torch.manual_seed(0)
-    net = Stencil(steps=steps) if model == "stencil" else UNet()
+    net = Stencil(steps=steps) if model == "stencil" else \
+        UNet(up="transpose", norm="group") if model == "unet-transpose" else UNet()
     return net, next(StepBatches(shapes(model, size, batch)))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=["stencil", "unet"], default="stencil")
+    parser.add_argument("--model", choices=["stencil", "unet", "unet-transpose"], default="stencil")
     parser.add_argument("--size", type=int, default=64, help="the field is size x size")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--dims", default="HW", help="spatial dims split (H, W or HW)")
