@@ -121,6 +121,14 @@ def batch_flow(graph: IRGraph, num: int) -> Flow:
     return flow
 
 
+def sequence_flow(graph: IRGraph, num: int) -> Flow:
+    """Follows the sequence (dim 1 of every batch tensor with one) split ``num`` ways: context
+    parallel. The batch is read whole (each op piece takes its block); attention splits along the
+    sequence as ring attention."""
+    data = graph.select(ntype=IRDataOperation)[0]
+    return follow(graph, {id(t): 1 for t in data.outputs if t.ndim > 1}, num)
+
+
 def megatron_flow(graph: IRGraph, num: int) -> Flow:
     """Megatron's plan found from structure: column-split a linear whose input is whole
     when its output features reach, through ops that can carry the split (activations,

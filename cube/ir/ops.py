@@ -45,7 +45,8 @@ class OpInfo:
         inside: how a piece split along a ``~`` factor of its annotation communicates inside its
             own call: ``"halo"`` (it reads a window of its input, exchanged with its neighbours:
             convolutions, pooling), ``"stats"`` (it normalizes by statistics summed over its
-            group: batch norm); a row of ``cube.passes.inside.KINDS``.
+            group: batch norm), ``"ring"`` (key/value blocks passed around a ring of ranks:
+            attention split along the sequence); a row of ``cube.passes.inside.KINDS``.
     """
 
     name: str
@@ -81,7 +82,7 @@ zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_ten
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
-_add("scaled_dot_product_attention", rule="sdpa")
+_add("scaled_dot_product_attention", rule="sdpa", inside="ring")
 _add("embedding", rule="embedding")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")

@@ -125,12 +125,19 @@ def matmul(op: IRFwOperation) -> str:
 
 
 def sdpa(op: IRFwOperation) -> str:
+    """Batch and heads split freely (heads not under grouped-query attention). With queries and
+    keys of one length, no mask tensor and no dropout, the sequence ``l~`` splits q, k and v alike
+    and a piece runs ring attention (``OpInfo.inside="ring"``); otherwise (cross-attention, a
+    mask) a split of the queries (``l``, frozen under ``is_causal``) reads the keys whole."""
     q, k, v = op.inputs[:3]
     causal = bool(_arg(op, 5, "is_causal", False))
     gqa = bool(op.kwargs.get("enable_gqa", False)) or q.shape[:-2] != k.shape[:-2]
     names = _Names()
     batch = names.many(q.ndim - 3)
     h = "h^" if gqa else "h"
+    if len(op.inputs) == 3 and q.shape[-2] == k.shape[-2] and not _arg(op, 4, "dropout_p", 0.0):
+        return _anno([batch + [h, "l~", "e^"], batch + [h, "l~", "e^"], batch + [h, "l~", "f"]],
+                     [batch + [h, "l~", "f"]])
     ins = [batch + [h, "l^" if causal else "l", "e^"], batch + [h, "s^", "e^"], batch + [h, "s^", "f"]]
     if len(op.inputs) > 3:  # attention mask: broadcastable to (..., h, l, s), split along with them
         mask = op.inputs[3]
