@@ -180,6 +180,9 @@ def test_no_full_length_kv_gather_and_ring_bytes_are_the_formula():
             sends_back, _ = geometry.moves(geometry.zigzag(cp), geometry.contiguous(cp), r)
             fw = sum(b for _, b, _ in call.inside.reorder)
             assert fw == sum(sends.values()) * 3 * block // 2 + sum(sends_back.values()) * block // 2
+    from cube.codegen.report import plan_text
+    assert plan_text(plan.program).count(f"runtime.ring.attention sends {kv_full * (cp - 1) // cp} B") == \
+        cp * cfg.n_layer
     program = Builder(plan.graph, plan.program[1], Estimator(), CommModel(default_backend())).build()
     ring_sends = [i for i in program.ins if i.op == "send" and i.key[1][0] == "inside" and
                   isinstance(i.key[1][-1], int)]
@@ -206,3 +209,9 @@ def test_uneven_causal_ring_is_refused():
     with pytest.raises(ValueError, match=r"sequence length 12 must be divisible by 8") as info:
         graph.partition(op, op.algorithms("dim"), idx=0, dim=2, num=4)
     assert "scaled_dot_product_attention" in str(info.value) and "test_ring_attention.py:" in str(info.value)
+
+
+def test_pascontext_bad_degrees_are_a_clear_error():
+    model, sample = build("gpt_nobias")
+    with pytest.raises(ValueError, match=r"PASContext: 4 devices do not split into context parallel cp=3"):
+        cube.plan(model, sample, functools.partial(PASContext, cp=3), 4)

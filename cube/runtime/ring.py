@@ -39,16 +39,17 @@ TAG_KV, TAG_GRAD, TAG_CHUNK = 0x5249, 0x5247, 0x5243
 
 
 @outside_graph
-def _post(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]], tag: int) -> list:
-    """Starts every send and receive at once; returns the works to wait on."""
+def _post(sends: Sequence[Tuple[int, torch.Tensor]], recvs: Sequence[Tuple[int, torch.Tensor]], tag: int) -> tuple:
+    """Starts every send and receive at once; returns what to wait on: the works, and the tensors
+    they read and write (kept alive until the wait: a send may still be reading a temporary)."""
     ops = [dist.P2POp(dist.isend, t, peer, tag=tag) for peer, t in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, tag=tag) for peer, t in recvs]
-    return dist.batch_isend_irecv(ops) if ops else []
+    return (dist.batch_isend_irecv(ops) if ops else [], ops)
 
 
 @outside_graph
-def _wait(works: list) -> None:
-    for w in works:
+def _wait(pending: tuple) -> None:
+    for w in pending[0] if pending else ():
         w.wait()
 
 
@@ -60,7 +61,7 @@ def _in(like: torch.Tensor) -> torch.Tensor:
     return torch.empty(like.shape, dtype=like.dtype, device=wire(like.device))
 
 
-def _shift(tensors: Sequence[torch.Tensor], nxt: int, prv: int, tag: int) -> Tuple[list, List[torch.Tensor]]:
+def _shift(tensors: Sequence[torch.Tensor], nxt: int, prv: int, tag: int) -> Tuple[tuple, List[torch.Tensor]]:
     """Sends ``tensors`` to ``nxt`` and receives tensors of the same shapes from ``prv``
     (started, not waited on)."""
     bufs = [_in(t) for t in tensors]
@@ -116,7 +117,7 @@ class _Ring(Function):
         kk, vv = k, v
         for s in range(n):
             src = (pos - s) % n
-            works, bufs = _shift((kk, vv), nxt, prv, TAG_KV) if s < n - 1 else ([], None)
+            works, bufs = _shift((kk, vv), nxt, prv, TAG_KV) if s < n - 1 else ((), None)
             ks, vs = _heads(kk.to(dt), q.shape[-3]).chunk(m, dim=-2), _heads(vv.to(dt), q.shape[-3]).chunk(m, dim=-2)
             for i, qc in enumerate(layout[pos]):
                 for j, kc in enumerate(layout[src]):
@@ -147,10 +148,10 @@ class _Ring(Function):
         deltas = (dout.to(dt) * out).sum(-1).chunk(m, dim=-1)   # rowsum(dO * O): softmax's backward
         dq = [torch.zeros_like(x) for x in qs]
         kk, vv = k, v
-        grad_works, grad_bufs = [], None
+        grad_works, grad_bufs = (), None
         for s in range(n):
             src = (pos - s) % n
-            works, bufs = _shift((kk, vv), nxt, prv, TAG_KV) if s < n - 1 else ([], None)
+            works, bufs = _shift((kk, vv), nxt, prv, TAG_KV) if s < n - 1 else ((), None)
             ke, ve = _heads(kk.to(dt), heads), _heads(vv.to(dt), heads)
             ks, vs = ke.chunk(m, dim=-2), ve.chunk(m, dim=-2)
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
