@@ -6,7 +6,7 @@ around the ring (``cube.runtime.ring``), never gathered to full length. Every pl
 like the single-device model (losses and updated parameters, rel <= 1e-5, SGD and AdamW) on the
 in-process world: GPT (causal, zigzag-balanced) with cp 2 and 4, grouped-query attention
 (``enable_gqa=True`` and the Hugging Face repeat before sdpa), non-causal attention with a
-``scale``, cp 2 x tp 2. The runtime function alone equals ``F.scaled_dot_product_attention``
+``scale``, cp 2 x tp 2, dp 2 x cp 2, recomputed blocks. The runtime function alone equals ``F.scaled_dot_product_attention``
 (forward and gradients), and the plan's ring bytes equal ``(cp - 1) / cp`` of the whole K/V.
 """
 from __future__ import annotations
@@ -105,12 +105,16 @@ def test_context_parallel_trains_like_eager(name, cp, opt):
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_context_parallel_with_tensor_parallel(opt):
-    """cp 2 x tp 2: heads split over tp, the sequence over cp; the ring runs within each tp rank's heads."""
+@pytest.mark.parametrize("tp,rings", [(2, ((0, 2), (1, 3))), (1, ((0, 1), (2, 3)))], ids=["cp2xtp2", "dp2xcp2"])
+def test_context_parallel_with_tensor_or_data_parallel(tp, rings, opt):
+    """cp 2 x tp 2: heads split over tp, the sequence over cp, a ring per tp rank's heads; dp 2 x cp 2:
+    a ring per half of the batch."""
     model, sample = build("gpt_nobias")
-    policy = functools.partial(PASContext, cp=2, tp=2)
+    policy = functools.partial(PASContext, cp=2, tp=tp)
     plan = cube.plan(model, sample, policy, 4)
-    assert "ranks=(0, 2), pos=0" in plan.source(0) and "ranks=(1, 3), pos=0" in plan.source(1)
+    for ring_ranks in rings:
+        for pos, r in enumerate(ring_ranks):
+            assert f"ranks={ring_ranks}, pos={pos}" in plan.source(r)
     assert_exact(parity(model, sample, policy, 4, steps=2, opt=opt), 1e-5)
 
 
