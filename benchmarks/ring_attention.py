@@ -217,7 +217,8 @@ def main(quick: bool = False, **overrides):
          "detail": f"formula (cp-1)/cp x 2 x T x C x 4 B = {(cp - 1) * kv // cp}"},
         {"metric": "  backward: K/V again + their gradients", "value": (r0["bw_kv"] + r0["bw_grad"]) // L,
          "detail": f"formula (2 cp - 1)/cp x 2 x T x C x 4 B = {(2 * cp - 1) * kv // cp}"},
-        {"metric": "  zigzag reordering, rank 0, forward + backward", "value": (r0["fw_reorder"] + r0["bw_reorder"]) // L,
+        {"metric": "  zigzag reordering, rank 0, forward + backward",
+         "value": (r0["fw_reorder"] + r0["bw_reorder"]) // L,
          "detail": "q, k, v chunks in and the output's back (and the adjoint)"},
         {"metric": "ring op fwd+bwd, zigzag / contiguous (slowest rank)", "value": r0["zigzag"] / r0["contiguous"],
          "detail": f"{r0['zigzag'] * 1e3:.1f} ms / {r0['contiguous'] * 1e3:.1f} ms; chunk pairs "
