@@ -155,9 +155,10 @@ def test_zigzag_balances_causal_work():
 
 # ---------------------------------------------------------------------------------------------- plan
 def test_no_full_length_kv_gather_and_ring_bytes_are_the_formula():
-    """The generated code calls the ring and gathers no k/v; the plan's ring bytes per rank and layer
-    are (cp - 1) / cp of the whole K and V forward (twice that plus one block's gradients backward),
-    the zigzag reordering's reported apart, and the simulator counts all of them."""
+    """The generated code calls the ring and gathers nothing (no k/v, no logits); the plan's ring
+    bytes per rank and layer are (cp - 1) / cp of the whole K and V forward (twice that plus one
+    block's gradients backward), the zigzag reordering's reported apart, and the simulator counts
+    all of them."""
     from cube.sim.comm import CommModel, default_backend
     from cube.sim.costs import Estimator
     from cube.sim.program import Builder
@@ -170,9 +171,11 @@ def test_no_full_length_kv_gather_and_ring_bytes_are_the_formula():
     for r in range(cp):
         src = plan.source(r)
         assert src.count("runtime.ring.attention(") == cfg.n_layer
-        # the only gather is the logits' (a flatten of batch and sequence), after the last attention
-        gathers = [m.start() for m in re.finditer(r"all_gather\(", src)]
-        assert len(gathers) == 1 and gathers[0] > src.rindex("runtime.ring.attention(")
+        # nothing is gathered: the logits, flattened over batch and sequence for the loss, go from
+        # sequence blocks to batch blocks all-to-all (sequence_flow), after the last attention
+        assert "all_gather(" not in src
+        a2a = [m.start() for m in re.finditer(r"all_to_all\(", src)]
+        assert len(a2a) == 1 and a2a[0] > src.rindex("runtime.ring.attention(")
         calls = [c for c in plan.program[r].plan.calls if c.inside is not None]
         assert len(calls) == cfg.n_layer
         for call in calls:

@@ -124,9 +124,22 @@ def batch_flow(graph: IRGraph, num: int) -> Flow:
 def sequence_flow(graph: IRGraph, num: int) -> Flow:
     """Follows the sequence (dim 1 of every batch tensor with one) split ``num`` ways: context
     parallel. The batch is read whole (each op piece takes its block); attention splits along the
-    sequence as ring attention."""
+    sequence as ring attention.
+
+    Where the sequence cannot go on (a flatten of batch and sequence before the loss: a block of
+    the sequence is no block of the merged dim), the split goes on along the batch when ``num``
+    divides it, so the logits are exchanged all-to-all rather than gathered whole on every rank."""
     data = graph.select(ntype=IRDataOperation)[0]
-    return follow(graph, {id(t): 1 for t in data.outputs if t.ndim > 1}, num)
+    seeds = {id(t): 1 for t in data.outputs if t.ndim > 1}
+    flow = follow(graph, seeds, num)
+    start = {}
+    for op in flow.blocked:
+        tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1]
+        if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
+            start[id(op)] = (tracked[0], 0)
+    if not start:
+        return flow
+    return follow(graph, seeds, num, start=start)
 
 
 def megatron_flow(graph: IRGraph, num: int) -> Flow:
