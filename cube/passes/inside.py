@@ -153,7 +153,9 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     key/value blocks go around the ring of the split group, ``n - 1`` hops forward, and in backward
     ``n - 1`` hops again with their gradients ``n`` hops. Under a causal mask the blocks are put in
     zigzag order and back (``reorder``): cube's layouts hold contiguous blocks, and every op but
-    attention is indifferent to the order of tokens, so only this call pays for the balance."""
+    attention is indifferent to the order of tokens, so only this call pays for the balance. A
+    mask tensor's rows stay with their queries; its blocks stay contiguous (whether it is causal
+    is data), and chunk pairs it hides wholly are skipped at run time."""
     root = op.root
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
     pos, n = _position(op, f)
@@ -180,7 +182,8 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
         for p in sorted(set(re_) | set(rx)):
             reorder_recvs.append((ranks[p], re_.get(p, 0) * qkv_chunk + rx.get(p, 0) * out_chunk,
                                   re_.get(p, 0) * out_chunk + rx.get(p, 0) * qkv_chunk))
-    return Inside("runtime.ring.attention", tuple(op.inputs[:3]), kwargs,
+    args = tuple(op.inputs[:4])   # q, k, v and a mask's rows (they stay: only keys and values travel)
+    return Inside("runtime.ring.attention", args, kwargs,
                   p2p=((nxt, (n - 1) * kv),), recvs=((prv, (n - 1) * kv),),
                   bw_p2p=((nxt, (2 * n - 1) * kv),), bw_recvs=((prv, (2 * n - 1) * kv),),
                   reorder=tuple(reorder), reorder_recvs=tuple(reorder_recvs), rounds=n - 1, work=float(n))

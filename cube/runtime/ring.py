@@ -87,64 +87,92 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.unflatten(-3, (kv_heads, g)).sum(-3)
 
 
-def _scores(q, k, scale, kind):
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with rows that see no key (-inf) at 0, so ``exp(scores - lse)`` is 0 there, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _mask_block(mask: Optional[torch.Tensor], i: int, m: int, kc: int, cols: int) -> Optional[torch.Tensor]:
+    """The mask's part for this rank's query chunk ``i`` (of ``m``) and key chunk ``kc`` (``cols``
+    columns each; dims of size 1 broadcast)."""
+    if mask is None:
+        return None
+    rows = mask if mask.shape[-2] == 1 else mask.chunk(m, dim=-2)[i]
+    return rows if rows.shape[-1] == 1 else rows[..., kc * cols:(kc + 1) * cols]
+
+
+def _scores(q, k, scale, kind, mask):
+    """Scaled scores of a query chunk against a key chunk, the causal triangle (``kind="diag"``)
+    and the mask applied; None when the mask hides every pair (the chunk pair is skipped)."""
+    if mask is not None and not (mask.any() if mask.dtype == torch.bool else (mask != float("-inf")).any()):
+        return None
     s = torch.matmul(q, k.transpose(-2, -1)) * scale
     if kind == "diag":
         n = s.shape[-1]
         s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask.to(s.dtype)
     return s
 
 
 def _merge(acc, out, lse):
-    """Online softmax: two partial outputs over disjoint keys, weighted by their log-sum-exps."""
-    if acc is None:
-        return out, lse
+    """Online softmax: two partial outputs over disjoint keys, weighted by their log-sum-exps
+    (rows no key reached so far stay 0 with lse -inf)."""
     o0, l0 = acc
     m = torch.logaddexp(l0, lse)
-    return o0 * torch.exp(l0 - m).unsqueeze(-1) + out * torch.exp(lse - m).unsqueeze(-1), m
+    f = _finite(m)
+    return o0 * torch.exp(l0 - f).unsqueeze(-1) + out * torch.exp(lse - f).unsqueeze(-1), m
+
+
+def _pairs(layout, pos: int, src: int, causal: bool):
+    """``(i, j, kc, kind)`` for the chunk pairs of this rank's queries and ``src``'s keys to compute."""
+    for i, qc in enumerate(layout[pos]):
+        for j, kc in enumerate(layout[src]):
+            kind = geometry.pair(qc, kc, causal)
+            if kind != "skip":
+                yield i, j, kc, kind
 
 
 class _Ring(Function):
-    """The ring on blocks already in ``layout`` order (chunk ids of every position)."""
+    """The ring on blocks already in ``layout`` order (chunk ids of every position); ``mask``: this
+    rank's rows of an attention mask over every key (broadcast dims of size 1)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ranks, pos, layout, causal, scale):
+    def forward(ctx, q, k, v, mask, ranks, pos, layout, causal, scale):
         n, m = len(ranks), len(layout[pos])
         nxt, prv = ranks[(pos + 1) % n], ranks[(pos - 1) % n]
-        dt = _acc(q.dtype)
+        dt, heads, cols = _acc(q.dtype), q.shape[-3], k.shape[-2] // m
         qs = q.to(dt).chunk(m, dim=-2)
-        accs: List[Optional[tuple]] = [None] * m
+        accs = [(x.new_zeros(x.shape[:-1] + v.shape[-1:]), x.new_full(x.shape[:-1], float("-inf"))) for x in qs]
         kk, vv = k, v
         for s in range(n):
             src = (pos - s) % n
             works, bufs = _shift((kk, vv), nxt, prv, TAG_KV) if s < n - 1 else ((), None)
-            ks, vs = _heads(kk.to(dt), q.shape[-3]).chunk(m, dim=-2), _heads(vv.to(dt), q.shape[-3]).chunk(m, dim=-2)
-            for i, qc in enumerate(layout[pos]):
-                for j, kc in enumerate(layout[src]):
-                    kind = geometry.pair(qc, kc, causal)
-                    if kind == "skip":
-                        continue
-                    sc = _scores(qs[i], ks[j], scale, kind)
-                    lse = torch.logsumexp(sc, dim=-1)
-                    accs[i] = _merge(accs[i], torch.matmul(torch.exp(sc - lse.unsqueeze(-1)), vs[j]), lse)
+            ks, vs = _heads(kk.to(dt), heads).chunk(m, dim=-2), _heads(vv.to(dt), heads).chunk(m, dim=-2)
+            for i, j, kc, kind in _pairs(layout, pos, src, causal):
+                sc = _scores(qs[i], ks[j], scale, kind, _mask_block(mask, i, m, kc, cols))
+                if sc is None:
+                    continue
+                lse = torch.logsumexp(sc, dim=-1)
+                accs[i] = _merge(accs[i], torch.matmul(torch.exp(sc - _finite(lse).unsqueeze(-1)), vs[j]), lse)
             _wait(works)
             if bufs is not None:
                 kk, vv = (b.to(k.device) for b in bufs)
         out = torch.cat([a[0] for a in accs], dim=-2)
         lse = torch.cat([a[1] for a in accs], dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.args = (ranks, pos, layout, causal, scale)
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, mask, out, lse = ctx.saved_tensors
         ranks, pos, layout, causal, scale = ctx.args
         n, m = len(ranks), len(layout[pos])
         nxt, prv = ranks[(pos + 1) % n], ranks[(pos - 1) % n]
-        dt, heads = out.dtype, q.shape[-3]
+        dt, heads, cols = out.dtype, q.shape[-3], k.shape[-2] // m
         qs, dos = q.to(dt).chunk(m, dim=-2), dout.to(dt).chunk(m, dim=-2)
-        lses = lse.chunk(m, dim=-1)
+        lses = _finite(lse).chunk(m, dim=-1)
         deltas = (dout.to(dt) * out).sum(-1).chunk(m, dim=-1)   # rowsum(dO * O): softmax's backward
         dq = [torch.zeros_like(x) for x in qs]
         kk, vv = k, v
@@ -156,16 +184,15 @@ class _Ring(Function):
             ks, vs = ke.chunk(m, dim=-2), ve.chunk(m, dim=-2)
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             dks, dvs = dk.chunk(m, dim=-2), dv.chunk(m, dim=-2)
-            for i, qc in enumerate(layout[pos]):
-                for j, kc in enumerate(layout[src]):
-                    kind = geometry.pair(qc, kc, causal)
-                    if kind == "skip":
-                        continue
-                    p = torch.exp(_scores(qs[i], ks[j], scale, kind) - lses[i].unsqueeze(-1))
-                    dvs[j].add_(torch.matmul(p.transpose(-2, -1), dos[i]))
-                    ds = p * (torch.matmul(dos[i], vs[j].transpose(-2, -1)) - deltas[i].unsqueeze(-1))
-                    dq[i].add_(torch.matmul(ds, ks[j]) * scale)
-                    dks[j].add_(torch.matmul(ds.transpose(-2, -1), qs[i]) * scale)
+            for i, j, kc, kind in _pairs(layout, pos, src, causal):
+                sc = _scores(qs[i], ks[j], scale, kind, _mask_block(mask, i, m, kc, cols))
+                if sc is None:
+                    continue
+                p = torch.exp(sc - lses[i].unsqueeze(-1))
+                dvs[j].add_(torch.matmul(p.transpose(-2, -1), dos[i]))
+                ds = p * (torch.matmul(dos[i], vs[j].transpose(-2, -1)) - deltas[i].unsqueeze(-1))
+                dq[i].add_(torch.matmul(ds, ks[j]) * scale)
+                dks[j].add_(torch.matmul(ds.transpose(-2, -1), qs[i]) * scale)
             dk, dv = _fold(dk, k.shape[-3]), _fold(dv, v.shape[-3])
             # the gradients of this key/value block so far came from the previous rank meanwhile
             _wait(grad_works)
@@ -177,7 +204,7 @@ class _Ring(Function):
                 kk, vv = (b.to(k.device) for b in bufs)
         _wait(grad_works)   # after n hops: this rank's own block, with every rank's contribution
         dk, dv = grad_bufs[0].to(k.device), grad_bufs[1].to(v.device)
-        return (torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None)
+        return (torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -219,28 +246,33 @@ class Rechunk(Function):
         return (None, None, None, None) + tuple(_move(grads, ranks, pos, dst, src))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ranks: Sequence[int], pos: int,
-              causal: bool = False, scale: Optional[float] = None, balance: bool = True) -> torch.Tensor:
-    """This rank's block of ``F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)``
-    over the whole sequence, ``q``, ``k``, ``v`` each holding block ``pos`` (dim -2) of ``len(ranks)``.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None, *,
+              ranks: Sequence[int], pos: int, causal: bool = False, scale: Optional[float] = None,
+              balance: bool = True) -> torch.Tensor:
+    """This rank's block of ``F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal,
+    scale=scale)`` over the whole sequence, ``q``, ``k``, ``v`` each holding block ``pos`` (dim -2)
+    of ``len(ranks)``.
 
     Args:
         q: ``(..., H, L/n, E)``; k: ``(..., Hkv, L/n, E)``; v: ``(..., Hkv, L/n, Ev)``, ``H`` a
             multiple of ``Hkv`` (grouped-query attention).
+        mask: this rank's rows of a boolean (True: attend) or additive mask over every key,
+            ``(..., L/n, L)`` (dims of size 1 broadcast); chunk pairs it hides wholly are skipped,
+            but its blocks stay contiguous (cube cannot tell a causal mask tensor from another).
         ranks: the ring's ranks in block order.
         pos: this rank's block.
-        balance: under a causal mask, compute in zigzag order (equal work on every rank) at the
-            cost of moving the blocks there and back.
+        balance: under ``causal``, compute in zigzag order (equal work on every rank) at the cost
+            of moving the blocks there and back.
     """
     n = len(ranks)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     ranks = tuple(ranks)
-    if not causal:
-        return _Ring.apply(q, k, v, ranks, pos, geometry.blocks(n), causal, scale)
+    if not causal and (mask is None or q.shape[-2] % 2):
+        return _Ring.apply(q, k, v, mask, ranks, pos, geometry.blocks(n), causal, scale)
     home = geometry.contiguous(n)   # halves of a block: the masked half of the diagonal is skipped
-    if balance and n > 1:
+    if causal and balance and n > 1:
         zig = geometry.zigzag(n)
         q, k, v = Rechunk.apply(ranks, pos, home, zig, q, k, v)
-        out = _Ring.apply(q, k, v, ranks, pos, zig, causal, scale)
+        out = _Ring.apply(q, k, v, mask, ranks, pos, zig, causal, scale)
         return Rechunk.apply(ranks, pos, zig, home, out)[0]
-    return _Ring.apply(q, k, v, ranks, pos, home, causal, scale)
+    return _Ring.apply(q, k, v, mask, ranks, pos, home, causal, scale)
