@@ -6,9 +6,10 @@ around the ring (``cube.runtime.ring``), never gathered to full length. Every pl
 like the single-device model (losses and updated parameters, rel <= 1e-5, SGD and AdamW) on the
 in-process world: GPT (causal, zigzag-balanced) with cp 2 and 4, grouped-query attention
 (``enable_gqa=True`` and the Hugging Face repeat before sdpa), non-causal attention with a
-``scale``, Hugging Face GPT-2's explicit mask tensor, cp 2 x tp 2, dp 2 x cp 2, recomputed blocks. The runtime function alone equals
-``F.scaled_dot_product_attention`` (forward and gradients), and the plan's ring bytes equal
-``(cp - 1) / cp`` of the whole K/V.
+``scale``, Hugging Face GPT-2's explicit mask tensor, cp 2 x tp 2, dp 2 x cp 2, recomputed
+blocks. The runtime function alone equals ``F.scaled_dot_product_attention`` (forward and
+gradients, with and without masks), and the plan's ring bytes equal ``(cp - 1) / cp`` of the
+whole K/V.
 """
 from __future__ import annotations
 
