@@ -28,7 +28,7 @@ SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegat
            "PAS1F1BInterleaved": "policies.pipeline", "PASZBH1": "policies.pipeline",
            "PASZBV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
            "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto",
-           "PASSpatial": "policies.spatial"}
+           "PASSpatial": "policies.spatial", "PASContext": "policies.context"}
 
 
 def resolve(name: str) -> str:

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, cut, expert_flow, megatron_flow, sequence_flow
+from cube.ir.follow import Flow, batch_flow, context_flow, cut, expert_flow, megatron_flow, sequence_flow
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
@@ -35,6 +35,13 @@ def data_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
     ``(idx, dim)``; the data operation splits its tensors along dim 0."""
     n = _size(over)
     return batch_flow(graph, n) if n > 1 else Flow(batch=True)
+
+
+def context_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+    """The sequence split over ``over`` (``cube.ir.follow.context_flow``): activations along their
+    token dim, attention as ring attention."""
+    n = _size(over)
+    return context_flow(graph, n) if n > 1 else Flow()
 
 
 def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:

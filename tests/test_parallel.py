@@ -38,6 +38,8 @@ CASES = [
     ("hf_llama", "tests/extra_policies.py:PASTwoStages", 4),
     # a value changing its split dim between ops (all-to-all)
     ("mlp", "tests/extra_policies.py:PASSwap", 4),
+    # context parallel: ring attention's point-to-point messages between processes
+    ("gpt_nobias", "policies.context:PASContext", 4),
 ]
 
 

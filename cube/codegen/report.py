@@ -34,10 +34,12 @@ def _name(t) -> str:
 
 def sent_bytes(call: Call) -> int:
     """Bytes this rank sends in forward for a step (ring algorithms for collectives, as NCCL and
-    gloo use at these sizes); 0 for an op piece or a local step."""
+    gloo use at these sizes; a piece communicating inside its call: its point-to-point messages);
+    0 for another op piece or a local step."""
     s = call.step
-    if s is None:
-        return 0
+    if s is None:   # a piece communicating inside its call: its messages and any reordering
+        inside = call.inside
+        return 0 if inside is None else sum(b for _, b in inside.p2p) + sum(b for _, b, _ in inside.reorder)
     value = call.inputs[0] if call.inputs else call.outputs[0]
     if s.kind == "send":
         return 0 if s.grad == "only" else math.prod(e - b for b, e in s.box) * value.dtype.itemsize
@@ -117,6 +119,15 @@ def _call_line(call: Call) -> str:
     outs = ", ".join(f"{_name(t)}{_box(b, t.shape)}" + (" (partial sum)" if term else "")
                      for t, b, term in zip(op.outputs, lay.outputs, lay.out_terms))
     where = f"  [{op.module_path}]" if op.module_path else ""
+    inside = call.inside
+    if inside is not None and (inside.p2p or inside.all_reduce):
+        fn = inside.fn or "its op"
+        where += f"  {fn} sends {sum(b for _, b in inside.p2p)} B" + "".join(
+            f" to {peer}" for peer, _ in inside.p2p[:1] if len(inside.p2p) == 1)
+        if inside.reorder:
+            where += f" (+ {sum(b for _, b, _ in inside.reorder)} B reordering)"
+        if inside.all_reduce:
+            where += f", all-reduces {inside.all_reduce} B"
     return f"{op.name:<20} {ins} -> {outs}{where}"
 
 

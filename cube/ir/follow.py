@@ -129,6 +129,33 @@ def batch_flow(graph: IRGraph, num: int) -> Flow:
     return flow
 
 
+def context_flow(graph: IRGraph, num: int) -> Flow:
+    """Follows the sequence (dim 1 of every batch tensor with one) split ``num`` ways: context
+    parallel. The batch is read whole (each op piece takes its block); attention splits along the
+    sequence as ring attention.
+
+    Where the sequence cannot go on after the last attention it split (a flatten of batch and
+    sequence before the loss: a block of the sequence is no block of the merged dim), the split
+    goes on along the batch when ``num`` divides it, so the logits are exchanged all-to-all rather
+    than gathered whole on every rank. (Before an attention that would end the ring: a flatten
+    there, as in Hugging Face's ``Conv1D``, leaves the sequence split only where it reaches.)"""
+    data = graph.select(ntype=IRDataOperation)[0]
+    seeds = {id(t): 1 for t in data.outputs if t.ndim > 1}
+    flow = follow(graph, seeds, num)
+    order = {id(op): i for i, op in enumerate(graph.ops)}
+    rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside == "ring"]
+    start = {}
+    for op in flow.blocked if rings else ():
+        if order[id(op)] < max(rings):
+            continue
+        tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1]
+        if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
+            start[id(op)] = (tracked[0], 0)
+    if not start:
+        return flow
+    return follow(graph, seeds, num, start=start)
+
+
 def megatron_flow(graph: IRGraph, num: int) -> Flow:
     """Megatron's plan found from structure: column-split a linear whose input is whole
     when its output features reach, through ops that can carry the split (activations,

@@ -48,7 +48,8 @@ class OpInfo:
             the larger output: transposed convolutions), ``"halo_linear"`` (a window interpolated
             at the global coordinates: bilinear upsampling), ``"stats"`` (it normalizes by
             statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
-            sample and group summed over its group: group and instance norm); a row of
+            sample and group summed over its group: group and instance norm), ``"ring"`` (key/value
+            blocks passed around a ring of ranks: attention split along the sequence); a row of
             ``cube.passes.inside.KINDS``.
     """
 
@@ -85,7 +86,7 @@ zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_ten
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
-_add("scaled_dot_product_attention", rule="sdpa")
+_add("scaled_dot_product_attention", rule="sdpa", inside="ring")
 _add("embedding", rule="embedding")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")

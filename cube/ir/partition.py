@@ -96,6 +96,14 @@ class DimSplit:
                 f"communicate inside their call) but the op names no way to (OpInfo.inside). Leave the dim whole, "
                 f"or give the op a kind of cube.passes.inside.KINDS with "
                 f"cube.ir.ops.register({op.name!r}, inside=...).")
+        if kind == "ring" and op.kwargs.get("is_causal", op.args[5] if len(op.args) > 5 else False):
+            size = op.inputs[0].shape[-2]
+            if size % (2 * total):
+                raise ValueError(
+                    f"uneven split of op {op.name!r} ({op.where()}): ring attention under a causal mask cuts "
+                    f"each of the {total} sequence blocks into two chunks (zigzag load balancing), so the "
+                    f"sequence length {size} must be divisible by {2 * total}. Choose a number of pieces n "
+                    f"with 2 n dividing {size}, or pad the sequence.")
         if kind.startswith("halo"):   # halo, halo_transposed, halo_linear: windows must fit
             for d, dim in enumerate(op.anno.inputs[0]):
                 if dim.head is not None and dim.head.name == ident.name:

@@ -9,7 +9,7 @@ the planner below). The planner decides everything the call needs, as data:
 for each split factor the ranks of its group in block order and this rank's
 position, the windows each block reads, the op's arguments for one piece;
 and what moves (bytes to each neighbour, bytes all-reduced) for the
-simulator and the report. Ring attention is meant to be one more kind.
+simulator and the report. Ring attention (``"ring"``) is one more kind.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
 from cube.errors import CubeInternalError
-from cube.ir import halo
+from cube.ir import halo, ring
 from cube.ir.layout import PieceLayout, box_shape
 from cube.ir.operator import IRFwOperation, IROperator
 from cube.ir.ops import op_info
@@ -40,6 +40,15 @@ class Inside:
         recvs: ``(peer, bytes)`` this rank receives from each neighbour in forward (and sends back
             in backward).
         all_reduce: bytes all-reduced over ``groups[0]`` in forward (and again in backward).
+        bw_p2p, bw_recvs: backward's ``(peer, bytes)`` sent and received, where backward is not
+            forward's messages the other way (ring attention sends on around the ring); None: it is.
+        reorder: ``(peer, forward bytes, backward bytes)`` sent to put blocks in another order and
+            back (ring attention's zigzag load balancing), apart from the messages above;
+            ``reorder_recvs`` the same received.
+        rounds: the messages go in this many equal rounds, each overlapping ``1 / (rounds + 1)``
+            of the compute (a ring's steps); 1: all before the compute (a halo).
+        work: the piece's compute relative to the op on its blocks alone (a ring rank's queries
+            meet every key block: the number of blocks).
     """
 
     fn: Optional[str]
@@ -49,6 +58,12 @@ class Inside:
     p2p: Tuple[Tuple[int, int], ...] = ()
     recvs: Tuple[Tuple[int, int], ...] = ()
     all_reduce: int = 0
+    bw_p2p: Optional[Tuple[Tuple[int, int], ...]] = None
+    bw_recvs: Optional[Tuple[Tuple[int, int], ...]] = None
+    reorder: Tuple[Tuple[int, int, int], ...] = ()
+    reorder_recvs: Tuple[Tuple[int, int, int], ...] = ()
+    rounds: int = 1
+    work: float = 1.0
 
 
 def _inside_splits(p: IROperator) -> List[Tuple[int, str, int, int]]:
@@ -208,8 +223,49 @@ def _group_stats(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: P
                   groups=(ranks,), all_reduce=total * groups * 3 * 8)
 
 
+def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """Ring attention (``cube.runtime.ring``): q, k and v split alike along the sequence; the
+    key/value blocks go around the ring of the split group, ``n - 1`` hops forward, and in backward
+    ``n - 1`` hops again with their gradients ``n`` hops. Under a causal mask the blocks are put in
+    zigzag order and back (``reorder``): cube's layouts hold contiguous blocks, and every op but
+    attention is indifferent to the order of tokens, so only this call pays for the balance. A
+    mask tensor's rows stay with their queries; its blocks stay contiguous (whether it is causal
+    is data), and chunk pairs it hides wholly are skipped at run time."""
+    root = op.root
+    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    pos, n = _position(op, f)
+    ranks = group_of(by, r, (f,))
+    if len(ranks) != n:
+        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    names = [a.name for a in root.target._schema.arguments]
+    arg = dict(zip(names, root.args), **root.kwargs)
+    causal, scale = bool(arg.get("is_causal", False)), arg.get("scale")
+    q, k, v, out = (box_shape(b) for b in (*layout.inputs[:3], layout.outputs[0]))
+    itemsize = root.inputs[0].dtype.itemsize
+    kv = (math.prod(k) + math.prod(v)) * itemsize   # one block of k and v
+    nxt, prv = ranks[(pos + 1) % n], ranks[(pos - 1) % n]
+    kwargs = dict(ranks=ranks, pos=pos, causal=causal, scale=scale, balance=causal)
+    reorder, reorder_recvs = [], []
+    if causal and n > 1:   # the chunks of q, k, v go to zigzag order and the output's back
+        home, zig = ring.contiguous(n), ring.zigzag(n)
+        qkv_chunk = (math.prod(q) + math.prod(k) + math.prod(v)) * itemsize // 2
+        out_chunk = math.prod(out) * itemsize // 2
+        (se, re_), (sx, rx) = ring.moves(home, zig, pos), ring.moves(zig, home, pos)
+        for p in sorted(set(se) | set(sx)):   # backward: the output's gradient in, q, k, v's out
+            reorder.append((ranks[p], se.get(p, 0) * qkv_chunk + sx.get(p, 0) * out_chunk,
+                            se.get(p, 0) * out_chunk + sx.get(p, 0) * qkv_chunk))
+        for p in sorted(set(re_) | set(rx)):
+            reorder_recvs.append((ranks[p], re_.get(p, 0) * qkv_chunk + rx.get(p, 0) * out_chunk,
+                                  re_.get(p, 0) * out_chunk + rx.get(p, 0) * qkv_chunk))
+    args = tuple(op.inputs[:4])   # q, k, v and a mask's rows (they stay: only keys and values travel)
+    return Inside("runtime.ring.attention", args, kwargs,
+                  p2p=((nxt, (n - 1) * kv),), recvs=((prv, (n - 1) * kv),),
+                  bw_p2p=((nxt, (2 * n - 1) * kv),), bw_recvs=((prv, (2 * n - 1) * kv),),
+                  reorder=tuple(reorder), reorder_recvs=tuple(reorder_recvs), rounds=n - 1, work=float(n))
+
+
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
-    "halo": _halo, "stats": _stats,
+    "halo": _halo, "stats": _stats, "ring": _ring,
     "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
 }
 

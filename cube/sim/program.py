@@ -134,8 +134,9 @@ class Builder(Writer, StepEnd):
         op = call.op
         cost = self.costs.op_cost(call)
         if call.inside is not None:
-            self.inside_comm(call, micro, cat, "f")
-        self.compute(cost.fw, _label(op), cat)
+            self.inside_comm(call, micro, cat, "f", cost.fw)
+        else:
+            self.compute(cost.fw, _label(op), cat)
         for j, o in enumerate(op.outputs):
             if self.tag:
                 self.re_made.add(id(o))
@@ -158,15 +159,42 @@ class Builder(Writer, StepEnd):
             elif what == "x":
                 self.mem.alloc(("x", micro, i, self.tag, n), arg, holder=holder)
 
-    def inside_comm(self, call: Call, micro: int, cat: str, way: str) -> None:
-        """What a piece communicating inside its call moves (``cube.passes.inside``): its halo
-        messages (point to point, the other way in backward) and its all-reduce."""
+    def inside_comm(self, call: Call, micro: int, cat: str, way: str, dur: float) -> None:
+        """A piece communicating inside its call (``cube.passes.inside``) and its ``dur`` of compute:
+        its messages (point to point; a halo's go the other way in backward), in ``rounds`` rounds
+        each overlapping a share of the compute (a ring's steps), a reordering's messages around
+        them, and its all-reduce."""
         inside, me, tag = call.inside, self.plan.rank, ("inside", id(call.op.root))
-        sends, recvs = (inside.p2p, inside.recvs) if way == "f" else (inside.recvs, inside.p2p)
-        for peer, nbytes in sends:
-            self.send(((me, peer), tag, micro, way), nbytes, cat)
-        for peer, _ in recvs:
-            self.recv(((peer, me), tag, micro, way), cat)
+        if way == "f":
+            sends, recvs = inside.p2p, inside.recvs
+        elif inside.bw_p2p is not None:
+            sends, recvs = inside.bw_p2p, inside.bw_recvs
+        else:
+            sends, recvs = inside.recvs, inside.p2p
+        k = 1 if way == "f" else 2
+        for peer, *nbytes in inside.reorder:   # into the order the call computes in
+            self.send(((me, peer), tag + ("reorder",), micro, way), nbytes[k - 1] // 2, cat)
+        for peer, *_ in inside.reorder_recvs:
+            self.recv(((peer, me), tag + ("reorder",), micro, way), cat)
+        dur *= inside.work
+        rounds = max(inside.rounds, 1)
+        if rounds == 1 and way == "b":   # a halo's adjoint sends the gradient the op computed
+            self.compute(dur, _label(call.op), cat)
+            dur = 0.0
+        for step in range(rounds):
+            for peer, nbytes in sends:
+                share = nbytes * (step + 1) // rounds - nbytes * step // rounds
+                self.send(((me, peer), tag + (step,), micro, way), share, cat)
+            if rounds > 1:
+                self.compute(dur / (rounds + 1), _label(call.op), cat)
+            for peer, _ in recvs:
+                self.recv(((peer, me), tag + (step,), micro, way), cat)
+        if dur:
+            self.compute(dur / (rounds + 1) if rounds > 1 else dur, _label(call.op), cat)
+        for peer, *nbytes in inside.reorder:   # and back
+            self.send(((me, peer), tag + ("back",), micro, way), nbytes[k - 1] - nbytes[k - 1] // 2, cat)
+        for peer, *_ in inside.reorder_recvs:
+            self.recv(((peer, me), tag + ("back",), micro, way), cat)
         if inside.all_reduce and inside.groups:
             self.coll("all_reduce", inside.groups[0], inside.all_reduce, cat)
 
@@ -220,10 +248,10 @@ class Builder(Writer, StepEnd):
                         share = 0.5 if x.requires_grad else 0.0   # two equal products
                         self.compute(bw * share, _label(call.op), "backward")
                         self.deferred.setdefault((micro, stage), []).append((bw * (1 - share), call, saved))
+                    elif call.inside is not None:
+                        self.inside_comm(call, micro, "backward", "b", bw)
                     else:
                         self.compute(bw, _label(call.op), "backward")
-                    if call.inside is not None:
-                        self.inside_comm(call, micro, "backward", "b")
                     self.grad_flow(call, micro)
                 if not call.defer_wgrad:
                     self.mem.release_all(saved)

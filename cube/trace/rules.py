@@ -125,21 +125,31 @@ def matmul(op: IRFwOperation) -> str:
 
 
 def sdpa(op: IRFwOperation) -> str:
+    """Batch and heads split freely (heads not under grouped-query attention). With queries and
+    keys of one length and no dropout, the sequence ``l~`` splits q, k and v alike and a piece runs
+    ring attention (``OpInfo.inside="ring"``), an attention mask split along its rows (each rank
+    keeps its queries' rows over every key); otherwise (cross-attention, dropout, a mask that needs
+    a gradient) a split of the queries (``l``, frozen under ``is_causal``) reads the keys whole."""
     q, k, v = op.inputs[:3]
     causal = bool(_arg(op, 5, "is_causal", False))
     gqa = bool(op.kwargs.get("enable_gqa", False)) or q.shape[:-2] != k.shape[:-2]
     names = _Names()
     batch = names.many(q.ndim - 3)
     h = "h^" if gqa else "h"
-    ins = [batch + [h, "l^" if causal else "l", "e^"], batch + [h, "s^", "e^"], batch + [h, "s^", "f"]]
-    if len(op.inputs) > 3:  # attention mask: broadcastable to (..., h, l, s), split along with them
+    masked = len(op.inputs) > 3
+    ring = q.shape[-2] == k.shape[-2] and not _arg(op, 4, "dropout_p", 0.0) and not (
+        masked and op.inputs[3].requires_grad)
+    rows = "l~" if ring else "l^" if causal else "l"
+    keys = "l~" if ring else "s^"
+    ins = [batch + [h, rows, "e^"], batch + [h, keys, "e^"], batch + [h, keys, "f"]]
+    if masked:  # attention mask: broadcastable to (..., h, l, s), split along with them
         mask = op.inputs[3]
-        full = batch + [h, "l^" if causal else "l", "s^"]
+        full = batch + [h, rows, names(True) if ring else "s^"]   # a ring's mask keeps every key
         sizes = list(q.shape[:-1]) + [k.shape[-2]]
         off = len(full) - mask.ndim
         ins.append(["1" if s == 1 else full[off + i] if s == sizes[off + i] else names(True)
                     for i, s in enumerate(mask.shape)])
-    return _anno(ins, [batch + [h, "l^" if causal else "l", "f"]])
+    return _anno(ins, [batch + [h, rows, "f"]])
 
 
 def embedding(op: IRFwOperation) -> str:
