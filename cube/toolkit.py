@@ -208,7 +208,8 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
 
     ``config`` holds ``dp``, ``tp``, ``pp`` and optionally ``starts`` (the index among the forward
     ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b``,
-    ``gpipe``, ``zb-h1`` or ``zbv``), ``recompute`` (True, ``"all"`` or block indices) and ``zero``.
+    ``gpipe``, ``zb-h1`` or ``zbv``), ``recompute`` (True, ``"all"`` or block indices), ``sp`` (sequence parallel inside
+    the tensor-parallel groups) and ``zero``.
     Stage ``s`` runs on the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel
     over ``tp``; ``zbv`` cuts ``2 pp`` stages instead, stage ``s`` on ``pp = min(s, 2 pp - 1 - s)``.
 
@@ -224,6 +225,8 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
         raise ValueError("PASAuto: the plan uses ZeRO-3; compile with cube.compile(..., zero=3)")
     mesh = DeviceMesh(("pp", pp), ("dp", dp), ("tp", tp))
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    if config.get("sp") and tp > 1:   # Megatron-SP: the memory-bound ops between tp regions along the sequence
+        tensor = sequence_parallel(graph, tensor, mesh["tp"])
     if pp == 1:
         place_all(graph, mesh, dp=data, tp=tensor)
     name = config.get("schedule", "1f1b")

@@ -138,3 +138,17 @@ def test_sequence_parallel_on_hf_llama_is_exact_at_megatron_sp_cost():
         assert step_bytes(plan.program.plans[r]) == {
             "forward": 4 * layers * piece + piece, "backward": 4 * layers * piece + piece,
             "gradients": (2 * layers + 1) * 2 * (n - 1) * cfg.hidden_size * F32 // n}
+
+
+def test_the_search_tries_sequence_parallel_and_its_plan_is_exact():
+    """``python -m cube.sim --search`` proposes tensor-parallel plans with and without ``sp``; the
+    ``grid_plan`` of one with it trains like eager and sends reduce-scatters, not all-reduces."""
+    from cube.sim.search import configs
+    from cube.toolkit import grid_plan
+    cands = configs(4, 16)
+    assert any(c.get("sp") for c in cands) and not any(c.get("sp") and c["tp"] == 1 for c in cands)
+    cfg = {"dp": 1, "tp": 2, "pp": 1, "sp": True}
+    model, sample = build("gpt_nobias")
+    plan = cube.plan(model, sample, lambda g, r: grid_plan(g, r, cfg), 2)
+    assert "reduce_scatter" in _kinds(plan)
+    assert_exact(parity(model, sample, lambda g, r: grid_plan(g, r, cfg), 2, steps=2, opt="sgd"))

@@ -62,6 +62,8 @@ def describe(cfg: dict) -> str:
     parts.append(f"zero{cfg.get('zero', 0)}")
     if cfg.get("recompute"):
         parts.append("recompute")
+    if cfg.get("sp"):
+        parts.append("sp")
     return " ".join(parts) + f"  ({like})"
 
 
@@ -71,9 +73,10 @@ def _divisors(n: int) -> List[int]:
 
 def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute: Sequence[bool] = (False, True),
             zero: Sequence[int] = (0, 1, 2, 3), schedules: Sequence[str] = ("1f1b", "gpipe", "zb-h1", "zbv"),
+            sequence: Sequence[bool] = (False, True),
             max_pp: Optional[int] = None) -> List[dict]:
     """Every configuration for ``world`` devices and a global ``batch`` (micro-batch counts: ``micros``
-    times the pipeline depth)."""
+    times the pipeline depth; ``sequence``: tensor-parallel plans with and without sequence parallel)."""
     out = []
     for pp in _divisors(world):
         if max_pp is not None and pp > max_pp:
@@ -89,9 +92,10 @@ def configs(world: int, batch: int, micros: Sequence[int] = (1, 2, 4), recompute
                         for z in (zero if dp > 1 else (0,)):
                             if z == 3 and rc:
                                 continue   # not supported together yet (cube.passes.recompute)
-                            out.append({"dp": dp, "tp": tp, "pp": pp, "nmicros": m, "schedule": sched,
-                                        "recompute": bool(rc), "zero": z, "micro_batch": batch // m,
-                                        "world": world})
+                            for sp in (sequence if tp > 1 else (False,)):
+                                out.append({"dp": dp, "tp": tp, "pp": pp, "nmicros": m, "schedule": sched,
+                                            "recompute": bool(rc), "zero": z, "micro_batch": batch // m,
+                                            "world": world, **({"sp": True} if sp else {})})
     return out
 
 
