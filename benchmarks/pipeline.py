@@ -459,7 +459,7 @@ def _predictions(rows: List[dict], cfg: dict) -> List[dict]:
     from cube.sim.api import default_models, simulate_policy
     costs, comm, host = default_models(STAGES)
     model, batch = _gpt(cfg), _batches(cfg, 1)[0]
-    measured = {r["name"]: r["ms_per_step"] for r in rows if r["name"].startswith("cube ")}
+    measured = {r["name"]: r["ms_per_step"] for r in rows if "ms_per_step" in r and r["name"].startswith("cube ")}
     out, predicted = [], {}
     print(f"{'way':<26}{'measured':>10}{'predicted':>10}")
     for name, ms in measured.items():

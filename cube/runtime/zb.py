@@ -81,12 +81,40 @@ def _wants_grad(*params) -> bool:
     return torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params)
 
 
+def _split(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], transposed: bool) -> torch.Tensor:
+    """The product on detached weights, so autograd's own (C++) backward computes only the input's
+    gradient, and a hook on the output that hands the weights' work to the collecting B action.
+
+    A Python autograd function costs about as much per call as a small layer's products on CPU;
+    the hook is one Python call per layer in backward. Where autograd would not reach the hook (an
+    input needing no gradient) or the weights are not leaves, ``_Deferred`` does it all."""
+    wants = (w if w.requires_grad else None, b if b is not None and b.requires_grad else None)
+    if not x.requires_grad or not all(t is None or t.is_leaf for t in wants):
+        return _Deferred.apply(x, w, b, session.current(), transposed)
+    wd, bd = w.detach(), b.detach() if b is not None else None
+    if transposed:
+        out = F.linear(x, wd, bd)
+    else:
+        out = x @ wd if bd is None else torch.addmm(bd, x, wd) if x.ndim == 2 else x @ wd + bd
+    st, dtype = session.current(), out.dtype
+
+    def hand_over(g: torch.Tensor) -> None:
+        work = (x, g, wants[0], wants[1], dtype, transposed)
+        if st.wgrads.sink is not None:
+            st.wgrads.sink.append(work)
+        else:   # not inside a B action: accumulate at once, as autograd would
+            apply([work])
+
+    out.register_hook(hand_over)
+    return out
+
+
 @outside_graph
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``aten.linear`` whose weight gradient a B action defers to its W (see the module docstring)."""
     if not _wants_grad(weight, bias):
         return F.linear(x, weight, bias)
-    return _Deferred.apply(x, weight, bias, session.current(), True)
+    return _split(x, weight, bias, True)
 
 
 @outside_graph
@@ -94,7 +122,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight`` (``aten.mm``/``aten.matmul`` with a 2-D weight ``(in, out)``), weight gradient deferred."""
     if not _wants_grad(weight) or weight.ndim != 2:
         return x @ weight
-    return _Deferred.apply(x, weight, None, session.current(), False)
+    return _split(x, weight, None, False)
 
 
 @outside_graph
@@ -102,7 +130,7 @@ def addmm(bias: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, beta=1, 
     """``aten.addmm`` (Hugging Face's ``Conv1D``: ``bias + x @ weight``), weight and bias gradients deferred."""
     if beta != 1 or alpha != 1 or not _wants_grad(weight, bias):
         return torch.addmm(bias, x, weight, beta=beta, alpha=alpha)
-    return _Deferred.apply(x, weight, bias, session.current(), False)
+    return _split(x, weight, bias, False)
 
 
 class collecting:
@@ -121,14 +149,25 @@ class collecting:
 
 
 def apply(work: List[Work]) -> None:
-    """Computes the deferred weight gradients and accumulates them (one autograd call, so hooks fire)."""
-    params, grads = [], []
+    """Computes the deferred weight gradients and accumulates them into ``.grad``.
+
+    A parameter with post-accumulate hooks gets its gradient through autograd (one call for all of
+    them, so the hooks fire as in one backward); the others directly, which lets a parameter
+    without a gradient yet take the new tensor instead of a copy (autograd copies a gradient the
+    caller still holds)."""
+    hooked, grads = [], []
     for item in work:
         gw, gb = _weight_grads(item)
         for p, grad in ((item[2], gw), (item[3], gb)):
-            if p is not None:
-                params.append(p)
+            if p is None:
+                continue
+            if getattr(p, "_post_accumulate_grad_hooks", None):
+                hooked.append(p)
                 grads.append(grad)
+            elif p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
     work.clear()
-    if params:
-        torch.autograd.backward(params, grads)
+    if hooked:
+        torch.autograd.backward(hooked, grads)
