@@ -24,7 +24,7 @@ from cube.passes.adapter import P2P_KINDS
 from cube.passes.check import check_stage
 from cube.passes.rank_plans import Call, RankPlan, build_plans
 from cube.passes.recompute import Run, check_recompute, find_runs, gather_transfers
-from cube.passes.stages import held_stages, stage_calls, stages_of
+from cube.passes.stages import held_stages, op_stages, stage_calls, stages_of
 
 
 
@@ -161,8 +161,9 @@ def build_program(graph: IRGraph, world: int, ranks: Optional[Sequence[int]] = N
     groups = all_groups(plans)
     actions = schedule_actions(graph, plans) if graph.schedule is not None else {}
     if graph.schedule is not None and graph.schedule.splits_backward:
+        first = {k for k, stage in op_stages(graph).items() if stage == 0}
         for plan in plans.values():
-            defer_weight_grads(plan)
+            defer_weight_grads(plan, first)
     ranks = range(world) if ranks is None else ranks
     interleave = micro_interleave(graph, plans)
     program = Program(graph, world, {r: _rank_program(graph, plans[r], actions.get(r), interleave) for r in ranks},
@@ -208,15 +209,16 @@ DEFERRABLE = {"linear": (0, 1, "linear"), "mm": (0, 1, "matmul"), "matmul": (0, 
               "addmm": (1, 2, "addmm")}
 
 
-def defer_weight_grads(plan: RankPlan) -> None:
+def defer_weight_grads(plan: RankPlan, skip: FrozenSet[int] = frozenset()) -> None:
     """Marks the calls whose weight gradient a split backward (zero-bubble schedules) defers from B
     to W: products (``DEFERRABLE``) reading a parameter of this rank as it is, a matrix for all
     but ``linear`` (not a value made from one, such as ZeRO-3's gathered weight, whose gradient must
-    flow back through what made it during B)."""
+    flow back through what made it during B), except the ops ``skip`` holds (logical op ids: the
+    first stage's, whose input gradients nobody waits for, so splitting would only cost)."""
     params = {id(t) for t, _ in plan.attrs if t.kind is TensorKind.PARAM and t.requires_grad}
     for call in plan.calls:
         op = call.op
-        if op is None or op.name not in DEFERRABLE:
+        if op is None or op.name not in DEFERRABLE or id(op.root) in skip:
             continue
         _, k, fn = DEFERRABLE[op.name]
         if len(op.inputs) > k:
