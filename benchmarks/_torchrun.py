@@ -42,6 +42,23 @@ def run_rows(script: Path, cfg: dict) -> List[dict]:
             return json.load(f)
 
 
+def kept_bytes(forward: Callable, params) -> int:
+    """Bytes of the tensors autograd keeps for backward while ``forward()`` (returning a loss) runs,
+    parameters excluded, each storage counted once; then runs the backward."""
+    import torch
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward().backward()
+    return sum(seen.values())
+
+
 def compile_gpt(model, loader, policy, cache: str, **options):
     """``cube.compile`` of the standard GPT step (``model(ids, targets)``, backward, return the loss).
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import compile_gpt, run_rows, worker_cli  # noqa: E402
+from benchmarks._torchrun import compile_gpt, kept_bytes, run_rows, worker_cli  # noqa: E402
 
 DEFAULTS = {"seq": 4096, "cp": 4, "steps": 4, "layers": 2, "width": 32, "heads": 2, "vocab": 128}
 QUICK = {"seq": 1024, "steps": 2}
@@ -55,20 +55,6 @@ def _batches(cfg, n):
         ids = torch.randint(0, cfg["vocab"], (1, cfg["seq"]), generator=gen)
         out.append((ids, torch.roll(ids, -1, dims=1)))
     return out
-
-
-def _kept(forward, params) -> int:
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward().backward()
-    return sum(seen.values())
 
 
 def _timed(steps, n: int, clock=time.perf_counter):
@@ -167,7 +153,7 @@ def worker(args) -> None:
         gen.zero_grad()
         row.update({"fw_kv": fw[0x5249], "fw_reorder": fw[0x5243], "bw_kv": sent[0x5249] - fw[0x5249],
                     "bw_grad": sent[0x5247], "bw_reorder": sent[0x5243] - fw[0x5243]})
-        row["kept"] = _kept(lambda: gen(*batches[2]), list(gen.parameters()))
+        row["kept"] = kept_bytes(lambda: gen(*batches[2]), list(gen.parameters()))
         gen.zero_grad()
 
         def step():
@@ -196,7 +182,7 @@ def _single(cfg):
         model(*next(it)).backward()
         opt.step()
         opt.zero_grad()
-    kept = _kept(lambda: model(*batches[0]), list(model.parameters()))
+    kept = kept_bytes(lambda: model(*batches[0]), list(model.parameters()))
     model.zero_grad()
     return kept, _timed([step], cfg["steps"])[0]
 

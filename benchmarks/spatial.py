@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._torchrun import run_rows, worker_cli  # noqa: E402
+from benchmarks._torchrun import kept_bytes, run_rows, worker_cli  # noqa: E402
 
 DEFAULTS = {"size": 1024, "steps": 10, "channels": 4, "layers": 4, "batch": 1}
 QUICK = {"size": 512, "steps": 4}
@@ -48,20 +48,6 @@ def _batches(cfg, n):
     gen = torch.Generator().manual_seed(1)
     shape = (cfg["batch"], cfg["channels"], cfg["size"], cfg["size"])
     return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(n)]
-
-
-def _kept(forward, params) -> int:
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        if s.data_ptr() not in skip:
-            seen[s.data_ptr()] = s.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        forward().backward()
-    return sum(seen.values())
 
 
 def _median_step(step, n: int) -> float:
@@ -201,7 +187,7 @@ def worker(args) -> None:
         sent = _count_halo_bytes()
         step()
         per_step = sent[0]
-        kept = _kept(lambda: gen(*[t for t in batches[1]]), list(gen.parameters()))
+        kept = kept_bytes(lambda: gen(*[t for t in batches[1]]), list(gen.parameters()))
         rows.append({"rank": rank, "kept": kept, "halo": per_step})
     else:
         _, step, _ = _cube(cfg, "H", cache)
@@ -223,7 +209,7 @@ def _single(cfg):
         model(*next(it)).backward()
         opt.step()
         opt.zero_grad()
-    kept = _kept(lambda: model(*batches[0]), list(model.parameters()))
+    kept = kept_bytes(lambda: model(*batches[0]), list(model.parameters()))
     model.zero_grad()
     return kept, _median_step(step, cfg["steps"])
 

@@ -202,28 +202,9 @@ def group_norm(op: IRFwOperation) -> str:
     return _anno(ins, [g] + [["b"] + names.many(o.ndim - 1, frozen=True) for o in op.outputs[1:]])
 
 
-def conv_transpose(op: IRFwOperation) -> str:
-    """Transposed convolution: weight ``(in, out / groups, kernel...)``; spatial dims split with a
-    halo exchange and a crop inside the piece's call (``cube.ir.halo``)."""
+def _conv(op: IRFwOperation, transposed: bool) -> str:
     x, w = op.inputs[:2]
-    groups = _arg(op, 6, "groups", 1)
-    nsp = w.ndim - 2
-    c = "c+" if groups == 1 else "c^"
-    o = "o" if groups == 1 else "o^"
-    names = _Names()
-    sp = _inside(names, nsp)
-    lead = ["b", c] if x.ndim == nsp + 2 else [c]
-    olead = ["b", o] if x.ndim == nsp + 2 else [o]
-    ins = [lead + sp, [c, o] + names.many(nsp, True)]
-    if len(op.inputs) == 3:
-        ins.append([o])
-    return _anno(ins, [olead + sp])
-
-
-def conv(op: IRFwOperation) -> str:
-    """Spatial dims split with a halo exchange inside the piece's call (``cube.ir.halo``)."""
-    x, w = op.inputs[:2]
-    groups = _arg(op, 6, "groups", 1)
+    groups = _arg(op, 6, "groups", 1)   # the 7th argument of conv and conv_transpose alike
     nsp = w.ndim - 2
     c = "c+" if groups == 1 else "c^"
     o = "o" if groups == 1 else "o^"
@@ -231,10 +212,21 @@ def conv(op: IRFwOperation) -> str:
     sp = _inside(names, nsp)
     lead = ["b", c] if x.ndim == nsp + 2 else [c]   # unbatched input: (c, spatial...)
     olead = ["b", o] if x.ndim == nsp + 2 else [o]
-    ins = [lead + sp, [o, c] + names.many(nsp, True)]
+    ins = [lead + sp, ([c, o] if transposed else [o, c]) + names.many(nsp, True)]
     if len(op.inputs) == 3:
         ins.append([o])
     return _anno(ins, [olead + sp])
+
+
+def conv_transpose(op: IRFwOperation) -> str:
+    """Transposed convolution: weight ``(in, out / groups, kernel...)``; spatial dims split with a
+    halo exchange and a crop inside the piece's call (``cube.ir.halo``)."""
+    return _conv(op, True)
+
+
+def conv(op: IRFwOperation) -> str:
+    """Spatial dims split with a halo exchange inside the piece's call (``cube.ir.halo``)."""
+    return _conv(op, False)
 
 
 def pool(op: IRFwOperation) -> str:
