@@ -10,7 +10,9 @@ ARGS = ["--layers", "2", "--hidden", "64", "--intermediate", "128", "--vocab", "
 
 
 def _losses(stdout: str) -> list:
-    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)(?: \|.*)?$", stdout, re.M)]
+    # not anchored at line starts: torchrun ranks share stdout, so another rank's line may run into it
+    steps = {int(k): float(x) for k, x in re.findall(r"step (\d+): loss ([0-9.]+)", stdout)}
+    return [steps[k] for k in sorted(steps)]
 
 
 def _rank_lines(stdout: str) -> dict:
