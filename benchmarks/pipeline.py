@@ -97,7 +97,8 @@ TORCH = {"1F1B": "1F1B", "interleaved": "interleaved", "ZB-H1": None, "ZB-V": "Z
 
 def _rank_of(kind: str, k: int, nstages: int) -> int:
     """The rank of stage ``k``: in a V for ZB-V, else ``k % STAGES``."""
-    return min(k, nstages - 1 - k) if kind == "ZB-V" else k % STAGES
+    from cube.schedule import v_placement
+    return v_placement(nstages)[k] if kind == "ZB-V" else k % STAGES
 
 
 def _bound_steps(kind: str, m: int) -> float:

@@ -243,8 +243,8 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
         meshes = mesh.slices("pp")
         stages = graph.staging([fw[i] for i in starts])
         place_data(graph, meshes)
-        if n > pp:   # ZB-V: stage k on pipeline rank min(k, n - 1 - k)
-            meshes = [meshes[min(k, n - 1 - k)] for k in range(n)]
+        if n > pp:   # ZB-V's V
+            meshes = [meshes[r] for r in schedule.v_placement(n)]
         place_stages(graph, stages, meshes, dp=data, tp=tensor)
     apply_recompute(graph, config.get("recompute") or False)
     if pp > 1:

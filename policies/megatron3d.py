@@ -92,8 +92,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         splits = dict(edp=data, ep=expert_parallel(graph, data, mesh["ep"]), tp=tensor)
     meshes = mesh.slices("pp")
     place_data(graph, meshes, batch=("dp", "edp", "ep"))   # every stage reads the batch
-    if name == "zbv":   # stage k on pipeline rank min(k, 2 pp - 1 - k)
-        meshes = [meshes[min(k, 2 * pp - 1 - k)] for k in range(2 * pp)]
+    if name == "zbv":
+        meshes = [meshes[r] for r in schedule.v_placement(2 * pp)]
     place_stages(graph, stages, meshes, **splits)
     apply_recompute(graph, recompute)
     if name == "zb-h1":

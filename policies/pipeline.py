@@ -42,7 +42,7 @@ def _pipeline(graph: IRGraph, resource, make, cost: Cost, nmicros: Optional[int]
     n = len(meshes) * nvirtual
     stages = graph.staging(balanced_starts(graph, n, cost))
     place_data(graph, meshes)   # every stage reads the batch
-    place_stages(graph, stages, [meshes[min(k, n - 1 - k)] for k in range(n)] if v_shape else meshes)
+    place_stages(graph, stages, [meshes[r] for r in schedule.v_placement(n)] if v_shape else meshes)
     apply_recompute(graph, recompute)
     make(graph, nmicros or config.micro_batches())
     return graph

@@ -303,9 +303,14 @@ def sched_zbv(graph, nmicros: int, nstages: int) -> Schedule:
     if nstages % 2:
         raise ValueError(f"ZB-V places two stages on each rank: nstages ({nstages}) must be even "
                          f"(2 x the number of ranks)")
-    placement = tuple(min(st, nstages - 1 - st) for st in range(nstages))
+    placement = v_placement(nstages)
     return _attach(graph, Schedule(nstages, nmicros, _list_schedule(nstages, nmicros, placement, nstages),
                                    "zbv", placement))
+
+
+def v_placement(nstages: int) -> Tuple[int, ...]:
+    """ZB-V's stage -> pipeline rank map: stages ``k`` and ``nstages - 1 - k`` on rank ``k``."""
+    return tuple(min(k, nstages - 1 - k) for k in range(nstages))
 
 
 def _list_schedule(nstages: int, nmicros: int, placement: Tuple[int, ...], limit: int) -> List[List[Action]]:
