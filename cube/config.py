@@ -33,6 +33,15 @@ def backend() -> Optional[str]:
     return env or None
 
 
+def cpu_malloc() -> str:
+    """``CUBE_CPU_MALLOC``: ``cache`` (default) keeps the memory CPU ranks free for their next
+    step (``cube.runtime.cpu_memory``); ``system`` leaves the C library's allocator as it is."""
+    env = os.environ.get("CUBE_CPU_MALLOC", "cache").strip().lower() or "cache"
+    if env not in ("cache", "system"):
+        raise ValueError(f"CUBE_CPU_MALLOC must be 'cache' or 'system', got {env!r}")
+    return env
+
+
 def bucket_bytes(default: int) -> int:
     """Gradient bucket size of the reducer: ``CUBE_BUCKET_MB`` (MiB), else ``default`` bytes."""
     env = os.environ.get("CUBE_BUCKET_MB")

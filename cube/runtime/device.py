@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cube import config
-from cube.runtime import failfast
+from cube.runtime import cpu_memory, failfast
 
 log = logging.getLogger("cube")
 
@@ -38,6 +38,8 @@ def init(backend: Optional[str] = None) -> Env:
     """
     env = config.launch_env()
     cuda = torch.cuda.is_available()
+    if not cuda:
+        cpu_memory.keep_freed_memory()
     if config.single_dev_mode() or "WORLD_SIZE" not in env:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return Env(0, 1, 0, device)
