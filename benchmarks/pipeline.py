@@ -131,9 +131,10 @@ def _batches(cfg: dict, n: int) -> list:
 
 
 def _stage_modules(gpt, bounds: Sequence[int]) -> list:
-    """The GPT split by hand: stage ``k`` runs blocks ``bounds[k]:bounds[k + 1]``, the first stage
-    also the embeddings, the last also the final norm and the LM head (an untied copy of the token
-    embedding)."""
+    """The GPT split by hand: stage ``k`` runs half-blocks ``bounds[k]:bounds[k + 1]`` (half-block
+    ``2 i`` is block ``i``'s attention with its residual add, ``2 i + 1`` its MLP: cube's balance may
+    cut a block between them), the first stage also the embeddings, the last also the final norm and
+    the LM head (an untied copy of the token embedding)."""
     import torch
     import torch.nn as nn
 
@@ -143,7 +144,10 @@ def _stage_modules(gpt, bounds: Sequence[int]) -> list:
             self.first, self.last = k == 0, k == len(bounds) - 2
             if self.first:
                 self.wte, self.wpe = gpt.wte, gpt.wpe
-            self.layers = nn.ModuleList(gpt.layers[bounds[k]:bounds[k + 1]])
+            self.halves = list(range(bounds[k], bounds[k + 1]))
+            held = sorted({h // 2 for h in self.halves})   # a block cut in two: each stage holds its half
+            self.layers = nn.ModuleList(gpt.layers[i] for i in held)
+            self.index = {i: j for j, i in enumerate(held)}
             if self.last:
                 self.ln_f = gpt.ln_f
                 self.lm_head = nn.Linear(gpt.config.n_embd, gpt.config.vocab_size, bias=False)
@@ -153,8 +157,9 @@ def _stage_modules(gpt, bounds: Sequence[int]) -> list:
             if self.first:
                 pos = torch.arange(0, x.size(1), dtype=torch.long, device=x.device)
                 x = self.wte(x) + self.wpe(pos)
-            for block in self.layers:
-                x = block(x)
+            for h in self.halves:
+                block = self.layers[self.index[h // 2]]
+                x = x + (block.mlp(block.ln_2(x)) if h % 2 else block.attn(block.ln_1(x)))
             return self.lm_head(self.ln_f(x)) if self.last else x
 
     return [Stage(k) for k in range(len(bounds) - 1)]
@@ -205,27 +210,29 @@ def _cube_way(cfg: dict, m: int, base, cache: str, kind: str):
 
 
 def _stage_blocks(gen) -> Dict[int, List[int]]:
-    """Stage -> the GPT blocks whose parameters this rank's generated code reads in it (a rank
-    holding one stage runs it as ``forward``; stage ``r`` on rank ``r``)."""
+    """Stage -> the GPT half-blocks (see ``_stage_modules``) whose parameters this rank's generated
+    code reads in it (a rank holding one stage runs it as ``forward``; stage ``r`` on rank ``r``)."""
     import torch.distributed as dist
     cls = type(gen)
     methods = {int(n[len("stage_"):]): getattr(cls, n) for n in dir(cls) if re.fullmatch(r"stage_\d+", n)}
     out = {}
     for k, fn in (methods or {dist.get_rank(): cls.forward}).items():
         used = set(fn.__code__.co_names)
-        out[k] = sorted({int(n.split(".")[1]) for local, (names, _) in gen.PARAMS.items() if local in used
+        out[k] = sorted({2 * int(n.split(".")[1]) + (n.split(".")[2] in ("ln_2", "mlp"))
+                         for local, (names, _) in gen.PARAMS.items() if local in used
                          for n in names if n.startswith("layers.")})
     return out
 
 
 def _bounds(every: List[Dict[int, List[int]]], layers: int) -> List[int]:
-    """The first block of each stage and the block count, from every rank's ``_stage_blocks``."""
+    """The first half-block of each stage and the half-block count, from every rank's ``_stage_blocks``."""
     blocks = {k: v for mine in every for k, v in mine.items()}
     bounds = [0]
     for k in sorted(blocks):   # a stage without blocks (norm and head alone) ends where it starts
         bounds.append(blocks[k][-1] + 1 if blocks[k] else bounds[-1])
-    if bounds[-1] != layers or any(blocks[k] != list(range(bounds[k], bounds[k + 1])) for k in sorted(blocks)):
-        raise RuntimeError(f"cube's stages are not consecutive runs of blocks covering all {layers}: {blocks}")
+    if bounds[-1] != 2 * layers or any(blocks[k] != list(range(bounds[k], bounds[k + 1])) for k in sorted(blocks)):
+        raise RuntimeError(f"cube's stages are not consecutive runs of half-blocks covering all {2 * layers}: "
+                           f"{blocks}")
     return bounds
 
 
@@ -393,12 +400,21 @@ def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
 
 
 def _describe(bounds: List[int]) -> str:
-    """``[0, 2, 4]`` -> ``embeddings + blocks 0..1 | blocks 2..3 + norm + head + loss``."""
+    """Half-block bounds ``[0, 5, 8]`` -> ``embeddings + blocks 0..1 + attention of block 2 | MLP of
+    block 2 + block 3 + norm + head + loss``."""
     parts = []
     for k in range(len(bounds) - 1):
-        a, b = bounds[k], bounds[k + 1] - 1
+        a, b = bounds[k], bounds[k + 1]   # half-blocks a..b-1
         part = ["embeddings"] if k == 0 else []
-        part += [f"block {a}" if a == b else f"blocks {a}..{b}"] if b >= a else []
+        if a % 2 and a < b:
+            part.append(f"MLP of block {a // 2}")
+            a += 1
+        tail = f"attention of block {b // 2}" if b % 2 and a < b else None
+        b -= 1 if tail else 0
+        if a < b:
+            first, last = a // 2, b // 2 - 1
+            part.append(f"block {first}" if first == last else f"blocks {first}..{last}")
+        part += [tail] if tail else []
         part += ["norm + head + loss"] if k == len(bounds) - 2 else []
         parts.append(" + ".join(part))
     return " | ".join(parts)

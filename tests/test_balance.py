@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from cube.ir.blocks import block_of
-from cube.schedule.balance import CostModel, crossing, forward_ops, op_flops, split, stage_costs, stage_starts
+from cube.schedule.balance import (CostModel, block_cuts, crossing, forward_ops, op_flops, residual_cuts, split,
+                                   stage_costs, stage_starts)
 
 
 def _brute(costs, nstages, edge, cuts):
@@ -104,7 +105,40 @@ def test_profiled_cost_moves_the_cut(gpt_graph):
     base = CostModel()
     slow = lambda op: base.op(op) * (3 if (block_of(op.module_path) or "") in ("layers.0", "layers.1") else 1)
     starts = stage_starts(gpt_graph, 2, cost=slow)
-    assert _blocks_per_stage(gpt_graph, starts) == [1, 3]
+    # the slow blocks 0 and 1 end up on the first stage with at most half of block 1 beside them
+    first = {block_of(op.module_path) for op in gpt_graph.staging(starts)[0]} - {None}
+    assert first == {"layers.0", "layers.1"}
+    assert starts[1].module_path.startswith("layers.1.") and starts[1].module_path.endswith("ln_2")
+
+
+def test_cuts_inside_blocks_are_the_residual_stream(gpt_graph):
+    """Inside each block the one place as cheap to cut as a block boundary: after the attention's
+    residual add, where only the residual stream crosses."""
+    ops = forward_ops(gpt_graph)
+    cross = crossing(ops)
+    inside = residual_cuts(ops, cross)
+    assert len(inside) == 4   # one per block
+    for k in inside:
+        assert ops[k - 1].name == "add" and ops[k].module_path.endswith("ln_2")
+        assert [tuple(t.shape) for t in cross[k]] == [(16, 64, 256)]
+
+
+def test_cuts_inside_blocks_balance_the_head_stage(gpt_graph):
+    """A stage with the LM head and loss is balanced against one of layers by half a layer: the
+    bottleneck is no worse than with whole layers, and lower here."""
+    ops = forward_ops(gpt_graph)
+    model = CostModel()
+    costs = [model.op(op) for op in ops]
+    edge = [sum(model.send(t) for t in ts) for ts in crossing(ops)]
+    whole = max(stage_costs(costs, split(costs, 2, edge, block_cuts(ops)), edge))
+    starts = [ops.index(op) for op in stage_starts(gpt_graph, 2)]
+    assert max(stage_costs(costs, starts, edge)) <= whole
+    heavy = lambda op: model.op(op) * (8 if op.module_path in ("lm_head", "") and op.name != "add" else 1)
+    costs = [heavy(op) for op in ops]
+    whole = max(stage_costs(costs, split(costs, 2, edge, block_cuts(ops)), edge))
+    starts = [ops.index(op) for op in stage_starts(gpt_graph, 2, cost=heavy)]
+    assert max(stage_costs(costs, starts, edge)) < whole
+    assert any(k in residual_cuts(ops, crossing(ops)) for k in starts[1:])
 
 
 def test_flops_of_matmuls_and_attention(gpt_graph):

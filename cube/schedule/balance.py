@@ -11,7 +11,10 @@ the step time: ``(m + p - 1) x`` its time for ``m`` micro-batches on ``p`` stage
 :func:`split` is the dynamic program on plain numbers; :func:`stage_starts`
 applies it to a graph with a per-op cost (the FLOPs/bytes estimate of
 :class:`CostModel` by default, or any callable, e.g. profiled times) and cuts
-only between repeated blocks (transformer layers) when the model has them.
+between repeated blocks (transformer layers) when the model has them, and
+inside a block where no more crosses than at its start (after a residual
+add, between attention and MLP): whole layers are too coarse to balance a
+stage holding the LM head and loss against one holding only layers.
 """
 from __future__ import annotations
 
@@ -189,6 +192,24 @@ def block_cuts(ops: Sequence[IRFwOperation]) -> List[int]:
     return [k for k in range(1, len(ops)) if where[k] is None or where[k] != where[k - 1]]
 
 
+def residual_cuts(ops: Sequence[IRFwOperation], cross: Sequence[Sequence[IRTensor]]) -> List[int]:
+    """Positions ``k`` inside a repeated block where the activations crossing take no more bytes
+    than those crossing at the block's start (``cross``: :func:`crossing`).
+
+    In a transformer layer ``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))`` that is the point
+    after the first residual add: only ``x`` crosses it, as at the layer's boundaries. A stage
+    cut there costs what a cut between layers costs and halves the balancing step."""
+    where = [block_of(op.module_path) for op in ops]
+    size = [sum(_bytes(t) for t in ts) for ts in cross]
+    out, start = [], 0
+    for k in range(1, len(ops)):
+        if where[k] is None or where[k] != where[k - 1]:
+            start = k
+        elif 0 < size[k] <= size[start]:
+            out.append(k)
+    return out
+
+
 def crossing(ops: Sequence[IRFwOperation]) -> List[List[IRTensor]]:
     """For each boundary ``k`` (before ``ops[k]``; ``len(ops) + 1`` of them), the activations
     made before it and read after it (batch tensors and parameters reach every stage)."""
@@ -222,8 +243,9 @@ def stage_starts(graph: "IRGraph", nstages: int, cost: Optional[Callable[[IRFwOp
         comm: the time to move one activation across a boundary, both ways
             (default :meth:`CostModel.send`).
         cuts: positions in :func:`forward_ops` where a stage may start
-            (default :func:`block_cuts`: between transformer layers, when the
-            model has at least ``nstages`` of them, else anywhere).
+            (default :func:`block_cuts` and :func:`residual_cuts`: between
+            transformer layers and at the residual stream inside them, when
+            the model has blocks to make ``nstages`` stages of, else anywhere).
 
     Raises:
         ValueError: more stages than places to cut.
@@ -232,11 +254,12 @@ def stage_starts(graph: "IRGraph", nstages: int, cost: Optional[Callable[[IRFwOp
     model = CostModel()
     cost = cost or model.op
     comm = comm or model.send
+    cross = crossing(ops)
     if cuts is None:
-        cuts = block_cuts(ops)
+        cuts = sorted(set(block_cuts(ops)) | set(residual_cuts(ops, cross)))
         if len(cuts) + 1 < nstages:
             cuts = range(1, len(ops))
-    edge = [sum(comm(t) for t in ts) for ts in crossing(ops)]
+    edge = [sum(comm(t) for t in ts) for ts in cross]
     try:
         starts = split([float(cost(op)) for op in ops], nstages, edge, cuts)
     except ValueError as e:
