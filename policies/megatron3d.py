@@ -16,15 +16,17 @@ zero-bubble schedules, whose W fill the pipeline's waits).
 
 Degrees: ``tp`` and ``pp`` (``CUBE_TP``, ``CUBE_PP``, default 2 each); ``dp =
 ngpus // (tp * pp)``. With ``pp = 1`` it is ``PASHybrid`` with gradient
-accumulation over the micro-batches.
+accumulation over the micro-batches. ``cp`` (context parallel) and ``ep``
+(expert parallel) take their devices from ``dp``, as Megatron-LM's ranks do
+(order ``pp, dp, cp, tp``: tp innermost, then cp).
 """
 from typing import Callable, Optional
 
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import (Recompute, apply_recompute, data_parallel, expert_parallel, grid, place_data,
-                          place_stages, sequence_parallel, tensor_parallel)
+from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, grid,
+                          place_data, place_stages, sequence_parallel, tensor_parallel)
 
 
 def degrees(ngpus: int, tp: Optional[int] = None, pp: Optional[int] = None) -> tuple:
@@ -45,7 +47,7 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
                 recompute: Recompute = None, sp: bool = False, ep: int = 1,
-                schedule_name: Optional[str] = None) -> IRGraph:
+                schedule_name: Optional[str] = None, cp: int = 1) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -64,10 +66,14 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             by all-to-all (``cube.toolkit.expert_parallel``).
         schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"`` or
             ``"zbv"`` (two stages per pipeline rank in a V; ``nvirtual`` must be left out or 2).
+        cp: context parallel degree, dividing ``dp``: activations split along the sequence over
+            groups of ``cp`` neighbours (inside ``tp``'s), self-attention as ring attention
+            (``cube.toolkit.context_parallel``).
 
     Raises:
-        ValueError: the degrees do not fit the devices, ``ep`` does not divide ``dp``, an unknown
-            schedule, or ZB-H1/ZB-V with another ``nvirtual``.
+        ValueError: the degrees do not fit the devices, ``ep`` or ``cp`` does not divide ``dp``,
+            both ``ep`` and ``cp`` are asked for, an unknown schedule, or ZB-H1/ZB-V with another
+            ``nvirtual``.
     """
     mesh = _mesh(resource.ngpus, tp, pp)
     pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
@@ -84,6 +90,16 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     if sp:
         tensor = sequence_parallel(graph, tensor, mesh["tp"])
     splits = dict(dp=data, tp=tensor)
+    if cp != 1 and ep != 1:
+        raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "
+                         f"parallel together are not planned yet: ask for one of them")
+    if cp != 1:
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or mesh["dp"].size % cp:
+            raise ValueError(f"PASMegatron: cp={cp!r} must divide the data parallel degree dp={mesh['dp'].size} "
+                             f"(devices / (tp * pp)); the sequence is split over groups of cp ranks")
+        mesh = mesh.factor("dp", dp=mesh["dp"].size // cp, cp=cp)
+        data = data_parallel(graph, mesh["dp"])
+        splits = dict(dp=data, cp=context_parallel(graph, mesh["cp"]), tp=tensor)
     if ep != 1:
         if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:
             raise ValueError(f"PASMegatron: ep={ep!r} must divide the data parallel degree dp={mesh['dp'].size} "

@@ -282,3 +282,28 @@ def test_simulator_predicts_a_context_parallel_plan():
     res = simulate_policy(model, sample, functools.partial(PASContext, cp=4), 4, costs=Estimator(),
                           comm=CommModel(default_backend()))
     assert res.step_time > 0
+
+
+@pytest.mark.parametrize("kw,ngpus", [
+    (dict(tp=1, pp=2, cp=2), 4),
+    (dict(tp=1, pp=2, cp=2, schedule_name="zb-h1"), 4),
+    (dict(tp=2, pp=2, cp=2), 8),
+], ids=["pp2xcp2", "pp2xcp2-zbh1", "pp2xcp2xtp2"])
+def test_megatron_with_context_parallel_trains_like_eager(kw, ngpus):
+    """``PASMegatron(cp=...)``: the sequence split over cp inside each pipeline stage (beside tp),
+    attention as the ring on every stage, stages handing sequence pieces to each other."""
+    from policies.megatron3d import PASMegatron
+    model, sample = build("gpt_nobias")
+    policy = functools.partial(PASMegatron, nmicros=2, **kw)
+    plan = cube.plan(model, sample, policy, ngpus)
+    assert all("runtime.ring.attention" in plan.source(r) for r in range(ngpus))
+    assert_exact(parity(model, sample, policy, ngpus, steps=2, opt="adamw"), 1e-5)
+
+
+def test_megatron_context_parallel_bad_degrees_are_a_clear_error():
+    from policies.megatron3d import PASMegatron
+    model, sample = build("gpt_nobias")
+    with pytest.raises(ValueError, match=r"PASMegatron: cp=3 must divide the data parallel degree dp=4"):
+        cube.plan(model, sample, functools.partial(PASMegatron, tp=1, pp=1, cp=3), 4)
+    with pytest.raises(ValueError, match=r"cp=2 and ep=2 both take devices from dp"):
+        cube.plan(model, sample, functools.partial(PASMegatron, tp=1, pp=1, cp=2, ep=2), 4)
