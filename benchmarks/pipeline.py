@@ -11,13 +11,15 @@ after ``warmup`` steps of each, interleaved round by round (each round runs
 alike:
 
 - cube ``policies.pipeline:PAS1F1B`` (two stages balanced by
-  ``cube.schedule.balance``: embeddings and blocks 0-1 | blocks 2-3, final
-  norm, LM head and loss) and ``torch.distributed.pipelining`` ``PipelineStage``
-  + ``Schedule1F1B`` over the same split, and
+  ``cube.schedule.balance``: embeddings, blocks 0-1 and block 2's attention |
+  block 2's MLP, block 3, final norm, LM head and loss; the balance may cut a
+  block after its attention's residual add) and ``torch.distributed.pipelining``
+  ``PipelineStage`` + ``Schedule1F1B`` over the same split, and
 - cube ``policies.pipeline:PAS1F1BInterleaved`` (four balanced stages, two per
-  rank, stage ``k`` on rank ``k % 2``: one block each, the embeddings with the
-  first, norm, head and loss with the last) and ``ScheduleInterleaved1F1B`` over
+  rank, stage ``k`` on rank ``k % 2``) and ``ScheduleInterleaved1F1B`` over
   the same split, each rank building a ``PipelineStage`` for each of its stages.
+
+The split is printed at the top of the report.
 
 The torch stages are written by hand as ``nn.Module`` s (the first takes the
 token ids, the last returns logits and the schedule's ``loss_fn`` takes the mean
