@@ -20,6 +20,7 @@ the same grid for a valid schedule.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -130,8 +131,9 @@ def validate(s: Schedule) -> Dict[Action, int]:
             if not 0 <= a.micro < s.nmicros:
                 raise ValueError(f"schedule {s.name}: rank {r} lists {a.label(True)}, but micro-batches are "
                                  f"0..{s.nmicros - 1}")
-        dup = sorted({a.label(True) for a in got if got.count(a) > 1})
-        miss = [a.label(True) for a in want if a not in got]
+        counts = Counter(got)
+        dup = sorted({a.label(True) for a, n in counts.items() if n > 1})
+        miss = [a.label(True) for a in want if a not in counts]
         if dup or miss:
             raise ValueError(f"schedule {s.name}: rank {r} " + (f"repeats {dup} " if dup else "") +
                              (f"misses {miss}" if miss else "") + f"\n{s}")
