@@ -109,6 +109,43 @@ def test_symmetric_simulation_equals_the_full_one(policy, world, options):
         assert sym.micro == (6 if "nvirtual" in options else 3, options["nmicros"])
 
 
+@pytest.mark.parametrize("options", [
+    {"tp": 2, "pp": 2, "nmicros": 8, "nvirtual": 2, "recompute": "all"},   # interleaved, recompute runs
+    {"tp": 1, "pp": 2, "nmicros": 6, "schedule_name": "zbv"},              # split backward: W actions
+])
+def test_replayed_actions_build_the_programs_action_by_action(options, monkeypatch):
+    import importlib
+    from cube.sim import replay
+    sim_mod = importlib.import_module("cube.sim.simulate")   # the module (cube.sim.simulate is also the function)
+    built, calls = {}, {"replayed": 0}
+    build, replay_one = sim_mod.build_programs, replay.Replays.replay
+
+    def keep(*args, **kw):
+        programs = build(*args, **kw)
+        built[replay.Replays.enabled] = {r: [(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes,
+                                              {k: v for k, v in i.mem.items() if v}) for i in p.ins]
+                                         for r, p in programs.items()}
+        return programs
+
+    def counted(self, *args):
+        done = replay_one(self, *args)
+        calls["replayed"] += done
+        return done
+
+    monkeypatch.setattr(sim_mod, "build_programs", keep)
+    monkeypatch.setattr(replay.Replays, "replay", counted)
+    results = {}
+    for enabled in (False, True):
+        monkeypatch.setattr(replay.Replays, "enabled", enabled)
+        model, batch = _gpt(batch=48)
+        results[enabled] = simulate_policy(model, batch, "PASMegatron", 8, costs=DeviceCosts(A100, "bf16"),
+                                           comm=ClusterComm(A100), precision="bf16", options=options)
+    assert calls["replayed"] > 0
+    assert built[True] == built[False]
+    assert results[True].step_time == results[False].step_time
+    assert results[True].peak_memory == results[False].peak_memory
+
+
 SPEC = '''
 import torch
 from examples.gpt.model import GPT, GPTConfig

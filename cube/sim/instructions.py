@@ -68,6 +68,8 @@ class Writer:
 
     def settle(self) -> None:
         """Attaches the memory changes since the last instruction to it."""
+        if not self.mem.pending:
+            return
         delta = self.mem.take()
         if delta and self.ins:
             for k, v in delta.items():

@@ -27,22 +27,37 @@ class _Storage:
 
 
 class MemTracker:
-    """Storages, their holders, and the pending per-kind change since the last ``take``."""
+    """Storages, their holders, and the pending per-kind change since the last ``take``.
 
-    def __init__(self):
+    Args:
+        pending: the dict of pending changes, when several trackers (a rank's and one per
+            micro-batch) report into one.
+    """
+
+    def __init__(self, pending: Optional[Dict[str, int]] = None):
         self.holding: Dict[Hashable, Set[Hashable]] = {}   # holder (not a variable) -> storage keys
         self.storages: Dict[Hashable, _Storage] = {}
         self.sizes: Dict[Hashable, int] = {}          # storage key -> bytes, also after it is freed
         self.root: Dict[Hashable, Hashable] = {}     # value key -> storage key
-        self.pending: Dict[str, int] = {}
+        self.pending: Dict[str, int] = {} if pending is None else pending
+        self.changes = 0   # how many times a change was reported
 
     def _delta(self, kind: str, nbytes: int) -> None:
         self.pending[kind] = self.pending.get(kind, 0) + nbytes
+        self.changes += 1
 
     def take(self) -> Dict[str, int]:
         """The change since the last call (and forget it)."""
         out = {k: v for k, v in self.pending.items() if v}
-        self.pending = {}
+        self.pending.clear()
+        return out
+
+    def copy(self) -> "MemTracker":
+        """An independent tracker in the same state, reporting into the same pending changes."""
+        out = MemTracker(self.pending)
+        out.holding = {h: set(keys) for h, keys in self.holding.items()}
+        out.storages = {k: _Storage(st.nbytes, st.kind, set(st.holders)) for k, st in self.storages.items()}
+        out.sizes, out.root = dict(self.sizes), dict(self.root)
         return out
 
     # ------------------------------------------------------------------ values

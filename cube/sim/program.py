@@ -11,7 +11,9 @@ buckets launch on the communication stream as soon as their last gradient is
 made (not during a schedule: the reducer is held until the end), the step
 waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
 are attached to the instructions that cause them (``cube.sim.memory``); the
-instructions are those of ``cube.sim.instructions``.
+instructions are those of ``cube.sim.instructions``. Under a schedule, an action a
+micro-batch reaches after the same actions as an earlier one is replayed from it
+(``cube.sim.replay``).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, nbytes_of
+from cube.sim.memory import MemTracker
+from cube.sim.replay import MicroState, Replays
 from cube.sim.step_end import StepEnd
 
 __all__ = ["Builder", "Ins", "Program", "COLLECTIVES"]
@@ -50,6 +54,7 @@ class Builder(Writer, StepEnd):
         plan = program.plan
         self.graph, self.plan, self.zero = graph, plan, zero
         self._memo: dict = {}   # per op piece: what every micro-batch asks again (keyed by id; calls live on)
+        self._statics: Dict[int, tuple] = {}   # call index -> what its forward does (_fw_static)
         self.actions = actions = program.actions
         self.backend = getattr(comm, "backend", "gloo")
         self.buckets = make_buckets(graph, plan)
@@ -73,7 +78,8 @@ class Builder(Writer, StepEnd):
         self.launched: Dict[int, Hashable] = {}   # bucket index -> comm item
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
-        self.deferred: Dict[tuple, list] = {}   # (micro, stage) -> weight-gradient work its B left for W
+        self.micros: Dict[int, MicroState] = {}   # micro-batch -> its values' memory and deferred work
+        self.replays = Replays(self)
 
     def _lay_out(self, program: RankProgram) -> None:
         """The calls of each segment (each stage this rank holds, or its only forward) one after
@@ -86,9 +92,18 @@ class Builder(Writer, StepEnd):
             self.spans[seg.stage] = range(start, len(self.calls))
 
     # ------------------------------------------------------------------ values
-    def vkey(self, t: IRTensor, micro: int):
-        tag = self.tag if id(t) in self.re_made else ""
-        return micro, id(t), tag
+    def vkey(self, t: IRTensor):
+        """The key of value ``t`` in its micro-batch's memory (recomputed values apart)."""
+        return id(t), self.tag if id(t) in self.re_made else ""
+
+    def state(self, micro: int) -> MicroState:
+        """Micro-batch ``micro``'s state, its own (a replayed action leaves a shared one)."""
+        st = self.micros.get(micro)
+        if st is None:
+            st = self.micros[micro] = MicroState(MemTracker(self.mem.pending))
+        elif st.shared:
+            st = self.micros[micro] = st.copy()
+        return st
 
     @staticmethod
     def input_value(call: Call, k: int) -> IRTensor:
@@ -106,15 +121,16 @@ class Builder(Writer, StepEnd):
                 self.gathers[idx] = self.coll("all_gather", b.ranks, b.padded * b.itemsize, "zero", blocking=False)
                 self.mem.add("params", (b.padded - b.chunk) * b.itemsize)
                 self.settle()
+        mem = self.state(micro).mem
         for t in self.plan.data.outputs:
-            self.mem.alloc(self.vkey(t, micro), nbytes_of(t.shape, t.dtype))
+            mem.alloc(self.vkey(t), nbytes_of(t.shape, t.dtype))
         waited = set()
         for i in self.spans[stage]:
             call = self.calls[i]
             run = self.run_of.get(i)
             if run is not None and i == run.start:
                 for t in run.inputs:
-                    self.mem.hold(self.vkey(t, micro), ("ckpt", micro, run.start))
+                    mem.hold(self.vkey(t), ("ckpt", run.start))
             if self.zero == 3:
                 for t in call.inputs:
                     b = self.shard_of.get(id(t))
@@ -124,40 +140,74 @@ class Builder(Writer, StepEnd):
             self.fw_call(i, call, micro, cat, keep_saved=run is None)
             for t in self.last_use.get(i, []):
                 if not self.is_attr(t):
-                    self.mem.release(self.vkey(t, micro))
+                    mem.release(self.vkey(t))
             self.settle()
 
     def fw_call(self, i: int, call: Call, micro: int, cat: str, keep_saved: bool) -> None:
         if call.op is None:
             self.fw_step(call, micro, cat)
             return
-        op = call.op
-        cost = self.costs.op_cost(call)
+        label, fw, outs, saved = self._fw_static(i, call)
         if call.inside is not None:
-            self.inside_comm(call, micro, cat, "f", cost.fw)
+            self.inside_comm(call, micro, cat, "f", fw)
         else:
-            self.compute(cost.fw, _label(op), cat)
-        for j, o in enumerate(op.outputs):
-            if self.tag:
-                self.re_made.add(id(o))
+            self.ins.append(Ins("compute", fw, None, (), label, cat))
+        mem, tag = self.micros[micro].mem, self.tag
+        if tag:
+            made = self.re_made
+            for o, _, _ in outs:
+                made.add(id(o))
                 self.re_values.append(o)
-            k = cost.alias[j] if j < len(cost.alias) else -1
-            if k >= 0 and not self.is_attr(self.input_value(call, k)):
-                self.mem.alias(self.vkey(o, micro), self.vkey(self.input_value(call, k), micro))
-            elif k < 0:
-                self.mem.alloc(self.vkey(o, micro), self._out_bytes(call, j))
+
+            def key(vid):
+                return vid, tag if vid in made else ""
+        else:
+            def key(vid):
+                return vid, ""
+        for o, base, nbytes in outs:
+            if base is not None:
+                mem.alias(key(id(o)), key(base))
+            elif nbytes is not None:
+                mem.alloc(key(id(o)), nbytes)
         if not keep_saved:
             return
-        holder = ("saved", micro, i, self.tag)
+        holder = ("saved", i, tag)
+        for n, vid, nbytes in saved:
+            if vid is not None:
+                mem.hold(key(vid), holder)
+            else:
+                mem.alloc(("x", i, tag, n), nbytes, holder=holder)
+
+    def _fw_static(self, i: int, call: Call) -> tuple:
+        """What the forward of op piece ``i`` does every time it runs: its label, seconds, outputs
+        (each: the tensor, the id of the input value it is a view of or None, and the bytes it
+        allocates, None when it is a view of a parameter) and what autograd saves (each: its
+        index, the id of the value held or None, and the bytes of a tensor of its own)."""
+        got = self._statics.get(i)
+        if got is not None:
+            return got
+        op = call.op
+        cost = self.costs.op_cost(call)
+        outs = []
+        for j, o in enumerate(op.outputs):
+            k = cost.alias[j] if j < len(cost.alias) else -1
+            if k >= 0:
+                v = self.input_value(call, k)
+                outs.append((o, None, None) if self.is_attr(v) else (o, id(v), None))
+            else:
+                outs.append((o, None, self._out_bytes(call, j)))
+        saved = []
         for n, (what, arg) in enumerate(cost.saved):
             if what == "in":
                 v = self.input_value(call, arg)
                 if not self.is_attr(v):
-                    self.mem.hold(self.vkey(v, micro), holder)
+                    saved.append((n, id(v), 0))
             elif what == "out" and arg < len(op.outputs):
-                self.mem.hold(self.vkey(op.outputs[arg], micro), holder)
+                saved.append((n, id(op.outputs[arg]), 0))
             elif what == "x":
-                self.mem.alloc(("x", micro, i, self.tag, n), arg, holder=holder)
+                saved.append((n, None, arg))
+        got = self._statics[i] = (_label(op), cost.fw, tuple(outs), tuple(saved))
+        return got
 
     def inside_comm(self, call: Call, micro: int, cat: str, way: str, dur: float) -> None:
         """A piece communicating inside its call (``cube.passes.inside``) and its ``dur`` of compute:
@@ -227,51 +277,55 @@ class Builder(Writer, StepEnd):
         if self.tag:
             self.re_made.add(id(out))
             self.re_values.append(out)
+        mem = self.micros[micro].mem
         if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to", "detach"):
-            self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
+            mem.alias(self.vkey(out), self.vkey(call.inputs[0]))
         else:
-            self.mem.alloc(self.vkey(out, micro), nbytes_of(out.shape, out.dtype))
+            mem.alloc(self.vkey(out), nbytes_of(out.shape, out.dtype))
 
     # ------------------------------------------------------------------ backward
     def backward(self, micro: int, stage: Optional[int] = None) -> None:
+        st = self.state(micro)
+        mem = st.mem
         for i in reversed(self.spans[stage]):
             run = self.run_of.get(i)
             if run is not None and i == run.stop - 1:
                 self.recompute(run, micro)
             call = self.calls[i]
             if call.op is not None:
-                saved = ("saved", micro, i, self.tag if run is not None else "")
+                saved = ("saved", i, self.tag if run is not None else "")
                 if self._needs_grad(call):
-                    bw = self.costs.op_cost(call).bw
+                    bw, label = self.costs.op_cost(call).bw, self._fw_static(i, call)[0]
                     if call.defer_wgrad:   # B: the input's gradient; W gets the weight's (cube.runtime.zb)
                         x = call.op.inputs[DEFERRABLE[call.op.name][0]]
                         share = 0.5 if x.requires_grad else 0.0   # two equal products
-                        self.compute(bw * share, _label(call.op), "backward")
-                        self.deferred.setdefault((micro, stage), []).append((bw * (1 - share), call, saved))
+                        self.compute(bw * share, label, "backward")
+                        st.deferred.setdefault(stage, []).append((bw * (1 - share), call, saved))
                     elif call.inside is not None:
                         self.inside_comm(call, micro, "backward", "b", bw)
                     else:
-                        self.compute(bw, _label(call.op), "backward")
+                        self.ins.append(Ins("compute", bw, None, (), label, "backward"))
                     self.grad_flow(call, micro)
                 if not call.defer_wgrad:
-                    self.mem.release_all(saved)
+                    mem.release_all(saved)
             else:
                 self.bw_step(call, micro)
                 self.grad_flow(call, micro)
             if run is not None and i == run.start:
-                self.mem.release_all(("ckpt", micro, run.start))
+                mem.release_all(("ckpt", run.start))
                 self.tag = ""
             self.settle()
             if not self.held:
                 self.launch_ready(i)
-        self.mem.release_all(("g", micro))   # gradients nothing consumed (the loss's seed)
+        mem.release_all("g")   # gradients nothing consumed (the loss's seed)
         self.settle()
 
     def weight(self, micro: int, stage: Optional[int] = None) -> None:
         """A W action: the weight gradients its B deferred; their saved inputs go after."""
-        for seconds, call, saved in self.deferred.pop((micro, stage), []):
+        st = self.state(micro)
+        for seconds, call, saved in st.deferred.pop(stage, []):
             self.compute(seconds, _label(call.op) + " (W)", "backward")
-            self.mem.release_all(saved)
+            st.mem.release_all(saved)
             self.settle()
 
     def recompute(self, run, micro: int) -> None:
@@ -279,8 +333,9 @@ class Builder(Writer, StepEnd):
         self.tag, self.re_made, self.re_values = "re", set(), []
         for k in range(run.start, run.stop):
             self.fw_call(k, self.calls[k], micro, "recompute", keep_saved=True)
+        mem = self.micros[micro].mem
         for t in self.re_values:   # only what autograd saved stays
-            self.mem.release(self.vkey(t, micro))
+            mem.release(self.vkey(t))
         self.settle()
 
     def bw_step(self, call: Call, micro: int) -> None:
@@ -321,41 +376,47 @@ class Builder(Writer, StepEnd):
         key = (id(call), what)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = compute()
+            got = self._memo[key] = compute(call)
         return got
 
     def _out_bytes(self, call: Call, j: int) -> int:
-        return self._once(call, j, lambda: nbytes_of(box_shape(call.layout.outputs[j]), call.op.outputs[j].dtype))
+        return self._once(call, j, lambda c: nbytes_of(box_shape(c.layout.outputs[j]), c.op.outputs[j].dtype))
 
     def _needs_grad(self, call: Call) -> bool:
-        return self._once(call, "grad", lambda: needs_grad(call))
+        return self._once(call, "grad", needs_grad)
 
     def _grad_reads(self, call: Call) -> list:
         """The values of a piece that receive a gradient (float, requiring one, read)."""
-        def reads():
-            if call.op is not None:
-                pairs = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
-                         if k not in call.layout.unread]
-            else:
-                pairs = [(v, v) for v in call.inputs]
-            return [v for v, logical in pairs if logical.requires_grad and logical.dtype.is_floating_point]
-        return self._once(call, "reads", reads)
+        return self._once(call, "reads", self._reads)
+
+    def _reads(self, call: Call) -> list:
+        if call.op is not None:
+            pairs = [(self.input_value(call, k), t) for k, t in enumerate(call.op.inputs)
+                     if k not in call.layout.unread]
+        else:
+            pairs = [(v, v) for v in call.inputs]
+        return [v for v, logical in pairs if logical.requires_grad and logical.dtype.is_floating_point]
+
+    def _grad_outs(self, call: Call) -> list:
+        """The ids of a piece's outputs (whose gradients go once its backward ran)."""
+        return self._once(call, "outs", lambda c: [id(o) for o in (c.op.outputs if c.op is not None else c.outputs)])
 
     def grad_flow(self, call: Call, micro: int) -> None:
         """Gradients: the inputs' appear (parameters' stay until the optimizer), the outputs' go."""
+        mem, made, tag = self.micros[micro].mem, self.re_made, self.tag
         for v in self._grad_reads(call):
-            if self.is_attr(v):
-                if v.kind is TensorKind.PARAM and not self.mem.alive(("pg", id(v))):
-                    self.mem.alloc(("pg", id(v)), self.attr_bytes[id(v)], "grads", holder="grads")
+            vid = id(v)
+            if vid in self.attrs:
+                if v.kind is TensorKind.PARAM and not self.mem.alive(("pg", vid)):
+                    self.mem.alloc(("pg", vid), self.attr_bytes[vid], "grads", holder="grads")
                 continue
-            root = self.mem.root_of(self.vkey(v, micro))
-            if root is not None and not self.mem.alive(("g", root)):
-                self.mem.alloc(("g", root), self.mem.sizes.get(root, 0), holder=("g", micro))
-        outs = call.op.outputs if call.op is not None else call.outputs
-        for o in outs:
-            root = self.mem.root_of(self.vkey(o, micro))
-            if root == self.vkey(o, micro):
-                self.mem.release(("g", root), ("g", micro))
+            root = mem.root_of((vid, tag if vid in made else ""))
+            if root is not None and not mem.alive(("g", root)):
+                mem.alloc(("g", root), mem.sizes.get(root, 0), holder="g")
+        for oid in self._grad_outs(call):
+            key = (oid, tag if oid in made else "")
+            if mem.root_of(key) == key:
+                mem.release(("g", key), "g")
 
     def build(self, optimizer: bool = True) -> Program:
         base = self.base()
@@ -372,7 +433,8 @@ class Builder(Writer, StepEnd):
         else:
             run = {"F": self.forward, "B": self.backward, "W": self.weight}
             for kind, micro, stage in map(parse_action, self.actions):
-                run[kind](micro, stage)
+                if not self.replays.replay(kind, micro, stage):
+                    self.replays.record(kind, micro, stage, run[kind])
             self.emit("flush", label="p2p.finish", cat="wait")
             self.reduce_gradients()
             if plan.loss_from is None:
@@ -384,7 +446,7 @@ class Builder(Writer, StepEnd):
                 self.recv(("loss", plan.loss_from, plan.rank), "loss")
         micros = {micro for _, micro, _ in map(parse_action, self.actions)} if self.actions else {0}
         for micro in micros:   # the step returns the losses
-            self.mem.release(self.vkey(plan.loss, micro))
+            self.state(micro).mem.release(self.vkey(plan.loss))
         self.settle()
         if optimizer:
             self.optimizer()
