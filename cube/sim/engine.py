@@ -91,6 +91,10 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
     """Simulates the programs from time 0 (``host``: how the ranks share one host's cores, see the module
     docstring; None: each rank has its own device).
 
+    Each time step touches only the ranks that change: those ready to start an instruction, those
+    computing, the collectives running, and the blocked ranks whose release time is known (a
+    receive learns it when its message is sent, a wait when its collective ends).
+
     Returns:
         ``(end time per rank, events, end time of every instruction per rank)``.
     """
@@ -108,6 +112,13 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
     sent_until = {r: 0.0 for r in ranks}
     ends = {r: [0.0] * len(ins[r]) for r in ranks}
     events: List[Event] = []
+    ready = {r for r in ranks if ins[r]}   # ranks whose next instruction may start now
+    computing: set = set()
+    active: Dict[int, Item] = {}           # the collectives running, by id
+    queued: set = set()                    # ranks with collectives in their queue
+    known: Dict[int, float] = {}           # blocked rank -> when its condition lifts
+    waiters: Dict[tuple, List[int]] = {}   # a condition not met yet -> the ranks blocked on it
+    left = [len(ready)]                    # ranks with instructions left
     now = 0.0
 
     def finish(r: int, t: float) -> None:
@@ -118,6 +129,10 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
             events.append(Event(r, "compute", i.label, cat, started[r], t, i.nbytes))
         pc[r] += 1
         state[r] = "ready"
+        if pc[r] < len(ins[r]):
+            ready.add(r)
+        else:
+            left[0] -= 1
 
     def item(i) -> Item:
         it = items.get(i.key)
@@ -126,10 +141,18 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
             it = items[i.key] = Item(i.key, group, i.dur, i.label, i.cat, i.nbytes)
         return it
 
+    def block(r: int, cond: tuple) -> None:
+        state[r], waiting[r] = "blocked", cond
+        t = released(cond)
+        if t is not None:
+            known[r] = t
+        else:
+            waiters.setdefault(cond, []).append(r)
+
     def advance() -> bool:
         """Starts every instruction that can start now; True if anything changed."""
         changed = False
-        for r in ranks:
+        for r in sorted(ready):
             while state[r] == "ready" and pc[r] < len(ins[r]):
                 i = ins[r][pc[r]]
                 started[r] = now
@@ -139,28 +162,33 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
                         finish(r, now)
                     else:
                         state[r], remaining[r] = "compute", i.dur
+                        computing.add(r)
                 elif i.op in ("coll", "launch"):
                     queue[r].append(item(i))
+                    queued.add(r)
                     if i.op == "coll":
-                        state[r], waiting[r] = "blocked", ("item", i.key)
+                        block(r, ("item", i.key))
                     else:
                         finish(r, now)
                 elif i.op == "wait":
                     if i.key in items and items[i.key].end >= 0 and items[i.key].end <= now + EPS:
                         finish(r, now)
                     else:
-                        state[r], waiting[r] = "blocked", ("item", i.key)
+                        block(r, ("item", i.key))
                 elif i.op == "send":
                     messages[i.key] = now + i.dur
                     sent_until[r] = max(sent_until[r], now + i.dur)
+                    for w in waiters.pop(("msg", i.key), ()):
+                        known[w] = messages[i.key]
                     finish(r, now)
                 elif i.op == "recv":
-                    state[r], waiting[r] = "blocked", ("msg", i.key)
+                    block(r, ("msg", i.key))
                 elif i.op == "flush":
-                    state[r], waiting[r] = "blocked", ("flush", r)
+                    block(r, ("flush", r))
                 else:
                     raise ValueError(f"unknown instruction {i.op!r}")
-        for r in ranks:   # start collectives at the head of all their members' queues
+        ready.clear()
+        for r in sorted(queued):   # start collectives at the head of all their members' queues
             if running[r] is not None or not queue[r]:
                 continue
             it = queue[r][0]
@@ -169,58 +197,61 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
                 for m in it.group:
                     queue[m].popleft()
                     running[m] = it
+                    if not queue[m]:
+                        queued.discard(m)
+                active[id(it)] = it
                 changed = True
         return changed
 
-    def released(r: int) -> Optional[float]:
-        """When rank ``r``'s blocking condition lifts (None: not known yet)."""
-        kind, key = waiting[r]
+    def released(cond: tuple) -> Optional[float]:
+        """When a blocking condition lifts (None: not known yet)."""
+        kind, key = cond
         if kind == "item":
             it = items.get(key)
             return it.end if it is not None and it.end >= 0 else None
         if kind == "msg":
             return messages.get(key)
-        return sent_until[r]
+        return sent_until[key]
 
     while True:
         while advance():
             pass
-        if all(pc[r] >= len(ins[r]) for r in ranks):
+        if not left[0]:
             break
-        computing = [r for r in ranks if state[r] == "compute"]
-        active = list({id(it): it for it in running.values() if it is not None}.values())
-        rate = {r: 1.0 for r in ranks}
+        rate: Dict[int, float] = {}
         if host is not None:
             demand = {r: (state[r] == "compute") + host.comm_cpu * (running[r] is not None) for r in ranks}
-            rate.update(shares(demand, host.cores, host.background, host.per_rank))
-        pace = {id(it): min(rate[m] for m in it.group) if host is not None and host.comm_cpu else 1.0
-                for it in active}
-        times = [now + remaining[r] / rate[r] for r in computing]
-        times += [now + it.remaining / pace[id(it)] for it in active]
-        times += [t for r in ranks if state[r] == "blocked" for t in [released(r)] if t is not None]
+            rate = shares(demand, host.cores, host.background, host.per_rank)
+        pace = {k: min(rate.get(m, 1.0) for m in it.group) if host is not None and host.comm_cpu else 1.0
+                for k, it in active.items()}
+        times = [now + remaining[r] / rate.get(r, 1.0) for r in computing]
+        times += [now + it.remaining / pace[k] for k, it in active.items()]
+        times += known.values()
         if not times:
             raise DeadlockError(_describe(ranks, ins, pc, state, waiting, queue))
         t = max(min(times), now)
         for r in computing:
-            remaining[r] -= (t - now) * rate[r]
-        for it in active:
-            it.remaining -= (t - now) * pace[id(it)]
+            remaining[r] -= (t - now) * rate.get(r, 1.0)
+        for k, it in active.items():
+            it.remaining -= (t - now) * pace[k]
         now = t
-        for r in computing:
+        for r in sorted(computing):
             if remaining[r] <= EPS * max(1.0, now):
+                computing.discard(r)
                 finish(r, now)
-        for it in active:
+        for k, it in list(active.items()):
             if it.remaining <= EPS * max(1.0, now):
                 it.end = now
+                del active[k]
                 for m in it.group:
                     running[m] = None
                     events.append(Event(m, "comm", it.label, it.cat, it.start, it.end, it.nbytes))
-        for r in ranks:
-            if state[r] == "blocked":
-                t_r = released(r)
-                if t_r is not None and t_r <= now + EPS:
-                    del waiting[r]
-                    finish(r, now)
+                for w in waiters.pop(("item", it.key), ()):
+                    known[w] = now
+        for r in sorted(known):
+            if known[r] <= now + EPS:
+                del known[r], waiting[r]
+                finish(r, now)
     return {r: (ends[r][-1] if ends[r] else 0.0) for r in ranks}, events, ends
 
 
