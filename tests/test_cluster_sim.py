@@ -91,14 +91,17 @@ def _gpt(layers=4, batch=192, device="meta"):
     return model, (ids, ids)
 
 
-@pytest.mark.parametrize("policy,world,options", [
-    ("PASHybrid", 16, {"tp": 2}),                              # dp 8 folded to 2, one rank per tp group
-    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}),    # dp 4 folded, 12 micro-batches from 3
-    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 16, "nvirtual": 2}),   # interleaved: from 6
+@pytest.mark.parametrize("policy,world,options,zero", [
+    ("PASHybrid", 16, {"tp": 2}, 0),                              # dp 8 folded to 2, one rank per tp group
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}, 0),    # dp 4 folded, 12 micro-batches from 3
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 16, "nvirtual": 2}, 0),   # interleaved: from 6
+    ("PASHybrid", 16, {"tp": 2}, 1),                              # ZeRO shards over the real 8 replicas
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}, 2),
 ])
-def test_symmetric_simulation_equals_the_full_one(policy, world, options):
+def test_symmetric_simulation_equals_the_full_one(policy, world, options, zero):
     model, batch = _gpt()
-    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16", options=options)
+    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16", options=options,
+              zero=zero)
     full = simulate_policy(model, batch, policy, world, **kw)
     sym = simulate_policy(model, batch, policy, world, symmetric=True, **kw)
     assert sym.fold.folded and len(sym.ranks) < len(full.ranks) / 4

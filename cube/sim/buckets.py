@@ -5,13 +5,14 @@ parameters on the ``meta`` device (no memory), fed in the order the generated
 module lists them (``REDUCE``, last-used parameters first), so bucket sizes
 (``CUBE_BUCKET_MB``, the small first bucket) and order are the runtime's. Each
 bucket with several ranks is one ZeRO shard: a flat buffer padded to a
-multiple of the group size, of which every rank owns one chunk.
+multiple of the group size, of which every rank owns one chunk (in a folded
+world, ``cube.sim.symmetry``, the group's real size: ``shards``).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +31,7 @@ class Bucket:
     ranks: Tuple[int, ...]
     numel: int
     itemsize: int
+    shards: int = 0   # ranks the ZeRO shard is cut over (0: len(ranks))
 
     @property
     def nbytes(self) -> int:
@@ -38,11 +40,11 @@ class Bucket:
     @property
     def chunk(self) -> int:
         """Elements of this rank's ZeRO chunk."""
-        return math.ceil(self.numel / len(self.ranks))
+        return math.ceil(self.numel / (self.shards or len(self.ranks)))
 
     @property
     def padded(self) -> int:
-        return self.chunk * len(self.ranks)
+        return self.chunk * (self.shards or len(self.ranks))
 
 
 def reduce_order(graph: IRGraph, plan: RankPlan) -> List[Tuple[IRTensor, Tuple[int, ...]]]:
@@ -55,8 +57,14 @@ def local_numel(plan: RankPlan) -> Dict[int, int]:
     return {id(t): math.prod(box_shape(b)) for t, b in plan.attrs}
 
 
-def make_buckets(graph: IRGraph, plan: RankPlan) -> List[Bucket]:
-    """This rank's gradient buckets, in launch order (only those over several ranks)."""
+def make_buckets(graph: IRGraph, plan: RankPlan, group_size: Optional[Callable[[Tuple[int, ...]], int]] = None
+                 ) -> List[Bucket]:
+    """This rank's gradient buckets, in launch order (only those over several ranks).
+
+    Args:
+        group_size: the real size of a group of ranks, when the world is folded (ZeRO shards
+            are cut over the real group; ``cube.sim.symmetry.MappedComm.group_size``).
+    """
     sizes = {id(t): box_shape(b) for t, b in plan.attrs}
     entries, of = [], {}
     for t, ranks in reduce_order(graph, plan):
@@ -68,5 +76,7 @@ def make_buckets(graph: IRGraph, plan: RankPlan) -> List[Bucket]:
     for b in reducer.buckets:
         params = [of[id(p)] for p in b.params]
         numel = sum(p.numel() for p in b.params)
-        out.append(Bucket(params, tuple(b.ranks), numel, b.params[0].element_size()))
+        ranks = tuple(b.ranks)
+        out.append(Bucket(params, ranks, numel, b.params[0].element_size(),
+                          group_size(ranks) if group_size is not None else 0))
     return out

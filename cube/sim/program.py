@@ -57,7 +57,7 @@ class Builder(Writer, StepEnd):
         self._statics: Dict[int, tuple] = {}   # call index -> what its forward does (_fw_static)
         self.actions = actions = program.actions
         self.backend = getattr(comm, "backend", "gloo")
-        self.buckets = make_buckets(graph, plan)
+        self.buckets = make_buckets(graph, plan, getattr(comm, "group_size", None))
         self.attrs = {id(t): t for t, _ in plan.attrs}
         self.attr_bytes = {id(t): nbytes_of(box_shape(b), t.dtype) for t, b in plan.attrs}
         self.calls: List[Call] = []

@@ -25,8 +25,12 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
   steady state's (every gradient made, at most ``pp`` micro-batches in flight),
   which the simulated micro-batches reach.
 
-What is not folded: ZeRO (its shards depend on ``dp``), and meshes whose ``dp``
-does not divide the batch; those plans are simulated in full.
+ZeRO 1 and 2 fold too: each gradient bucket's shard is cut over the real
+``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state (and
+ZeRO-2's gradients) and the reduce-scatters and all-gathers are the real
+ones. What is not folded: ZeRO-3 (its graph is planned with the gathered
+parameters of every rank), and meshes whose ``dp`` does not divide the batch;
+those plans are simulated in full.
 """
 from __future__ import annotations
 
@@ -127,7 +131,7 @@ def fold_for(mesh: Optional[DeviceMesh], world: int, batch_size: Optional[int], 
         return Fold(("rank",), (world,), (world,))
     names, real = mesh.names, mesh.shape
     shape = list(real)
-    if "dp" in names and not zero and batch_size:
+    if "dp" in names and zero != 3 and batch_size:
         axis = names.index("dp")
         dp = real[axis]
         if dp > 2 and batch_size % dp == 0:
@@ -150,6 +154,11 @@ class MappedComm:
         if got is None:
             got = self._memo[key] = self.inner.cost(kind, nbytes, self.fold.real_group(ranks))
         return got
+
+    def group_size(self, ranks: Sequence[int]) -> int:
+        """Ranks of the real group a collective over folded ``ranks`` joins (ZeRO cuts its shards over
+        them)."""
+        return len(self.fold.real_group(ranks))
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
