@@ -85,8 +85,15 @@ def profile(precision: str = "bf16", quick: bool = False, base: str = "dgx-a100-
     dtype = DTYPES[precision]
     sizes = ([512, 1024, 2048, 4096] if quick else [512, 1024, 2048, 3072, 4096, 6144, 8192]) if cuda else \
         ([64, 128, 256, 384] if quick else [128, 256, 384, 512, 768, 1024])
-    points = gemm_sweep(device, dtype, sizes)
-    peak, half = fit_curve(points)
+    for attempt in range(3):   # another program's burst can flatten one sweep; measure again
+        points = gemm_sweep(device, dtype, sizes)
+        try:
+            peak, half = fit_curve(points)
+            break
+        except ValueError:
+            if attempt == 2:
+                raise
+            log("GEMM times did not grow with size (the device is busy): measuring again")
     log("GEMM sweep: " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3 {f / t / 1e12:.2f} TFLOP/s" for f, t in points))
     log(f"fit: peak {peak / 1e12:.2f} TFLOP/s, half of it at {half / 1e9:.3f} GFLOP")
     rate = bandwidth(device, (64 << 20) if quick else (512 << 20) if cuda else (128 << 20))
