@@ -1,6 +1,7 @@
 """Megatron-LM's weak-scaling table on A100s, predicted by the simulator on this CPU machine.
 
     python -m benchmarks.cluster_sim [--quick] [--rows 1.7B,18.4B] [--hardware dgx-a100-80g] [--json FILE]
+    python -m benchmarks.cluster_sim --search [--budget 16] [--rows ...]
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC21), Table 1: GPT models from 1.7B to 1T parameters on 32 to 3072 A100
@@ -23,6 +24,12 @@ no micro-batch size; Megatron's examples of these runs use 1); simulated with
 there, none fitted to this table). Prints per row the published and predicted TFLOP/s per
 GPU, the error, the predicted step time and memory, and the simulator's wall time; then
 the mean absolute percentage error. ``--quick``: the four smallest rows.
+
+``--search``: for each row, ``cube.sim.cluster_search`` searches ``PASMegatron`` plans at the
+row's GPU count and global batch under the device's 80 GiB (the published plan among them,
+simulated first) and prints the published TFLOP/s, the published plan's prediction (and whether
+it fits), the plan found, its predicted TFLOP/s, the ratio of that to the published figure and
+the search's wall time.
 """
 from __future__ import annotations
 
@@ -137,15 +144,22 @@ def megatron_gpt(layers: int, hidden: int, heads: int, batch: int):
     return model, (ids, ids)
 
 
+def published_plan(row):
+    """The row's plan as Megatron ran it: its tp, pp and dp, interleaved (two stages per pipeline
+    rank), full recompute, micro-batches of one sample."""
+    from cube.sim.cluster_search import Plan
+    _, _, _, _, _, tp, pp, gpus, batch, _ = row
+    dp = gpus // (tp * pp)
+    return Plan(tp, pp, dp, 1, batch // dp, nvirtual=2 if pp > 1 else 1, recompute=True)
+
+
 def predict(row, hardware: str = "dgx-a100-80g") -> dict:
     from cube.sim import hardware as hw_mod
     from cube.sim.api import simulate_policy
     from cube.sim.cluster import ClusterComm, DeviceCosts
     name, params, heads, hidden, layers, tp, pp, gpus, batch, published = row
     dp = gpus // (tp * pp)
-    options = {"tp": tp, "pp": pp, "nmicros": batch // dp, "recompute": "all"}
-    if pp > 1:
-        options["nvirtual"] = 2
+    options = published_plan(row).options()
     hw = hw_mod.load(hardware)
     started = time.perf_counter()
     model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
@@ -182,11 +196,70 @@ def main(quick: bool = False, rows=None, hardware: str = "dgx-a100-80g", out=Non
     return results
 
 
+def search_row(row, hardware: str = "dgx-a100-80g", budget: int = 16) -> dict:
+    """The row searched (see the module docstring): Eq. 3 TFLOP/s per GPU of the published plan and
+    of the best plan within the device's memory."""
+    from cube.sim import hardware as hw_mod
+    from cube.sim.cluster_search import search
+    name, _, heads, hidden, layers, _, _, gpus, batch, published = row
+    hw = hw_mod.load(hardware)
+    model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
+    given = published_plan(row)
+    started = time.perf_counter()
+    ranked = search(model, batch_tensors, gpus, hw, "bf16", budget=budget, include=[given])
+    seconds = time.perf_counter() - started
+
+    def tflops(tried):
+        return round(eq3_flops(batch, layers, hidden) / tried.step_time / gpus / 1e12, 1) if tried.result else None
+
+    mine = next(t for t in ranked if t.plan == given)
+    best = next((t for t in ranked if t.feasible), None)
+    return {"benchmark": "cluster_sim_search", "name": f"GPT {name} on {gpus} GPUs", "published_tflops": published,
+            "published_plan": given.name, "published_plan_tflops": tflops(mine),
+            "published_plan_fits": mine.feasible, "published_plan_peak_gib": round(mine.peak / 2**30, 1),
+            "searched_plan": best.plan.name if best else None, "searched_tflops": tflops(best) if best else None,
+            "searched_peak_gib": round(best.peak / 2**30, 1) if best else None,
+            "ratio": round(tflops(best) / published, 3) if best else None,
+            "simulated": len(ranked), "seconds": round(seconds, 1)}
+
+
+def main_search(rows=None, hardware: str = "dgx-a100-80g", budget: int = 16, out=None, quick: bool = False):
+    chosen = [r for r in TABLE if rows is None or r[0] in rows]
+    if quick and rows is None:
+        chosen = chosen[:4]
+    print(f"Megatron-LM (SC21) Table 1 on {hardware}: the published plan and the plan cube.sim.cluster_search "
+          f"finds (at most {budget} simulated), TFLOP/s per GPU (Eq. 3); ratio: searched / published")
+    print(f"{'model':<22} {'published':>9} {'its plan':>9} {'fits':>4}  {'searched plan':<44} {'searched':>8} "
+          f"{'ratio':>6} {'search s':>8}")
+    results = []
+    for row in chosen:
+        r = search_row(row, hardware, budget)
+        results.append(r)
+        fits = "yes" if r["published_plan_fits"] else "no"
+        found = f"{r['searched_plan']:<44} {r['searched_tflops']:>8.1f} {r['ratio']:>6.3f}" if r["searched_plan"] \
+            else f"{'(none within the memory cap)':<44} {'-':>8} {'-':>6}"
+        print(f"{r['name']:<22} {r['published_tflops']:>9.0f} {r['published_plan_tflops']:>9.1f} {fits:>4}  {found} "
+              f"{r['seconds']:>8.1f}", flush=True)
+    ratios = [r["ratio"] for r in results if r["ratio"] is not None]
+    if ratios:
+        print(f"ratio: min {min(ratios):.3f}, mean {statistics.mean(ratios):.3f}; rows at >= 0.95: "
+              f"{sum(x >= 0.95 for x in ratios)}/{len(results)}")
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", default=None, help="comma-separated row names (e.g. 1.7B,145.6B)")
     parser.add_argument("--hardware", default="dgx-a100-80g")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--search", action="store_true", help="search plans for each row (see above)")
+    parser.add_argument("--budget", type=int, default=16, help="plans the search simulates at most per row")
     args = parser.parse_args()
-    main(args.quick, args.rows.split(",") if args.rows else None, args.hardware, args.json)
+    rows = args.rows.split(",") if args.rows else None
+    if args.search:
+        main_search(rows, args.hardware, args.budget, args.json, args.quick)
+    else:
+        main(args.quick, rows, args.hardware, args.json)

@@ -198,3 +198,47 @@ def test_calibrate_fits_a_profile_the_simulator_uses(tmp_path, capsys):
     assert res.step_time > 0
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "x.txt")])
+
+
+def test_cluster_search_ranks_plans_under_the_memory_cap(capsys):
+    from cube.sim.cluster_search import Plan, search, static_bytes, table
+    model, batch = _gpt(batch=64)
+    given = Plan(tp=2, pp=2, dp=4, micro_batch=1, nmicros=16, nvirtual=2)   # PASMegatron's plan to beat
+    lines = []
+    ranked = search(model, batch, 16, A100, budget=8, include=[given], progress=lines.append)
+    assert 1 < len(ranked) <= 8 and len(lines) == len(ranked)
+    assert [t.rank_key() for t in ranked] == sorted(t.rank_key() for t in ranked)
+    mine = next(t for t in ranked if t.plan == given)
+    assert mine.origin == "given" and mine.feasible   # a small GPT fits an A100 whatever the plan
+    assert ranked[0].feasible and ranked[0].step_time <= mine.step_time
+    assert len({t.plan for t in ranked}) == len(ranked)
+    assert all(t.plan.tp <= A100.gpus_per_node and t.plan.tp * t.plan.pp * t.plan.dp == 16 for t in ranked)
+    text = table(ranked, 16)
+    assert ranked[0].plan.name in text.splitlines()[1] and len(text.splitlines()) == len(ranked) + 1
+
+    # a cap between the plans' peaks: those above it rank last, marked; nothing over it statically is simulated
+    peaks = sorted(t.peak for t in ranked if t.result is not None)
+    cap = (peaks[0] + peaks[-1]) / 2
+    params = sum(p.numel() for p in model.parameters())
+    capped = search(model, batch, 16, A100, mem_cap=cap, budget=6, progress=lambda line: None)
+    assert all(t.feasible == (t.peak <= cap) for t in capped if t.result is not None)
+    assert capped[0].feasible and capped[0].peak <= cap
+    assert all(static_bytes(params, 4, t.plan) <= cap for t in capped)
+    over = [k for k, t in enumerate(capped) if not t.feasible]
+    assert all(k > j for k in over for j, t in enumerate(capped) if t.feasible)
+    with pytest.raises(ValueError, match="'cpu-host' is this host; pass a cluster profile"):
+        search(model, batch, 16, hardware.load("cpu-host"))
+    with pytest.raises(ValueError, match="budget=0 simulates nothing"):
+        search(model, batch, 16, A100, budget=0)
+
+
+def test_cluster_search_from_the_command_line(tmp_path, capsys):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC.replace("n_layer=24", "n_layer=4").replace("256, 2048", "64, 2048"))
+    assert main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "best: tp" in captured.out and "--policy PASMegatron --option tp=" in captured.out
+    assert captured.err.count("/3] tp") == 3   # one progress line per simulated plan
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget", "0"])

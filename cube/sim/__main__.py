@@ -3,6 +3,7 @@
     python -m cube.sim SPEC --ngpus N --policy PASData [--option tp=2 ...] [--trace step.json] [--memory mem.png]
     python -m cube.sim SPEC --ngpus N --search [--mem-cap 16] [--out cube_auto_plan.json]
     python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --policy PASMegatron --option tp=8 ... --json
+    python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --search [--budget 16] [--mem-cap 80]
 
 SPEC names the model and one global batch: a Python file (a training script is
 fine, its ``main`` guarded by ``if __name__ == "__main__"``) or a module,
@@ -13,7 +14,9 @@ collectives are calibrated once per world size (``--no-calibrate``: defaults).
 ``--hardware`` names a cluster this machine is not (``cube.sim.hardware``):
 op and network costs then come from its profile, and one rank of each
 symmetric class is simulated (``cube.sim.symmetry``), so thousands of ranks
-take seconds; SPEC's ``build()`` may then return a model on the meta device.
+take seconds; SPEC's ``build()`` may then return a model on the meta device,
+and ``--search`` climbs through ``PASMegatron`` plans (``cube.sim.cluster_search``)
+under the device's memory.
 """
 from __future__ import annotations
 
@@ -69,7 +72,9 @@ def main(argv=None) -> int:
                    help="a keyword option of the policy (repeatable), e.g. tp=2, nmicros=8, recompute=all, "
                         "stage_to_num_ranks=1,2; values are read as int, float, bool, a tuple of ints or text")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage of the optimizer (with --policy)")
-    p.add_argument("--mem-cap", type=float, default=None, help="GiB per device (search)")
+    p.add_argument("--mem-cap", type=float, default=None,
+                   help="GiB per device (search; default on a cluster: the profile's device memory)")
+    p.add_argument("--budget", type=int, default=16, help="plans simulated at most (search on a cluster)")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) of the step")
     p.add_argument("--memory", default=None, help="write the memory-over-time plot (PNG, or CSV)")
     p.add_argument("--out", default="cube_auto_plan.json", help="where the search writes the best plan")
@@ -93,6 +98,8 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     if args.ngpus < 1:
         p.error("--ngpus must be at least 1")
+    if args.budget < 1:
+        p.error("--budget must be at least 1 (plans the cluster search simulates)")
     try:
         options = parse_options(args.option)
     except ValueError as e:
@@ -142,8 +149,10 @@ def main(argv=None) -> int:
         if args.memory:
             print(f"memory: {result.memory_plot(args.memory)}")
         return 0
-    from cube.sim import search
     cap = args.mem_cap * 2**30 if args.mem_cap else None
+    if not hw.is_host:
+        return _cluster_search(model, batch, args, hw, precision, cap)
+    from cube.sim import search
     ranked = search.search(model, batch, args.ngpus, costs, comm, mem_cap=cap, host=host)
     print(search.table(ranked, args.top))
     best = next((c for c in ranked if c.feasible and c.result is not None), None)
@@ -166,6 +175,20 @@ def main(argv=None) -> int:
         print(f"trace of the best plan: {res.chrome_trace(args.trace)}")
         if args.memory:
             print(f"memory: {res.memory_plot(args.memory)}")
+    return 0
+
+
+def _cluster_search(model, batch, args, hw, precision, cap) -> int:
+    from cube.sim import cluster_search
+    ranked = cluster_search.search(model, batch, args.ngpus, hw, precision, mem_cap=cap, budget=args.budget)
+    print(cluster_search.table(ranked, args.ngpus, args.top))
+    best = next((c for c in ranked if c.feasible), None)
+    if best is None:
+        print(f"no plan fits {(cap or hw.memory_bytes) / 2**30:.0f} GiB per device: raise --mem-cap or --budget, "
+              f"or use more devices", file=sys.stderr)
+        return 1
+    print(f"\nbest: {best.plan.name}: {best.step_time:.3f} s, {best.peak / 2**30:.1f} GiB; simulate it with\n"
+          f"python -m cube.sim {args.spec} --hardware {args.hardware} --ngpus {args.ngpus} {best.plan.command()}")
     return 0
 
 

@@ -43,7 +43,8 @@ def default_models(world: int, estimate: bool = False, calibrate: bool = True, c
 
 def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=None, comm=None, zero: int = 0,
                     host: Optional[Host] = None, precision: Optional[str] = None,
-                    options: Optional[dict] = None, symmetric: bool = False) -> SimResult:
+                    options: Optional[dict] = None, symmetric: bool = False,
+                    traces: Optional[dict] = None) -> SimResult:
     """Traces ``model`` on ``batch``, applies ``policy`` (a callable, ``"file.py:Name"``,
     ``"module:Name"`` or a shipped policy name) with its keyword ``options`` for ``world`` ranks
     and simulates one step.
@@ -51,6 +52,9 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
     ``symmetric``: simulate one rank of each symmetric class (``cube.sim.symmetry``: data parallel
     folded to 2 replicas, one rank per ``dp``/``tp`` coordinate), for thousands of ranks; the
     result's ranks are then those simulated, numbered as in the folded world (``result.fold``).
+
+    ``traces``: a dict the traces are kept in (by batch size), for callers simulating one model
+    under many plans (``cube.sim.cluster_search``); every plan places a copy.
 
     Raises:
         TypeError: an option the policy does not take.
@@ -63,7 +67,7 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
     if symmetric:
         # the policy's mesh depends on the world and the options, not on the batch: a small trace will do
         small = tuple(t[:min(2, t.shape[0])] if t.ndim else t for t in sample)
-        peek = trace_model(model, small, zero=zero_traced, precision=precision, structure=structure)
+        peek = _trace(model, small, zero_traced, precision, structure, traces)
         mesh = symmetry.policy_mesh(lambda: apply_policy(bound, peek.graph.copy(), Resource(world)), world)
         size = samples if sample and sample[0].ndim else None
         fold = symmetry.fold_for(mesh, world, size, zero)
@@ -75,7 +79,7 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
             bound = bind_options(load_policy(policy), {**options, "nmicros": micro[0]})
         ranks = fold.representatives()
         comm = symmetry.MappedComm(comm if comm is not None else comm_mod.CommModel(), fold)
-    traced = trace_model(model, sample, zero=zero_traced, precision=precision, structure=structure)
+    traced = _trace(model, sample, zero_traced, precision, structure, traces)
     sim_world = fold.world if fold is not None else world
     # a folded pipeline's micro-batch count is known: the policy runs once, on one micro-batch's trace
     graph = traced.place(bound, sim_world, nmicros=micro[0] if micro else None)
@@ -88,6 +92,16 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
     if hasattr(costs, "save"):
         costs.save()
     return result
+
+
+def _trace(model, sample, zero: int, precision, structure, cache: Optional[dict]):
+    """``trace_model`` of ``sample``, from ``cache`` when it holds one of the same batch size."""
+    if cache is None:
+        return trace_model(model, sample, zero=zero, precision=precision, structure=structure)
+    key = (tuple(tuple(t.shape) for t in sample), zero, precision)
+    if key not in cache:
+        cache[key] = trace_model(model, sample, zero=zero, precision=precision, structure=structure)
+    return cache[key]
 
 
 def size_of(sample) -> int:

@@ -12,6 +12,8 @@ from typing import Dict
 
 from cube.ir.tensor import TensorKind
 
+ADAM_STATE_BYTES = 2 * 4   # per trainable element: AdamW's two float32 moments
+
 
 class StepEnd:
     """Gradient reduction and the optimizer step (needs the ``Builder`` state)."""
@@ -80,5 +82,5 @@ class StepEnd:
             trainable -= b.numel - b.chunk
             if self.zero == 3:
                 params -= b.nbytes - b.chunk * b.itemsize
-        return {"params": params, "optimizer": 2 * 4 * trainable}   # AdamW: two fp32 moments
+        return {"params": params, "optimizer": ADAM_STATE_BYTES * trainable}
 
