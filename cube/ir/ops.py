@@ -49,7 +49,10 @@ class OpInfo:
             at the global coordinates: bilinear upsampling), ``"stats"`` (it normalizes by
             statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
             sample and group summed over its group: group and instance norm), ``"ring"`` (key/value
-            blocks passed around a ring of ranks: attention split along the sequence); a row of
+            blocks passed around a ring of ranks: attention split along the sequence),
+            ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
+            range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
+            along its classes sums the logits' statistics over its group); a row of
             ``cube.passes.inside.KINDS``.
     """
 
@@ -87,7 +90,7 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
-_add("embedding", rule="embedding")
+_add("embedding", rule="embedding", inside="vocab_lookup")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")
 _add("batch_norm", rule="batch_norm", inside="stats")
@@ -101,6 +104,7 @@ _add("max_pool2d_with_indices adaptive_max_pool2d", rule="pool")
 _add("sum mean", rule="sum_rule")
 _add("amax amin max min argmax logsumexp norm", rule="max_rule")
 _add("cross_entropy_loss nll_loss", rule="loss")
+_add("cross_entropy_loss", inside="vocab_loss")
 _add("mse_loss l1_loss smooth_l1_loss", rule="pointwise_loss")
 _add("softmax _softmax log_softmax _log_softmax cumsum", rule="along_dim")
 _add("triu tril", rule="along_last_two")

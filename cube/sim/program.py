@@ -195,8 +195,9 @@ class Builder(Writer, StepEnd):
             self.send(((me, peer), tag + ("back",), micro, way), nbytes[k - 1] - nbytes[k - 1] // 2, cat)
         for peer, *_ in inside.reorder_recvs:
             self.recv(((peer, me), tag + ("back",), micro, way), cat)
-        if inside.all_reduce and inside.groups:
-            self.coll("all_reduce", inside.groups[0], inside.all_reduce, cat)
+        nbytes = inside.all_reduce if way == "f" or inside.bw_all_reduce is None else inside.bw_all_reduce
+        if nbytes and inside.groups:
+            self.coll("all_reduce", inside.groups[0], nbytes, cat)
 
     def fw_step(self, call: Call, micro: int, cat: str) -> None:
         s = call.step
