@@ -42,6 +42,13 @@ class OpInfo:
         mean_loss: a mean over every element (``mse_loss``): pieces divide by the global size.
         saves_output: autograd keeps its output for backward (else a partial sum it made may
             be summed in place).
+        saves_inputs: autograd keeps its float inputs for backward (False: its gradient needs
+            only their shapes: ``add``, ``sub``, casts and copies); what the simulator's estimates
+            hold when no profile says.
+        autocast: what ``torch.autocast`` (CUDA's lists) makes of its float outputs: ``"low"`` the
+            autocast dtype (matrix products, convolutions, attention), ``"fp32"`` float32
+            (normalizations, softmax, losses, reductions, exp/log), ``"cast"`` the dtype it names
+            (``.to(dtype)``, ``.float()``); None: the widest of its float inputs.
         inside: how a piece split along a ``~`` factor of its annotation communicates inside its
             own call: ``"halo"`` (it reads a window of its input, exchanged with its neighbours:
             convolutions, pooling), ``"halo_transposed"`` (a window, then its block cropped out of
@@ -69,6 +76,8 @@ class OpInfo:
     mean_loss: bool = False
     saves_output: bool = True
     inside: Optional[str] = None
+    saves_inputs: bool = True
+    autocast: Optional[str] = None
 
 
 _ROWS: Dict[str, OpInfo] = {}
@@ -133,6 +142,15 @@ _add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze s
 unflatten flatten split chunk unbind narrow as_strided view_as expand_as""", alias=True)
 _add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
 _add("conv_transpose1d conv_transpose2d conv_transpose3d", saves_output=False)
+_add("""add add_ sub sub_ neg clone contiguous alias detach detach_ lift_fresh_copy to _to_copy cat concat stack
+pad constant_pad_nd zeros_like ones_like full_like empty_like fill fill_ zero zero_ sum""", saves_inputs=False)
+
+# mixed precision (torch.autocast's op lists, CUDA)
+_add("""linear addmm matmul mm bmm baddbmm einsum conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d
+conv_transpose3d scaled_dot_product_attention prelu""", autocast="low")
+_add("""layer_norm group_norm norm softmax _softmax log_softmax _log_softmax cumsum exp log log1p rsqrt reciprocal pow
+sum prod softplus cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss""", autocast="fp32")
+_add("to _to_copy", autocast="cast")
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)

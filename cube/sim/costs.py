@@ -91,7 +91,8 @@ class Estimator:
         is_view = op_info(op.name).alias   # a view of input 0: no new memory
         grad = needs_grad(call)
         fw = self.forward_seconds(op, ins, outs, is_view)
-        saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and not is_view and grad)
+        keeps = op_info(op.name).saves_inputs and not is_view and grad
+        saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and keeps)
         alias = tuple(0 if is_view else -1 for _ in op.outputs)
         return OpCost(fw, self.backward_factor * fw if grad else 0.0, saved, alias, measured=False)
 

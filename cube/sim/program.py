@@ -11,7 +11,9 @@ buckets launch on the communication stream as soon as their last gradient is
 made (not during a schedule: the reducer is held until the end), the step
 waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
 are attached to the instructions that cause them (``cube.sim.memory``); the
-instructions are those of ``cube.sim.instructions``.
+instructions are those of ``cube.sim.instructions``. Under mixed precision
+activations take the dtypes autocast gives them and low-precision ops hold
+cast copies of their weights (``cube.sim.precision``).
 """
 from __future__ import annotations
 
@@ -19,16 +21,20 @@ import math
 from dataclasses import replace
 from typing import Dict, Hashable, List, Optional
 
+import torch
+
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.rank_plans import Call
 from cube.passes.program import DEFERRABLE, RankProgram, last_uses
+from cube.runtime.amp import DTYPES
 from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, nbytes_of
+from cube.sim.precision import autocast_dtypes, casts_weights
 from cube.sim.step_end import StepEnd
 
 __all__ = ["Builder", "Ins", "Program", "COLLECTIVES"]
@@ -74,6 +80,9 @@ class Builder(Writer, StepEnd):
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
         self.deferred: Dict[tuple, list] = {}   # (micro, stage) -> weight-gradient work its B left for W
+        precision = getattr(graph, "precision", None)
+        self.dtypes = autocast_dtypes(graph, precision)   # activation id -> dtype under autocast
+        self.cast_itemsize = DTYPES[precision].itemsize if precision else 0   # autocast's copies of weights
 
     def _lay_out(self, program: RankProgram) -> None:
         """The calls of each segment (each stage this rank holds, or its only forward) one after
@@ -97,6 +106,10 @@ class Builder(Writer, StepEnd):
 
     def is_attr(self, t: IRTensor) -> bool:
         return id(t) in self.attrs
+
+    def dtype_of(self, t: IRTensor):
+        """The dtype ``t`` (a logical tensor or a part of one) has when the rank runs (autocast's)."""
+        return self.dtypes.get(id(t.logical), t.dtype)
 
     # ------------------------------------------------------------------ forward
     def forward(self, micro: int, stage: Optional[int] = None, cat: str = "forward") -> None:
@@ -126,6 +139,8 @@ class Builder(Writer, StepEnd):
                 if not self.is_attr(t):
                     self.mem.release(self.vkey(t, micro))
             self.settle()
+        self.mem.release_all(("autocast", micro, ""))   # the forward call's cast cache goes
+        self.settle()
 
     def fw_call(self, i: int, call: Call, micro: int, cat: str, keep_saved: bool) -> None:
         if call.op is None:
@@ -146,9 +161,11 @@ class Builder(Writer, StepEnd):
                 self.mem.alias(self.vkey(o, micro), self.vkey(self.input_value(call, k), micro))
             elif k < 0:
                 self.mem.alloc(self.vkey(o, micro), self._out_bytes(call, j))
+        holder = ("saved", micro, i, self.tag)
+        if self.cast_itemsize and casts_weights(op):
+            self.cast_weights(call, micro, holder if keep_saved and self._needs_grad(call) else None)
         if not keep_saved:
             return
-        holder = ("saved", micro, i, self.tag)
         for n, (what, arg) in enumerate(cost.saved):
             if what == "in":
                 v = self.input_value(call, arg)
@@ -158,6 +175,20 @@ class Builder(Writer, StepEnd):
                 self.mem.hold(self.vkey(op.outputs[arg], micro), holder)
             elif what == "x":
                 self.mem.alloc(("x", micro, i, self.tag, n), arg, holder=holder)
+
+    def cast_weights(self, call: Call, micro: int, saved) -> None:
+        """Autocast's low-precision copy of each float32 parameter piece the call reads: made once per
+        forward call (its cache), held until the call returns and, by ``saved``, until the op's backward."""
+        for k in range(len(call.op.inputs)):
+            v = self.input_value(call, k)
+            if not self.is_attr(v) or v.kind is not TensorKind.PARAM or v.dtype != torch.float32:
+                continue
+            key = ("cast", micro, id(v), self.tag)
+            if not self.mem.alive(key):
+                nbytes = self.attr_bytes[id(v)] // 4 * self.cast_itemsize
+                self.mem.alloc(key, nbytes, holder=("autocast", micro, self.tag))
+            if saved is not None:
+                self.mem.hold(key, saved)
 
     def inside_comm(self, call: Call, micro: int, cat: str, way: str, dur: float) -> None:
         """A piece communicating inside its call (``cube.passes.inside``) and its ``dur`` of compute:
@@ -206,9 +237,10 @@ class Builder(Writer, StepEnd):
             return
         if s.kind == "send":
             if s.grad != "only":   # a gradient-only link sends nothing forward
-                self.send((s.ranks, s.tag, micro, "f"), nbytes_of(box_shape(s.box), call.inputs[0].dtype), cat)
+                nbytes = nbytes_of(box_shape(s.box), self.dtype_of(call.inputs[0]))
+                self.send((s.ranks, s.tag, micro, "f"), nbytes, cat)
         elif s.kind == "assemble":
-            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "assemble", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, self.dtype_of(out))), "assemble", cat)
         elif s.kind == "recv":
             self.recv((s.ranks, s.tag, micro, "f"), cat)
         elif s.kind == "gather":
@@ -217,12 +249,12 @@ class Builder(Writer, StepEnd):
                 if src != me:
                     self.recv(((src, me), tag, micro, "f"), cat)
             local = sum(math.prod(box_shape(place)) for src, _, _, place, _, _ in s.takes if src == me)
-            self.compute(self.costs.copy_cost(local * out.dtype.itemsize), "gather", cat)
+            self.compute(self.costs.copy_cost(local * self.dtype_of(out).itemsize), "gather", cat)
         elif s.kind in COLLECTIVES:
-            nbytes = nbytes_of(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
+            nbytes = nbytes_of(out.shape, self.dtype_of(out)) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
             self.coll(s.kind, s.ranks, nbytes, cat)
         elif s.kind == "chunk":
-            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "chunk", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, self.dtype_of(out))), "chunk", cat)
         if out is None:
             return
         if self.tag:
@@ -231,7 +263,7 @@ class Builder(Writer, StepEnd):
         if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to", "detach"):
             self.mem.alias(self.vkey(out, micro), self.vkey(call.inputs[0], micro))
         else:
-            self.mem.alloc(self.vkey(out, micro), nbytes_of(out.shape, out.dtype))
+            self.mem.alloc(self.vkey(out, micro), nbytes_of(out.shape, self.dtype_of(out)))
 
     # ------------------------------------------------------------------ backward
     def backward(self, micro: int, stage: Optional[int] = None) -> None:
@@ -282,6 +314,7 @@ class Builder(Writer, StepEnd):
             self.fw_call(k, self.calls[k], micro, "recompute", keep_saved=True)
         for t in self.re_values:   # only what autograd saved stays
             self.mem.release(self.vkey(t, micro))
+        self.mem.release_all(("autocast", micro, "re"))
         self.settle()
 
     def bw_step(self, call: Call, micro: int) -> None:
@@ -295,13 +328,13 @@ class Builder(Writer, StepEnd):
         out = call.outputs[0]
         if s.grad == "none" or not out.requires_grad:
             return
-        nbytes, n = nbytes_of(out.shape, out.dtype), len(s.ranks)
+        nbytes, n = nbytes_of(out.shape, self.dtype_of(out)), len(s.ranks)
         if s.kind in ("recv", "grad_to"):
             self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
         elif s.kind == "gather":
             me = s.ranks[0]
             for src, tag, _, place, back, links in s.takes:
-                size = nbytes_of(box_shape(place), out.dtype)
+                size = nbytes_of(box_shape(place), self.dtype_of(out))
                 if back and src != me:
                     self.send(((src, me), tag, micro, "b"), size, "backward")
                 for q, t in links:
@@ -326,7 +359,8 @@ class Builder(Writer, StepEnd):
         return got
 
     def _out_bytes(self, call: Call, j: int) -> int:
-        return self._once(call, j, lambda: nbytes_of(box_shape(call.layout.outputs[j]), call.op.outputs[j].dtype))
+        return self._once(call, j, lambda: nbytes_of(box_shape(call.layout.outputs[j]),
+                                                     self.dtype_of(call.op.outputs[j])))
 
     def _needs_grad(self, call: Call) -> bool:
         return self._once(call, "grad", lambda: needs_grad(call))
