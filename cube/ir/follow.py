@@ -200,7 +200,7 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
 def _vocab_embeddings(ops: List[IRFwOperation], flow: Flow, num: int) -> None:
     """Adds to ``flow`` the row split of every embedding whose table has as many rows as a loss the
     flow splits along its classes (inside its call) has classes."""
-    classes = {op.inputs[0].shape[idx_dim[1]] for op, *idx_dim in flow.splits.values()
+    classes = {op.inputs[idx].shape[dim] for op, idx, dim in flow.splits.values()
                if op_info(op.name).inside == "vocab_loss"}
     for op in ops:
         if op_info(op.name).inside == "vocab_lookup" and id(op) not in flow.splits and \

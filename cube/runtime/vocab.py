@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from cube.errors import CubeInternalError
-from cube.runtime.collectives import all_reduce, group
+from cube.runtime import collectives
 from cube.runtime.compiled import outside_graph
 from cube.runtime.ops import valid_count
 
@@ -38,7 +38,7 @@ def _reduce(x: torch.Tensor, ranks: Sequence[int], op=dist.ReduceOp.SUM) -> torc
     """``x`` reduced over ``ranks`` (a new tensor; no autograd)."""
     x = x.clone(memory_format=torch.contiguous_format)
     if len(ranks) > 1:
-        dist.all_reduce(x, op=op, group=group(tuple(ranks)))
+        dist.all_reduce(x, op=op, group=collectives.group(tuple(ranks)))
     return x
 
 
@@ -50,7 +50,8 @@ def embedding(weight: torch.Tensor, indices: torch.Tensor, padding_idx: int = -1
     local = torch.where(mine, indices - start, torch.zeros_like(indices))
     pad = padding_idx - start if padding_idx >= 0 and 0 <= padding_idx - start < rows else -1
     out = torch.ops.aten.embedding.default(weight, local, pad, scale_grad_by_freq, sparse)
-    return all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0), tuple(ranks))
+    # through the module: torch.compile's fence swaps collectives.all_reduce for its disabled self
+    return collectives.all_reduce(out.masked_fill(~mine.unsqueeze(-1), 0), tuple(ranks))
 
 
 class _VocabCrossEntropy(Function):
