@@ -1,6 +1,6 @@
 """A model that does not fit one rank: a Hugging Face Llama built on the meta device, tp2 x pp2 on 4 ranks.
 
-    python -m benchmarks.bigmodel [--quick]
+    python -m benchmarks.bigmodel [--quick] [--size medium] [--tp 2 --pp 2]
 
 The full size is a ~0.85B-parameter Llama (hidden 2048, 16 layers, intermediate
 5632, 16 heads, 4 KV heads, vocab 32000, float32), sequence 256, a global batch
@@ -27,6 +27,15 @@ through the same code. The run:
 A rank's share is its parameters + gradients + AdamW state; the targets are a
 peak RSS of at most 1.3 x share + 0.5 GB and an RSS right after the load of at
 most 2.5 GB (at ``--quick`` size the interpreter's fixed cost dominates both).
+
+``--size medium`` (hidden 1024, 8 layers, vocab 32000: 0.16B) and ``--tp``/``--pp``
+(``tp x pp`` dividing 4; the rest data parallel) vary the plan; each run also
+prints the RSS of a process that has only imported torch (the baseline every
+rank pays before holding anything) and each rank's peak above it, what
+``python -m cube.sim benchmarks/bigmodel.py:build_medium --policy PASMegatron
+--option tp=2 --option pp=2 --option nmicros=2 --ngpus 4 --json`` predicts per
+rank (``build``, ``build_medium``, ``build_quick``: the model, built on the CPU,
+and one global batch).
 """
 from __future__ import annotations
 
@@ -56,10 +65,11 @@ GB = 1e9
 SEED = 1234
 SIZES = {
     "full": dict(hidden=2048, layers=16, intermediate=5632, heads=16, kv_heads=4, vocab=32000, seq=256),
+    "medium": dict(hidden=1024, layers=8, intermediate=2816, heads=8, kv_heads=2, vocab=32000, seq=256),
     "quick": dict(hidden=256, layers=4, intermediate=704, heads=8, kv_heads=2, vocab=4096, seq=128),
 }
 NMICROS, MICRO_BATCH, STEPS, LR = 2, 2, 2, 1e-4   # micro-batches of 2: torch.export specializes dims of size 1
-SHARD_BYTES = {"full": 1 << 30, "quick": 4 << 20}
+SHARD_BYTES = {"full": 1 << 30, "medium": 256 << 20, "quick": 4 << 20}
 NPROC = 4
 
 
@@ -91,11 +101,40 @@ def batches(size: str, n: int) -> List[tuple]:
     return out
 
 
-def policy():
+def policy(tp: int = 2, pp: int = 2):
     import functools
 
     from policies.megatron3d import PASMegatron
-    return functools.partial(PASMegatron, tp=2, pp=2, nmicros=NMICROS)
+    return functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=NMICROS)
+
+
+def _build(size: str):
+    """``size``'s Llama on the CPU (initialized) and one global batch: a ``python -m cube.sim`` spec."""
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(SEED)
+    return CausalLM(LlamaForCausalLM(llama_config(size))), batches(size, 1)[0]
+
+
+def build():
+    return _build("full")
+
+
+def build_medium():
+    return _build("medium")
+
+
+def build_quick():
+    return _build("quick")
+
+
+def baseline_rss() -> int:
+    """Peak RSS of a fresh process that imports torch (and this module) only: what every rank pays first.
+
+    Read from ``VmHWM``: ``ru_maxrss`` survives ``exec``, so a child started from this process
+    would report this process's peak."""
+    code = "import torch, benchmarks.bigmodel as b; print(b.rss_peak())"
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=ROOT).stdout)
 
 
 # ---------------------------------------------------------------------- memory probes
@@ -109,7 +148,12 @@ def rss_now() -> int:
 
 
 def rss_peak() -> int:
-    """This process's peak resident bytes so far (``ru_maxrss``, KiB on Linux)."""
+    """This process's peak resident bytes so far (``VmHWM``; ``ru_maxrss`` where there is none, which
+    also counts the launcher's peak before ``exec``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -182,7 +226,7 @@ def worker(args) -> None:
     loader = iter(batches(size, STEPS))
     start = time.perf_counter()
 
-    @cube.compile(model, loader, PAS=policy(), cache_dir=args.cache)
+    @cube.compile(model, loader, PAS=policy(args.tp, args.pp), cache_dir=args.cache)
     def train_iter(model, dataloader):
         data = next(dataloader)
         loss = model(*data)
@@ -253,10 +297,12 @@ def reference_loss(size: str, weights: str) -> float:
 
 
 # ---------------------------------------------------------------------- the driver
-def _row(r: dict) -> dict:
+def _row(r: dict, baseline: int) -> dict:
     share = r["params"] + r["grads"] + r["optimizer"]
     target_peak = 1.3 * share + 0.5 * GB
     return {"benchmark": "bigmodel", "name": f"rank {r['rank']}", "peak_gb": r["peak"] / GB,
+            "peak_above_baseline_gib": (r["peak"] - baseline) / 2**30,
+            "peak_above_compiled_gib": (r["peak"] - r["rss_compiled"]) / 2**30,
             "rss_after_load_gb": r["rss_loaded"] / GB, "params_gb": r["params"] / GB, "grads_gb": r["grads"] / GB,
             "adam_gb": r["optimizer"] / GB, "activations_gb": r["activations"] / GB, "share_gb": share / GB,
             "target_peak_gb": target_peak / GB, "peak_target_ratio": r["peak"] / target_peak,
@@ -285,7 +331,7 @@ def table(rows: List[dict], extra: dict) -> str:
     return "\n".join(out)
 
 
-def run(size: str = "full") -> List[dict]:
+def run(size: str = "full", tp: int = 2, pp: int = 2) -> List[dict]:
     """Writes the weights, runs the 4 ranks, checks step 1's loss against one process; returns the rows."""
     with tempfile.TemporaryDirectory(prefix="cube-bigmodel-") as tmp:
         folder = Path(tmp) / "weights"
@@ -294,30 +340,37 @@ def run(size: str = "full") -> List[dict]:
         # glibc raises its mmap threshold (up to 32 MiB) after the first large free, and tensors below it
         # then come from heaps that keep freed memory: a fixed threshold returns every freed piece
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
-        ranks = run_rows(Path(__file__), {"nproc": NPROC, "size": size, "weights": str(folder)})
+        # and cube.init() must not raise it again (its default keeps freed memory for speed)
+        os.environ.setdefault("CUBE_CPU_MALLOC", "system")
+        ranks = run_rows(Path(__file__), {"nproc": NPROC, "size": size, "weights": str(folder), "tp": tp, "pp": pp})
         # the reference after the ranks exit, in its own process: it holds the whole model
         out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--reference", "--size", size,
                               "--weights", str(folder)], capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             raise RuntimeError(f"the single-process reference failed:\n{out.stderr[-3000:]}")
         ref = float(out.stdout.strip().splitlines()[-1])
-    rows = [_row(r) for r in sorted(ranks, key=lambda r: r["rank"])]
+    baseline = baseline_rss()
+    rows = [_row(r, baseline) for r in sorted(ranks, key=lambda r: r["rank"])]
     loss = ranks[0]["losses"][0]
     nparams = sum(p.numel() for p in meta_model(size).parameters())
     extra = {"nparams": nparams, "t_compile_s": ranks[0]["t_compile"], "t_write_s": t_write, "loss": loss,
+             "baseline_rss_gib": baseline / 2**30,
              "ref_loss": ref, "loss_rel": abs(loss - ref) / abs(ref),
              "weights_equal_init": all(r["weights_equal_init"] for r in ranks)}
-    print(f"Llama {size}: {SIZES[size]}, tp2 x pp2 on {NPROC} ranks (gloo, CPU), {NMICROS} micro-batches of "
-          f"{MICRO_BATCH}, AdamW, {STEPS} steps")
+    print(f"Llama {size}: {SIZES[size]}, tp{tp} x pp{pp} x dp{NPROC // (tp * pp)} on {NPROC} ranks (gloo, CPU), "
+          f"{NMICROS} micro-batches of {MICRO_BATCH}, AdamW, {STEPS} steps")
     print(table(rows, extra))
+    print(f"baseline (a process that imported torch): {baseline / 2**30:.3f} GiB; peak above it per rank (GiB): "
+          + ", ".join(f"{r['peak_above_baseline_gib']:.3f}" for r in rows) + "; above the rank's RSS after "
+          "compile (imports and plan, no tensors): " + ", ".join(f"{r['peak_above_compiled_gib']:.3f}" for r in rows))
     rows.append({"benchmark": "bigmodel", "name": "summary", **extra,
                  "max_peak_target_ratio": max(r["peak_target_ratio"] for r in rows),
                  "max_load_target_ratio": max(r["load_target_ratio"] for r in rows)})
     return rows
 
 
-def main(quick: bool = False) -> List[dict]:
-    rows = run("quick" if quick else "full")
+def main(quick: bool = False, size: str = None, tp: int = 2, pp: int = 2) -> List[dict]:
+    rows = run(size or ("quick" if quick else "full"), tp, pp)
     summary = rows[-1]
     if summary["loss_rel"] > 1e-4:
         raise RuntimeError(f"step 1's loss {summary['loss']} differs from the single-process one "
@@ -335,7 +388,9 @@ if __name__ == "__main__":
     ap.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cache", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--size", default="full", choices=sorted(SIZES), help=argparse.SUPPRESS)
+    ap.add_argument("--size", default=None, choices=sorted(SIZES), help="the model (default full; --quick: quick)")
+    ap.add_argument("--tp", type=int, default=2, help="tensor parallel degree (tp x pp divides 4)")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline stages")
     ap.add_argument("--weights", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
@@ -343,6 +398,6 @@ if __name__ == "__main__":
     elif a.reference:
         print(reference_loss(a.size, a.weights))
     else:
-        result = main(quick=a.quick)
+        result = main(quick=a.quick, size=a.size, tp=a.tp, pp=a.pp)
         if a.json:
             Path(a.json).write_text(json.dumps(result, indent=1))

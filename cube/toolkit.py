@@ -44,11 +44,13 @@ def context_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
     return context_flow(graph, n) if n > 1 else Flow()
 
 
-def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int], vocab: bool = False) -> Flow:
     """Megatron's tensor parallel plan over ``over`` (column/row linear pairs, attention heads),
-    found from the graph's structure (``cube.ir.follow.megatron_flow``)."""
+    found from the graph's structure (``cube.ir.follow.megatron_flow``). With ``vocab``, also
+    Megatron's vocabulary parallelism: the LM head split over the vocabulary up to a
+    vocabulary-parallel cross entropy (the logits stay split), the input embedding split by rows."""
     n = _size(over)
-    return megatron_flow(graph, n) if n > 1 else Flow()
+    return megatron_flow(graph, n, vocab=vocab) if n > 1 else Flow()
 
 
 def sequence_parallel(graph: IRGraph, tensor: Flow, over: Union[MeshDim, int], dim: int = 1) -> Flow:

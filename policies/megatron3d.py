@@ -19,6 +19,16 @@ ngpus // (tp * pp)``. With ``pp = 1`` it is ``PASHybrid`` with gradient
 accumulation over the micro-batches. ``cp`` (context parallel) and ``ep``
 (expert parallel) take their devices from ``dp``, as Megatron-LM's ranks do
 (order ``pp, dp, cp, tp``: tp innermost, then cp).
+
+``vocab_parallel`` (default True) splits the vocabulary over ``tp`` as Megatron-LM
+does: the LM head by its output rows, its logits kept split up to a
+vocabulary-parallel cross entropy (``cube.runtime.vocab``: all-reduces of each
+row's maximum, sum of exponentials and target logit; backward local), and the
+input embedding (tied or not) by rows. Without it the vocabulary's weights, the
+largest single tensor of a language model, are whole on every tensor-parallel
+rank; ``vocab_parallel=False`` keeps that plan (the loss then runs whole on
+gathered logits), e.g. for a loss the vocabulary split cannot compute (class
+weights, probability targets: those stay whole by themselves).
 """
 from typing import Callable, Optional
 
@@ -47,7 +57,7 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
                 recompute: Recompute = None, sp: bool = False, ep: int = 1,
-                schedule_name: Optional[str] = None, cp: int = 1) -> IRGraph:
+                schedule_name: Optional[str] = None, cp: int = 1, vocab_parallel: bool = True) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -69,6 +79,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         cp: context parallel degree, dividing ``dp``: activations split along the sequence over
             groups of ``cp`` neighbours (inside ``tp``'s), self-attention as ring attention
             (``cube.toolkit.context_parallel``).
+        vocab_parallel: split the LM head, its cross entropy and the input embedding over the
+            vocabulary across ``tp`` (module docstring); False keeps them whole on every tp rank.
 
     Raises:
         ValueError: the degrees do not fit the devices, ``ep`` or ``cp`` does not divide ``dp``,
@@ -86,7 +98,7 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
                          f"but nvirtual={nvirtual}; leave nvirtual out")
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
-    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"], vocab=vocab_parallel)
     if sp:
         tensor = sequence_parallel(graph, tensor, mesh["tp"])
     splits = dict(dp=data, tp=tensor)

@@ -39,7 +39,8 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
 
 
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
-           opt: str = "sgd", build: Optional[Callable] = None, **compile_kw) -> List[Tuple[float, float]]:
+           opt: str = "sgd", build: Optional[Callable] = None, batches: Optional[list] = None,
+           **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
     batch of ``nmicros`` times the sample's batch size (a pipeline plan cuts it into ``nmicros``
     micro-batches; the plain model trains on it whole).
@@ -48,12 +49,13 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         opt: ``"sgd"`` or ``"adamw"``, on both sides.
         build: makes the compiled module's optimizer (e.g. with ``cube.build_optimizer``); it must
             step like ``opt`` (default: ``opt`` on the module's parameters).
+        batches: the ``steps`` global batches to train on (default: random ones shaped like ``sample``).
         compile_kw: passed to ``cube.compile`` (``zero=``, ``precision=``, ...).
 
     Returns:
         Per rank: (largest relative loss error, largest relative parameter-piece error).
     """
-    batches = global_batches(sample, steps, nmicros)
+    batches = batches if batches is not None else global_batches(sample, steps, nmicros)
     make = optimizer(opt)
     ref_losses, ref_params = eager_reference(model, batches, make)
     cache = tempfile.mkdtemp(prefix="cube-parity-")

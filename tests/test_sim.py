@@ -402,3 +402,37 @@ def test_the_readme_simulator_command_runs_on_every_example(example):
     assert "predicted step time" in done.stdout, done.stdout[-3000:]
     ranks = [line.split()[0] for line in done.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert ranks[-4:] == ["0", "1", "2", "3"], done.stdout[-3000:]
+
+
+def test_mixed_precision_memory_follows_autocast():
+    """Under ``precision="bf16"`` a linear's output is counted in bf16, a norm's and the residual
+    stream (float32 input plus a bf16 projection) in float32, and the linear holds autocast's bf16
+    copy of its weight (bigger than every activation here) until its backward."""
+    import cube
+    from cube.ir.operator import IRFwOperation
+    from cube.sim.precision import autocast_dtypes
+
+    class Block(nn.Module):
+        def __init__(self, d=64):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False)
+            self.out = nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x):
+            return (x + self.out(torch.relu(self.fc(self.norm(x))))).sum()
+    model, x = Block(), torch.randn(2, 64)
+    peaks = {}
+    for precision in (None, "bf16"):
+        planned = cube.plan(model, (x,), "PASSingle", 1, precision=precision)
+        if precision:
+            dtypes = autocast_dtypes(planned.graph, precision)
+            by = {op.name: dtypes.get(id(op.outputs[0])) for op in planned.graph.select(ntype=IRFwOperation)}
+            assert by["linear"] == by["relu"] == torch.bfloat16
+            assert by["layer_norm"] == by["add"] == by["sum"] == torch.float32
+        prog, = build_programs(planned.graph, 1, Estimator(), _free_comm(), 0, True, planned.program).values()
+        held = [0]
+        for ins in prog.ins:   # the activations' high-water mark
+            held.append(held[-1] + ins.mem.get("activations", 0))
+        peaks[precision] = max(held)
+    weight = 4 * 64 * 64 * 2   # one weight's bf16 copy
+    assert peaks[None] < weight <= peaks["bf16"]

@@ -31,15 +31,19 @@ def test_sequence_parallel_is_exact(opt):
 
 def test_sequence_parallel_sends_megatron_sp_bytes():
     """Per layer, forward two all-gathers and two reduce-scatters of ``b*s*h`` (backward the
-    same): tensor parallel's two all-reduces each way. Around the layers: the embeddings are
-    whole (their tables are bigger than their outputs), cut into sequence pieces (backward
-    all-gathers their gradients), and the final norm's output is gathered for the whole head;
-    the norm weights' gradients are partial over the sequence pieces and summed over tp."""
+    same): tensor parallel's two all-reduces each way. Around the layers: the token embedding is
+    split over the vocabulary (its lookup all-reduces ``b*s*h`` inside its call, forward only), the
+    position embedding whole (its table is bigger than its output), both cut into sequence pieces
+    (backward all-gathers their gradients); the final norm's output is gathered for the
+    column-parallel LM head (backward reduce-scatters its partial gradient) and the loss all-reduces
+    3 floats per row (maximum, sum of exponentials, target logit); the norm weights' gradients are
+    partial over the sequence pieces and summed over tp."""
     model, sample = build("gpt_nobias")
     cfg, (b, s), n = model.config, sample[0].shape, 2
     h, layers = cfg.n_embd, cfg.n_layer
     act = b * s * h * F32                      # one b*s*h activation
     piece = (n - 1) * act // n                 # a ring all-gather or reduce-scatter of it
+    vocab = 2 * piece + 2 * (n - 1) * b * s * 3 * F32 // n   # the lookup's and the loss's all-reduces
     sp = cube.plan(model, sample, _sp(n), n)
     tp = cube.plan(model, sample, _sp(n, sp=False), n)
     for r in range(n):
@@ -47,10 +51,12 @@ def test_sequence_parallel_sends_megatron_sp_bytes():
         assert kinds.count("reduce_scatter") == 2 * layers and "all_reduce" not in kinds
         assert kinds.count("all_gather") == 2 * layers + 1   # and the head's
         got, base = step_bytes(sp.program.plans[r]), step_bytes(tp.program.plans[r])
-        assert base == {"forward": 2 * layers * 2 * piece, "backward": 2 * layers * 2 * piece, "gradients": 0}
+        assert base == {"forward": 2 * layers * 2 * piece + vocab,
+                        "backward": 2 * layers * 2 * piece + 2 * piece,             # + the LM head's input
+                        "gradients": 0}
         assert got == {
-            "forward": 4 * layers * piece + piece,                                    # + the head's gather
-            "backward": 4 * layers * piece + piece + (n - 1) * s * h * F32 // n,      # + the embeddings' chunks
+            "forward": 4 * layers * piece + piece + vocab,                            # + the head's gather
+            "backward": 4 * layers * piece + piece + piece + (n - 1) * s * h * F32 // n,   # + the embeddings' chunks
             "gradients": (2 * layers + 1) * 2 * (n - 1) * h * F32 // n}               # the norm weights
 
 
@@ -126,8 +132,10 @@ def test_mesh_factor_keeps_the_device_order():
 
 def test_sequence_parallel_on_hf_llama_is_exact_at_megatron_sp_cost():
     """RMS norms, rotary embeddings, grouped-query attention: the same reduce-scatters and
-    all-gathers; around the layers the embedding's output is cut (its gradient gathered) and the
-    final norm's gathered for the head, whose logits the loss reads whole."""
+    all-gathers; around the layers the embedding, split over the vocabulary, all-reduces its output
+    (forward only) which is cut (its gradient gathered), and the final norm's output is gathered
+    for the column-parallel head (its partial gradient reduce-scattered), whose logits the loss
+    reads split (3 floats per row all-reduced)."""
     model, sample = build("hf_llama")
     assert_exact(parity(model, sample, _sp(), 2, steps=2))
     cfg, (b, s), n = model.model.config, sample[0].shape, 2
@@ -135,8 +143,9 @@ def test_sequence_parallel_on_hf_llama_is_exact_at_megatron_sp_cost():
     layers = cfg.num_hidden_layers
     plan = cube.plan(model, sample, _sp(n), n)
     for r in range(n):
+        vocab = 2 * piece + 2 * (n - 1) * b * s * 3 * F32 // n
         assert step_bytes(plan.program.plans[r]) == {
-            "forward": 4 * layers * piece + piece, "backward": 4 * layers * piece + piece,
+            "forward": 4 * layers * piece + piece + vocab, "backward": 4 * layers * piece + 2 * piece,
             "gradients": (2 * layers + 1) * 2 * (n - 1) * cfg.hidden_size * F32 // n}
 
 

@@ -119,6 +119,10 @@ class _Emitter:
             fn, args, kwargs = call.inside.fn, list(call.inside.args), call.inside.kwargs
             if fn is None:
                 fn, args = _target_str(args[0]), args[1:]
+            if call.inside.counts:   # a mean loss's piece: the global count, or who sums it
+                count = self.counts.get(id(call))
+                kwargs = dict(kwargs, **({"count": count} if count is not None else
+                                         {"count_ranks": tuple(call.term_ranks)} if call.term_ranks else {}))
         else:
             fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
             if call.defer_wgrad and fn is None:

@@ -34,12 +34,11 @@ def _name(t) -> str:
 
 def sent_bytes(call: Call) -> int:
     """Bytes this rank sends in forward for a step (ring algorithms for collectives, as NCCL and
-    gloo use at these sizes; a piece communicating inside its call: its point-to-point messages);
-    0 for another op piece or a local step."""
+    gloo use at these sizes; a piece communicating inside its call: its point-to-point messages and
+    all-reduces); 0 for another op piece or a local step."""
     s = call.step
-    if s is None:   # a piece communicating inside its call: its messages and any reordering
-        inside = call.inside
-        return 0 if inside is None else sum(b for _, b in inside.p2p) + sum(b for _, b, _ in inside.reorder)
+    if s is None:   # a piece communicating inside its call
+        return _inside_bytes(call, "f")
     value = call.inputs[0] if call.inputs else call.outputs[0]
     if s.kind == "send":
         return 0 if s.grad == "only" else math.prod(e - b for b, e in s.box) * value.dtype.itemsize
@@ -49,6 +48,22 @@ def sent_bytes(call: Call) -> int:
     n, nbytes = len(s.ranks), math.prod(out.shape) * out.dtype.itemsize
     return {"all_reduce": 2 * (n - 1) * nbytes // n, "all_gather": (n - 1) * nbytes // n,
             "reduce_scatter": (n - 1) * nbytes, "all_to_all": (n - 1) * nbytes // n}[s.kind]
+
+
+def _inside_bytes(call: Call, way: str) -> int:
+    """Bytes a piece communicating inside its call (``cube.passes.inside``) sends in forward (``"f"``)
+    or backward (``"b"``): its messages (a halo's backward sends back what it received), any
+    reordering, and its all-reduces (ring algorithm), as ``cube.sim.program`` counts them."""
+    inside = call.inside
+    if inside is None:
+        return 0
+    if way == "f":
+        p2p, k, ar = inside.p2p, 1, inside.all_reduce
+    else:
+        p2p = inside.bw_p2p if inside.bw_p2p is not None else inside.recvs
+        k, ar = 2, inside.all_reduce if inside.bw_all_reduce is None else inside.bw_all_reduce
+    ring = _ring("all_reduce", len(inside.groups[0]), ar) if ar and inside.groups else 0
+    return sum(b for _, b in p2p) + sum(r[k] for r in inside.reorder) + ring
 
 
 def _ring(kind: str, n: int, nbytes: int) -> int:
@@ -67,6 +82,8 @@ def backward_bytes(call: Call) -> int:
     """Bytes this rank sends in backward for a step (the adjoint of its forward, as
     ``cube.sim.program`` times it); 0 for an op piece, a local step or a value without a gradient."""
     s = call.step
+    if s is None and call.inside is not None:
+        return _inside_bytes(call, "b") if any(t.requires_grad for t in call.op.outputs) else 0
     if s is None or not call.outputs or s.grad == "none" or not call.outputs[0].requires_grad:
         return 0
     out, n = call.outputs[0], len(s.ranks)

@@ -12,6 +12,8 @@ Grammar (one group per tensor input, ``->``, one group per tensor output)::
 - ``h~`` may be split, but a piece then reads more than its block (a convolution's
   halo) or needs statistics of the whole: it communicates inside its own call
   (``OpInfo.inside`` in ``cube.ir.ops`` names how, ``cube.passes.inside`` plans it);
+  an output without ``h`` is then whole on every piece (a vocabulary-parallel
+  loss or embedding lookup sums over the group inside its call);
 - ``(h d)`` is one dimension that is a merge of ``h`` and ``d``; splitting it
   splits along ``h`` (the outer factor), so inner factors are never splittable;
 - ``1`` is a size-1 dimension that is never split; an empty group is a scalar.

@@ -68,6 +68,11 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             choice = start[id(op)]
         elif id(op) in out.splits:
             choice = out.splits[id(op)][1:]
+            if _ends_inside(op, *choice):   # its outputs are whole: a split of another dim goes on through it
+                other = _choose(op, out, num)
+                if other is not None:
+                    _carry(op, *other, out.tracked)
+                continue
         else:
             choice = _choose(op, out, num)
             if choice is not None and whole is not None and whole(op):
@@ -156,11 +161,18 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     return follow(graph, seeds, num, start=start)
 
 
-def megatron_flow(graph: IRGraph, num: int) -> Flow:
+def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
     """Megatron's plan found from structure: column-split a linear whose input is whole
     when its output features reach, through ops that can carry the split (activations,
     head reshapes, attention), an op that sums them away (a row linear, a reduction).
     Linears whose split would hit an op that cannot carry it stay whole.
+
+    With ``vocab``, Megatron's vocabulary parallelism too: a column split may also end in
+    an op that sums it away inside its call (``~``: the LM head's logits split over the
+    vocabulary up to a vocabulary-parallel cross entropy, ``OpInfo.inside="vocab_loss"``),
+    and every embedding whose table has as many rows as such a loss has classes (the
+    input embedding, tied to the LM head or not) is split along its rows
+    (``"vocab_lookup"``), so no rank holds a whole copy of the vocabulary's weights.
 
     Each linear's trial follows its split only through the ops that read what it
     splits (what ``follow`` from that linear would change), so the whole search
@@ -174,13 +186,26 @@ def megatron_flow(graph: IRGraph, num: int) -> Flow:
         col = _column(op)
         if col is None or not op.algorithms("dim").satisfy(*col, num):
             continue
-        trial = _trial(readers, flow, op, col, num)
+        trial = _trial(readers, flow, op, col, num, inside_ends=vocab)
         if trial is not None:
             splits, tracked, reduced = trial
             flow.splits.update(splits)
             flow.tracked.update(tracked)
             flow.reduced.extend(reduced)
+    if vocab:
+        _vocab_embeddings(readers.ops, flow, num)
     return flow
+
+
+def _vocab_embeddings(ops: List[IRFwOperation], flow: Flow, num: int) -> None:
+    """Adds to ``flow`` the row split of every embedding whose table has as many rows as a loss the
+    flow splits along its classes (inside its call) has classes."""
+    classes = {op.inputs[idx].shape[dim] for op, idx, dim in flow.splits.values()
+               if op_info(op.name).inside == "vocab_loss"}
+    for op in ops:
+        if op_info(op.name).inside == "vocab_lookup" and id(op) not in flow.splits and \
+                op.inputs[0].shape[0] in classes and op.algorithms("dim").satisfy(0, 0, num):
+            flow.splits[id(op)] = (op, 0, 0)
 
 
 def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
@@ -276,13 +301,23 @@ class _Overlay:
         self.tracked = ChainMap(tracked, flow.tracked)
 
 
-def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, int], num: int):
+def _ends_inside(op: IRFwOperation, idx: int, dim: int) -> bool:
+    """Whether splitting ``op`` at ``(idx, dim)`` ends the split inside its call: a ``~`` factor no
+    output carries (the call makes them whole)."""
+    factor = op.anno.inputs[idx][dim].head
+    return factor.inside and not any(d.head is not None and d.head.name == factor.name
+                                     for g in op.anno.outputs for d in g)
+
+
+def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, int], num: int,
+           inside_ends: bool = False):
     """Follows a column split of ``start`` through the ops that read the tensors it splits.
 
     Gives what ``follow(graph, {}, num, flow, start={id(start): col})`` would add
     to ``flow``, visiting only the ops it can change: ``(splits, tracked,
-    reduced)`` when the split ends in a sum or joins one of ``flow``'s splits,
-    None when it would stop at an op that cannot carry it (or goes nowhere).
+    reduced)`` when the split ends in a sum (with ``inside_ends``, also one made
+    inside an op's call) or joins one of ``flow``'s splits, None when it would
+    stop at an op that cannot carry it (or goes nowhere).
     """
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = {}
     tracked: Dict[int, int] = {}
@@ -302,10 +337,14 @@ def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, 
             choice = _choose(op, view, num)
             if choice is None:        # reads the split but cannot carry it
                 return None
+        if op is not start and _ends_inside(op, *choice) and not inside_ends:
+            return None
         splits[id(op)] = (op, *choice)
         made: Dict[int, int] = {}
         if _carry(op, *choice, made):
             reduced.append(op)
+        elif op is not start and _ends_inside(op, *choice):
+            joins = True
         tracked.update(made)
         for t in made:
             for j in readers.of.get(t, ()):

@@ -10,7 +10,8 @@ annotation and the partitions that made the piece:
 
 - a split of factor ``f`` narrows every dim whose head is ``f``;
 - an output without ``f`` where ``f`` is a reduction (``f+``) becomes a partial
-  sum: the split enters its term;
+  sum: the split enters its term; where ``f`` communicates inside the call
+  (``f~``) it is whole on every piece (the call made it whole);
 - an input without ``f`` is read whole by every piece, so each piece's
   gradient for it is one term of a sum (the split enters its *contribution*
   term, which decides the backward communication).
@@ -134,6 +135,8 @@ def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayou
                     continue
                 if is_out:
                     ident = anno.ident(factor)
+                    if ident.inside:   # the piece's call completes it over its group
+                        continue
                     if not ident.reduce:
                         raise CubeInternalError(f"output {k} of {op!r} lacks the split factor {factor!r}")
                 terms[k].append((level, factor, i, n))

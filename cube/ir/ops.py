@@ -42,6 +42,13 @@ class OpInfo:
         mean_loss: a mean over every element (``mse_loss``): pieces divide by the global size.
         saves_output: autograd keeps its output for backward (else a partial sum it made may
             be summed in place).
+        saves_inputs: autograd keeps its float inputs for backward (False: its gradient needs
+            only their shapes: ``add``, ``sub``, casts and copies); what the simulator's estimates
+            hold when no profile says.
+        autocast: what ``torch.autocast`` (CUDA's lists) makes of its float outputs: ``"low"`` the
+            autocast dtype (matrix products, convolutions, attention), ``"fp32"`` float32
+            (normalizations, softmax, losses, reductions, exp/log), ``"cast"`` the dtype it names
+            (``.to(dtype)``, ``.float()``); None: the widest of its float inputs.
         inside: how a piece split along a ``~`` factor of its annotation communicates inside its
             own call: ``"halo"`` (it reads a window of its input, exchanged with its neighbours:
             convolutions, pooling), ``"halo_transposed"`` (a window, then its block cropped out of
@@ -49,7 +56,10 @@ class OpInfo:
             at the global coordinates: bilinear upsampling), ``"stats"`` (it normalizes by
             statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
             sample and group summed over its group: group and instance norm), ``"ring"`` (key/value
-            blocks passed around a ring of ranks: attention split along the sequence); a row of
+            blocks passed around a ring of ranks: attention split along the sequence),
+            ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
+            range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
+            along its classes sums the logits' statistics over its group); a row of
             ``cube.passes.inside.KINDS``.
     """
 
@@ -66,6 +76,8 @@ class OpInfo:
     mean_loss: bool = False
     saves_output: bool = True
     inside: Optional[str] = None
+    saves_inputs: bool = True
+    autocast: Optional[str] = None
 
 
 _ROWS: Dict[str, OpInfo] = {}
@@ -87,7 +99,7 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
-_add("embedding", rule="embedding")
+_add("embedding", rule="embedding", inside="vocab_lookup")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")
 _add("batch_norm", rule="batch_norm", inside="stats")
@@ -101,6 +113,7 @@ _add("max_pool2d_with_indices adaptive_max_pool2d", rule="pool")
 _add("sum mean", rule="sum_rule")
 _add("amax amin max min argmax logsumexp norm", rule="max_rule")
 _add("cross_entropy_loss nll_loss", rule="loss")
+_add("cross_entropy_loss", inside="vocab_loss")
 _add("mse_loss l1_loss smooth_l1_loss", rule="pointwise_loss")
 _add("softmax _softmax log_softmax _log_softmax cumsum", rule="along_dim")
 _add("triu tril", rule="along_last_two")
@@ -129,6 +142,15 @@ _add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze s
 unflatten flatten split chunk unbind narrow as_strided view_as expand_as""", alias=True)
 _add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
 _add("conv_transpose1d conv_transpose2d conv_transpose3d", saves_output=False)
+_add("""add add_ sub sub_ neg clone contiguous alias detach detach_ lift_fresh_copy to _to_copy cat concat stack
+pad constant_pad_nd zeros_like ones_like full_like empty_like fill fill_ zero zero_ sum""", saves_inputs=False)
+
+# mixed precision (torch.autocast's op lists, CUDA)
+_add("""linear addmm matmul mm bmm baddbmm einsum conv1d conv2d conv3d convolution conv_transpose1d conv_transpose2d
+conv_transpose3d scaled_dot_product_attention prelu""", autocast="low")
+_add("""layer_norm group_norm norm softmax _softmax log_softmax _log_softmax cumsum exp log log1p rsqrt reciprocal pow
+sum prod softplus cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss""", autocast="fp32")
+_add("to _to_copy", autocast="cast")
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)

@@ -33,6 +33,8 @@ class IRTensor:
         hint: a readable name hint (the fx node name); printing may uniquify it.
         names: for parameters and buffers, the user's dotted names (tied weights
             have several, the first is canonical).
+        part_of: for a rank's local value made by communication (a received box, a gathered
+            or summed copy), the logical tensor it holds a part of; None for a logical tensor.
     """
 
     shape: Tuple[int, ...]
@@ -41,6 +43,12 @@ class IRTensor:
     kind: TensorKind = TensorKind.ACTIVATION
     hint: str = "t"
     names: Tuple[str, ...] = field(default=())
+    part_of: Optional["IRTensor"] = field(default=None, repr=False)
+
+    @property
+    def logical(self) -> "IRTensor":
+        """The logical tensor this value is (a part of)."""
+        return self.part_of if self.part_of is not None else self
 
     @property
     def ndim(self) -> int:

@@ -9,7 +9,9 @@ the planner below). The planner decides everything the call needs, as data:
 for each split factor the ranks of its group in block order and this rank's
 position, the windows each block reads, the op's arguments for one piece;
 and what moves (bytes to each neighbour, bytes all-reduced) for the
-simulator and the report. Ring attention (``"ring"``) is one more kind.
+simulator and the report. Ring attention (``"ring"``) is one more kind, and so are
+Megatron's vocabulary-parallel embedding and cross entropy (``"vocab_lookup"``,
+``"vocab_loss"``), whose outputs lack the split factor: whole on every piece.
 """
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ class Inside:
             same amounts back.
         recvs: ``(peer, bytes)`` this rank receives from each neighbour in forward (and sends back
             in backward).
-        all_reduce: bytes all-reduced over ``groups[0]`` in forward (and again in backward).
+        all_reduce: bytes all-reduced over ``groups[0]`` in forward (and again in backward, unless
+            ``bw_all_reduce`` says otherwise).
+        bw_all_reduce: bytes all-reduced over ``groups[0]`` in backward, where not ``all_reduce``
+            (a vocabulary-parallel piece: 0, its backward is local); None: ``all_reduce``.
         bw_p2p, bw_recvs: backward's ``(peer, bytes)`` sent and received, where backward is not
             forward's messages the other way (ring attention sends on around the ring); None: it is.
         reorder: ``(peer, forward bytes, backward bytes)`` sent to put blocks in another order and
@@ -49,6 +54,8 @@ class Inside:
             of the compute (a ring's steps); 1: all before the compute (a halo).
         work: the piece's compute relative to the op on its blocks alone (a ring rank's queries
             meet every key block: the number of blocks).
+        counts: a mean loss over valid targets: the generated code passes the global count
+            (``count=``) or the ranks whose pieces of the batch sum it (``count_ranks=``).
     """
 
     fn: Optional[str]
@@ -64,6 +71,8 @@ class Inside:
     reorder_recvs: Tuple[Tuple[int, int, int], ...] = ()
     rounds: int = 1
     work: float = 1.0
+    bw_all_reduce: Optional[int] = None
+    counts: bool = False
 
 
 def _inside_splits(p: IROperator) -> List[Tuple[int, str, int, int]]:
@@ -264,9 +273,45 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
                   reorder=tuple(reorder), reorder_recvs=tuple(reorder_recvs), rounds=n - 1, work=float(n))
 
 
+def _vocab_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
+    """The ranks of a piece split along its vocabulary (the one ``~`` factor), in block order."""
+    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    ranks = group_of(by, r, (f,))
+    if len(ranks) != _position(op, f)[1]:
+        raise CubeInternalError(f"{op.name} ({op.root.where()}): group {ranks} of "
+                                f"{_position(op, f)[1]} blocks along {f!r}")
+    return ranks
+
+
+def _vocab_lookup(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """An embedding holding a block of its table's rows (``cube.runtime.vocab.embedding``): the ids
+    in its range looked up, the pieces' outputs summed by one all-reduce; backward is local."""
+    ranks = _vocab_group(op, by, r)
+    out = math.prod(box_shape(layout.outputs[0])) * op.root.outputs[0].dtype.itemsize
+    return Inside("runtime.vocab.embedding", tuple(op.args), dict(op.kwargs, ranks=ranks, start=layout.inputs[0][0][0]),
+                  groups=(ranks,), all_reduce=out, bw_all_reduce=0)
+
+
+def _vocab_loss(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """A cross entropy holding a block of the classes (``cube.runtime.vocab.cross_entropy``): per row
+    one all-reduce of the maximum, one of the sum of exponentials and the target's logit (and the sum
+    of logits under label smoothing), in float32; backward is local."""
+    root = op.root
+    ranks = _vocab_group(op, by, r)
+    names = [a.name for a in root.target._schema.arguments]
+    arg = dict(zip(names, root.args), **root.kwargs)
+    rows = math.prod(box_shape(layout.inputs[1]))
+    stats = 3 + (1 if arg.get("label_smoothing", 0.0) else 0)   # max, sum of exp, target's logit, sum
+    return Inside("runtime.vocab.cross_entropy", tuple(op.args),
+                  dict(op.kwargs, ranks=ranks, start=layout.inputs[0][1][0], classes=root.inputs[0].shape[1]),
+                  groups=(ranks,), all_reduce=rows * stats * 4, bw_all_reduce=0,
+                  counts=arg.get("reduction", 1) == 1)
+
+
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
     "halo": _halo, "stats": _stats, "ring": _ring,
     "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
+    "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss,
 }
 
 

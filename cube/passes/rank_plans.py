@@ -290,7 +290,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
 def _moved(t: IRTensor, box: Box, suffix: str) -> IRTensor:
     """The local value a communication step makes from ``t``: ``box`` of it, named after it."""
     return IRTensor(box_shape(box), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
-                    f"{t.name.replace('.', '_') if t.name else t.hint}_{suffix}")
+                    f"{t.name.replace('.', '_') if t.name else t.hint}_{suffix}", part_of=t.logical)
 
 
 _SHORT = {"all_reduce": "sum", "reduce_scatter": "rs", "all_gather": "ag", "all_to_all": "a2a",
@@ -390,12 +390,12 @@ def _emit_exchange(t: IRTensor, takes: Dict[int, List[Take]], where, calls: Dict
                     value = t
                 else:
                     value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad,
-                                     TensorKind.ACTIVATION, f"{name}_part")
+                                     TensorKind.ACTIVATION, f"{name}_part", part_of=t.logical)
                     calls[r].append(Call([t], [value], step=Step("region", (r,), box=k.region, part=k.part,
                                                                  grad=k.grad)))
             else:
                 value = IRTensor(box_shape(k.region), t.dtype, t.requires_grad, TensorKind.ACTIVATION,
-                                 f"{name}_from{k.src}")
+                                 f"{name}_from{k.src}", part_of=t.logical)
                 calls[r].append(Call([], [value], step=Step("recv", (k.src, r), box=k.region, tag=k.tag,
                                                             grad=k.grad)))
             for q, tag, _ in k.also:

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 from cube.ir.ops import flops as op_flops
 from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
-from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
+from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
 from cube.sim.hardware import Hardware
 
 PRECISION_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
@@ -76,6 +76,10 @@ class DeviceCosts(Estimator):
         per_param = float(self.hw.device.get("optimizer_bytes_per_param", 28))
         # multi-tensor AdamW: a few kernels per group of tensors, bound by memory
         return 4 * self.launch * max(1, len(numels) // 32) + sum(numels) * per_param / self.hw.memory_rate
+
+    def optimizer_workspace(self, numels: Sequence[int]) -> int:
+        """AdamW's temporaries as its multi-tensor (``foreach``) step on a GPU makes them."""
+        return adamw_workspace(numels, foreach=True)
 
     def copy_cost(self, nbytes: int) -> float:
         return self.launch + 2 * nbytes / self.hw.memory_rate

@@ -4,7 +4,8 @@ A cost model answers three questions (the ``Profiler`` measures, the others esti
 
 - ``op_cost(call)``: an op piece's forward and backward seconds at its local
   shapes, and which of its tensors autograd keeps for backward (``OpCost``);
-- ``optimizer_cost(numels)``: seconds of one AdamW step over tensors of these sizes;
+- ``optimizer_cost(numels)``: seconds of one AdamW step over tensors of these sizes, and
+  ``optimizer_workspace(numels)``: the bytes of the temporaries it allocates while it runs;
 - ``copy_cost(nbytes)``: seconds to copy that many bytes (flattening buckets, chunks).
 """
 from __future__ import annotations
@@ -44,6 +45,16 @@ class OpCost:
     @staticmethod
     def from_json(d: dict) -> "OpCost":
         return OpCost(d["fw"], d["bw"], tuple(tuple(s) for s in d["saved"]), tuple(d["alias"]), d["measured"])
+
+
+def adamw_workspace(numels: Sequence[int], foreach: bool, itemsize: int = 4) -> int:
+    """Bytes of the temporaries ``torch.optim.AdamW`` allocates during its step: the ``foreach``
+    implementation (torch's default for CUDA tensors) makes ``sqrt(exp_avg_sq)`` for every tensor of
+    the group at once (one state-sized tensor each); the single-tensor loop (CPU) makes it and its
+    quotient for one tensor at a time (two of the largest)."""
+    if not numels:
+        return 0
+    return itemsize * (sum(numels) if foreach else 2 * max(numels))
 
 
 def local_shapes(call: Call):
@@ -91,7 +102,8 @@ class Estimator:
         is_view = op_info(op.name).alias   # a view of input 0: no new memory
         grad = needs_grad(call)
         fw = self.forward_seconds(op, ins, outs, is_view)
-        saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and not is_view and grad)
+        keeps = op_info(op.name).saves_inputs and not is_view and grad
+        saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and keeps)
         alias = tuple(0 if is_view else -1 for _ in op.outputs)
         return OpCost(fw, self.backward_factor * fw if grad else 0.0, saved, alias, measured=False)
 
@@ -106,6 +118,10 @@ class Estimator:
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         return len(numels) * self.launch * 4 + sum(numels) / self.adam_rate
+
+    def optimizer_workspace(self, numels: Sequence[int]) -> int:
+        """AdamW's temporaries as its single-tensor loop makes them (a CPU's)."""
+        return adamw_workspace(numels, foreach=False)
 
     def copy_cost(self, nbytes: int) -> float:
         return 2 * nbytes / self.mem_rate
@@ -140,6 +156,9 @@ class FixedCosts:
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         return self.optimizer
+
+    def optimizer_workspace(self, numels: Sequence[int]) -> int:
+        return 0
 
     def copy_cost(self, nbytes: int) -> float:
         return nbytes / self.copy_rate if self.copy_rate else 0.0

@@ -31,7 +31,7 @@ from cube.codegen.local import local_call
 from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.rank_plans import Call
-from cube.sim.costs import Estimator, OpCost, local_shapes, needs_grad
+from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
 from cube.sim.store import JsonStore, default_path
 
 log = logging.getLogger("cube")
@@ -130,6 +130,10 @@ class Profiler:
         per-element rate, measured once per device."""
         per_tensor, per_elem = self._adam_rates()
         return len(numels) * per_tensor + sum(numels) * per_elem
+
+    def optimizer_workspace(self, numels: Sequence[int]) -> int:
+        """AdamW's temporaries on this device: ``foreach`` on a GPU, the single-tensor loop on a CPU."""
+        return adamw_workspace(numels, foreach=self.device.type != "cpu")
 
     def copy_cost(self, nbytes: int) -> float:
         return nbytes * self._copy_rate()

@@ -13,7 +13,9 @@ waits for them, then the optimizer steps (with ZeRO's gathers). Memory changes
 are attached to the instructions that cause them (``cube.sim.memory``); the
 instructions are those of ``cube.sim.instructions``. Under a schedule, an action a
 micro-batch reaches after the same actions as an earlier one is replayed from it
-(``cube.sim.replay``).
+(``cube.sim.replay``). Under mixed precision activations take the dtypes autocast
+gives them and low-precision ops hold cast copies of their weights
+(``cube.sim.precision``).
 """
 from __future__ import annotations
 
@@ -21,17 +23,21 @@ import math
 from dataclasses import replace
 from typing import Dict, Hashable, List, Optional
 
+import torch
+
 from cube.ir.graph import IRGraph
 from cube.ir.layout import box_shape
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.rank_plans import Call
 from cube.passes.program import DEFERRABLE, RankProgram, last_uses
+from cube.runtime.amp import DTYPES
 from cube.runtime.pipeline import parse_action
 from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, nbytes_of
 from cube.sim.memory import MemTracker
+from cube.sim.precision import autocast_dtypes, casts_weights
 from cube.sim.replay import MicroState, Replays
 from cube.sim.step_end import StepEnd
 
@@ -47,9 +53,12 @@ class Builder(Writer, StepEnd):
         costs: the compute cost model (``op_cost``, ``optimizer_cost``, ``copy_cost``).
         comm: the communication model (``cost(kind, nbytes, n)``).
         zero: the ZeRO stage (0-3).
+        dtypes: ``autocast_dtypes(graph, graph.precision)`` when already known (every rank's
+            builder shares it).
     """
 
-    def __init__(self, graph: IRGraph, program: RankProgram, costs, comm, zero: int = 0):
+    def __init__(self, graph: IRGraph, program: RankProgram, costs, comm, zero: int = 0,
+                 dtypes: Optional[Dict[int, torch.dtype]] = None):
         super().__init__(costs, comm)
         plan = program.plan
         self.graph, self.plan, self.zero = graph, plan, zero
@@ -79,6 +88,11 @@ class Builder(Writer, StepEnd):
         self.gathers: Dict[int, Hashable] = {}    # ZeRO-3 shard index -> comm item
         self.held = actions is not None
         self.micros: Dict[int, MicroState] = {}   # micro-batch -> its values' memory and deferred work
+        precision = getattr(graph, "precision", None)
+        if dtypes is None:
+            dtypes = autocast_dtypes(graph, precision)
+        self.dtypes = dtypes   # activation id -> dtype under autocast
+        self.cast_itemsize = DTYPES[precision].itemsize if precision else 0   # autocast's copies of weights
         self.replays = Replays(self)
 
     def _lay_out(self, program: RankProgram) -> None:
@@ -113,6 +127,10 @@ class Builder(Writer, StepEnd):
     def is_attr(self, t: IRTensor) -> bool:
         return id(t) in self.attrs
 
+    def dtype_of(self, t: IRTensor):
+        """The dtype ``t`` (a logical tensor or a part of one) has when the rank runs (autocast's)."""
+        return self.dtypes.get(id(t.logical), t.dtype)
+
     # ------------------------------------------------------------------ forward
     def forward(self, micro: int, stage: Optional[int] = None, cat: str = "forward") -> None:
         if self.zero == 3 and not self.gathers and self.sharded:
@@ -142,6 +160,8 @@ class Builder(Writer, StepEnd):
                 if not self.is_attr(t):
                     mem.release(self.vkey(t))
             self.settle()
+        mem.release_all(("autocast", ""))   # the forward call's cast cache goes
+        self.settle()
 
     def fw_call(self, i: int, call: Call, micro: int, cat: str, keep_saved: bool) -> None:
         if call.op is None:
@@ -169,9 +189,13 @@ class Builder(Writer, StepEnd):
                 mem.alias(key(id(o)), key(base))
             elif nbytes is not None:
                 mem.alloc(key(id(o)), nbytes)
+        holder = ("saved", i, tag)
+        if self.cast_itemsize:
+            casts = self._casts(call)
+            if casts:
+                self.cast_weights(mem, casts, holder if keep_saved and self._needs_grad(call) else None)
         if not keep_saved:
             return
-        holder = ("saved", i, tag)
         for n, vid, nbytes in saved:
             if vid is not None:
                 mem.hold(key(vid), holder)
@@ -209,6 +233,35 @@ class Builder(Writer, StepEnd):
         got = self._statics[i] = (_label(op), cost.fw, tuple(outs), tuple(saved))
         return got
 
+    def cast_weights(self, mem: MemTracker, casts: tuple, saved) -> None:
+        """Autocast's low-precision copy of each float32 parameter piece the call reads (``casts``:
+        ``_casts``), in the micro-batch's tracker ``mem``: made once per forward call (its cache,
+        holder ``("autocast", tag)``), held until the call returns and, by ``saved``, until the op's
+        backward. Only the micro-batch's own memory changes, so a replayed action repeats it."""
+        tag = self.tag
+        cache = ("autocast", tag)
+        for vid, nbytes in casts:
+            key = ("cast", vid, tag)
+            if not mem.alive(key):
+                mem.alloc(key, nbytes, holder=cache)
+            if saved is not None:
+                mem.hold(key, saved)
+
+    def _casts(self, call: Call) -> tuple:
+        """The float32 parameter pieces autocast casts for op piece ``call``: (id, bytes of the copy)."""
+        return self._once(call, "casts", self._find_casts)
+
+    def _find_casts(self, call: Call) -> tuple:
+        if not casts_weights(call.op):
+            return ()
+        out = []
+        for k in range(len(call.op.inputs)):
+            v = self.input_value(call, k)
+            if not self.is_attr(v) or v.kind is not TensorKind.PARAM or v.dtype != torch.float32:
+                continue
+            out.append((id(v), self.attr_bytes[id(v)] // 4 * self.cast_itemsize))
+        return tuple(out)
+
     def inside_comm(self, call: Call, micro: int, cat: str, way: str, dur: float) -> None:
         """A piece communicating inside its call (``cube.passes.inside``) and its ``dur`` of compute:
         its messages (point to point; a halo's go the other way in backward), in ``rounds`` rounds
@@ -245,8 +298,9 @@ class Builder(Writer, StepEnd):
             self.send(((me, peer), tag + ("back",), micro, way), nbytes[k - 1] - nbytes[k - 1] // 2, cat)
         for peer, *_ in inside.reorder_recvs:
             self.recv(((peer, me), tag + ("back",), micro, way), cat)
-        if inside.all_reduce and inside.groups:
-            self.coll("all_reduce", inside.groups[0], inside.all_reduce, cat)
+        nbytes = inside.all_reduce if way == "f" or inside.bw_all_reduce is None else inside.bw_all_reduce
+        if nbytes and inside.groups:
+            self.coll("all_reduce", inside.groups[0], nbytes, cat)
 
     def fw_step(self, call: Call, micro: int, cat: str) -> None:
         s = call.step
@@ -255,9 +309,10 @@ class Builder(Writer, StepEnd):
             return
         if s.kind == "send":
             if s.grad != "only":   # a gradient-only link sends nothing forward
-                self.send((s.ranks, s.tag, micro, "f"), nbytes_of(box_shape(s.box), call.inputs[0].dtype), cat)
+                nbytes = nbytes_of(box_shape(s.box), self.dtype_of(call.inputs[0]))
+                self.send((s.ranks, s.tag, micro, "f"), nbytes, cat)
         elif s.kind == "assemble":
-            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "assemble", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, self.dtype_of(out))), "assemble", cat)
         elif s.kind == "recv":
             self.recv((s.ranks, s.tag, micro, "f"), cat)
         elif s.kind == "gather":
@@ -266,12 +321,12 @@ class Builder(Writer, StepEnd):
                 if src != me:
                     self.recv(((src, me), tag, micro, "f"), cat)
             local = sum(math.prod(box_shape(place)) for src, _, _, place, _, _ in s.takes if src == me)
-            self.compute(self.costs.copy_cost(local * out.dtype.itemsize), "gather", cat)
+            self.compute(self.costs.copy_cost(local * self.dtype_of(out).itemsize), "gather", cat)
         elif s.kind in COLLECTIVES:
-            nbytes = nbytes_of(out.shape, out.dtype) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
+            nbytes = nbytes_of(out.shape, self.dtype_of(out)) * (len(s.ranks) if s.kind == "reduce_scatter" else 1)
             self.coll(s.kind, s.ranks, nbytes, cat)
         elif s.kind == "chunk":
-            self.compute(self.costs.copy_cost(nbytes_of(out.shape, out.dtype)), "chunk", cat)
+            self.compute(self.costs.copy_cost(nbytes_of(out.shape, self.dtype_of(out))), "chunk", cat)
         if out is None:
             return
         if self.tag:
@@ -281,7 +336,7 @@ class Builder(Writer, StepEnd):
         if s.kind in ("identity_all_reduce", "narrow", "region", "grad_to", "detach"):
             mem.alias(self.vkey(out), self.vkey(call.inputs[0]))
         else:
-            mem.alloc(self.vkey(out), nbytes_of(out.shape, out.dtype))
+            mem.alloc(self.vkey(out), nbytes_of(out.shape, self.dtype_of(out)))
 
     # ------------------------------------------------------------------ backward
     def backward(self, micro: int, stage: Optional[int] = None) -> None:
@@ -336,6 +391,7 @@ class Builder(Writer, StepEnd):
         mem = self.micros[micro].mem
         for t in self.re_values:   # only what autograd saved stays
             mem.release(self.vkey(t))
+        mem.release_all(("autocast", "re"))   # the recompute's cast cache goes (saved copies stay)
         self.settle()
 
     def bw_step(self, call: Call, micro: int) -> None:
@@ -349,13 +405,13 @@ class Builder(Writer, StepEnd):
         out = call.outputs[0]
         if s.grad == "none" or not out.requires_grad:
             return
-        nbytes, n = nbytes_of(out.shape, out.dtype), len(s.ranks)
+        nbytes, n = nbytes_of(out.shape, self.dtype_of(out)), len(s.ranks)
         if s.kind in ("recv", "grad_to"):
             self.send((s.ranks, s.tag, micro, "b"), nbytes, "backward")
         elif s.kind == "gather":
             me = s.ranks[0]
             for src, tag, _, place, back, links in s.takes:
-                size = nbytes_of(box_shape(place), out.dtype)
+                size = nbytes_of(box_shape(place), self.dtype_of(out))
                 if back and src != me:
                     self.send(((src, me), tag, micro, "b"), size, "backward")
                 for q, t in links:
@@ -380,7 +436,8 @@ class Builder(Writer, StepEnd):
         return got
 
     def _out_bytes(self, call: Call, j: int) -> int:
-        return self._once(call, j, lambda c: nbytes_of(box_shape(c.layout.outputs[j]), c.op.outputs[j].dtype))
+        return self._once(call, j, lambda c: nbytes_of(box_shape(c.layout.outputs[j]),
+                                                       self.dtype_of(c.op.outputs[j])))
 
     def _needs_grad(self, call: Call) -> bool:
         return self._once(call, "grad", needs_grad)

@@ -26,6 +26,7 @@ from cube.sim.comm import CommModel
 from cube.sim.costs import Estimator
 from cube.sim.host import Host
 from cube.sim.memory import KINDS, peak
+from cube.sim.precision import autocast_dtypes
 from cube.sim.instructions import message_pair
 from cube.sim.program import Builder, Ins
 
@@ -160,10 +161,11 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
         raise ValueError("simulate: zero=3 needs a graph planned for it (trace_and_plan(..., zero=3))")
     costs = _PerCall(costs if costs is not None else Estimator())
     comm = comm if comm is not None else CommModel()
+    dtypes = autocast_dtypes(graph, getattr(graph, "precision", None))   # the same for every rank
     if ranks is None:
         if program is None or sorted(program.ranks) != list(range(world)):
             program = build_program(graph, world)
-        return {r: Builder(graph, program[r], costs, comm, zero).build(optimizer) for r in range(world)}
+        return {r: Builder(graph, program[r], costs, comm, zero, dtypes).build(optimizer) for r in range(world)}
     wanted, programs = set(ranks), {}
     while True:
         todo = sorted(wanted - set(programs))
@@ -171,7 +173,7 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
             return programs
         program = build_program(graph, world, todo)
         for r in todo:
-            programs[r] = Builder(graph, program[r], costs, comm, zero).build(optimizer)
+            programs[r] = Builder(graph, program[r], costs, comm, zero, dtypes).build(optimizer)
         wanted |= _senders(programs)
 
 

@@ -61,6 +61,10 @@ class StepEnd:
         numels = [b.chunk for b in self.sharded] + \
             [self.attr_bytes[id(t)] // t.dtype.itemsize for t in trainable if id(t) not in in_shard]
         self.compute(self.costs.optimizer_cost(numels), "optimizer step", "optimizer")
+        work = self.costs.optimizer_workspace(numels)   # its temporaries, while it runs
+        self.mem.add("optimizer", work)
+        self.settle()
+        self.mem.add("optimizer", -work)
         if self.zero in (1, 2):
             keys = [self.coll("all_gather", b.ranks, b.padded * b.itemsize, "zero", blocking=False)
                     for b in self.sharded]

@@ -153,10 +153,15 @@ def sdpa(op: IRFwOperation) -> str:
 
 
 def embedding(op: IRFwOperation) -> str:
+    """The table's rows (the vocabulary) split with each piece looking up the ids in its range and
+    the pieces summed inside the call (``v~``, ``OpInfo.inside="vocab_lookup"``: Megatron's
+    vocabulary-parallel embedding); not under ``scale_grad_by_freq`` or ``sparse``, whose gradients
+    a piece cannot make alone."""
     idx = op.inputs[1]
     names = _Names()
     lead = ["1" if s == 1 else names() for s in idx.shape]
-    return _anno([["v^", "h"], lead], [lead + ["h"]])
+    alone = not _arg(op, 3, "scale_grad_by_freq", False) and not _arg(op, 4, "sparse", False)
+    return _anno([["v~" if alone else "v^", "h"], lead], [lead + ["h"]])
 
 
 # ----------------------------------------------------------------------------- normalization / conv / pool
@@ -283,14 +288,21 @@ def max_rule(op: IRFwOperation) -> str:
 
 
 def loss(op: IRFwOperation) -> str:
+    """cross_entropy_loss / nll_loss over ``(n, c, ...)``. A cross entropy of class-index targets
+    without class weights may split its classes (``c~``, ``OpInfo.inside="vocab_loss"``: Megatron's
+    vocabulary-parallel cross entropy, the logits staying split, their statistics summed inside
+    the call); otherwise the classes are whole."""
     logits, target = op.inputs[:2]
     reduction = _arg(op, 3, "reduction", 1)
     names = _Names()
     n = "n" if reduction == 0 else "n+"
     extra = names.many(logits.ndim - 2)
-    ins = [[n, "c^"] + extra, [n] + extra]
+    split = op.name == "cross_entropy_loss" and len(op.inputs) == 2 and target.ndim == logits.ndim - 1 \
+        and not target.dtype.is_floating_point
+    c = "c~" if split else "c^"
+    ins = [[n, c] + extra, [n] + extra]
     if len(op.inputs) > 2:
-        ins.append(["c^"])
+        ins.append([c])
     return _anno(ins, [[n] + extra] if reduction == 0 else [[]])
 
 
