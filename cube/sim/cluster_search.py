@@ -33,7 +33,6 @@ thousands of devices), so the search is a climb, ``budget`` plans at most:
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import torch
 from cube.compiler import batch_structure, trace_model
 from cube.ir.blocks import blocks
 from cube.sim.hardware import Hardware
+from cube.sim.search import Predicted
 from cube.sim.simulate import SimResult
 from cube.sim.step_end import ADAM_STATE_BYTES
 
@@ -173,7 +173,7 @@ def moves(space: Space, p: Plan) -> Iterator[Tuple[str, Optional[Plan], bool]]:
 
 
 @dataclass
-class Tried:
+class Tried(Predicted):
     """A simulated plan: its prediction (``result`` None when it could not be planned), whether
     it fits the memory cap, the simulator's wall seconds, and how the search reached it."""
 
@@ -183,14 +183,6 @@ class Tried:
     feasible: bool = False
     seconds: float = 0.0
     origin: str = ""
-
-    @property
-    def step_time(self) -> float:
-        return self.result.step_time if self.result is not None else math.inf
-
-    @property
-    def peak(self) -> int:
-        return self.result.peak_memory if self.result is not None else 0
 
     def rank_key(self) -> tuple:
         """Within the cap by step time, then over it by memory, then failed."""

@@ -30,14 +30,10 @@ EQUIVALENT = {(True, False, False): "PASData", (False, True, False): "PASMegatro
               (True, True, False): "PASHybrid", (False, False, True): "pipeline"}
 
 
-@dataclass
-class Candidate:
-    """One plan of the search and its prediction (``result`` None when it could not be planned)."""
+class Predicted:
+    """A searched plan's step time and peak memory from its ``result`` (None: not planned)."""
 
-    config: dict
-    result: Optional[SimResult] = None
-    error: str = ""
-    feasible: bool = True
+    result: Optional[SimResult]
 
     @property
     def step_time(self) -> float:
@@ -46,6 +42,16 @@ class Candidate:
     @property
     def peak(self) -> int:
         return self.result.peak_memory if self.result is not None else 0
+
+
+@dataclass
+class Candidate(Predicted):
+    """One plan of the search and its prediction (``result`` None when it could not be planned)."""
+
+    config: dict
+    result: Optional[SimResult] = None
+    error: str = ""
+    feasible: bool = True
 
     @property
     def name(self) -> str:
