@@ -98,10 +98,6 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
                          f"but nvirtual={nvirtual}; leave nvirtual out")
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
-    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"], vocab=vocab_parallel)
-    if sp:
-        tensor = sequence_parallel(graph, tensor, mesh["tp"])
-    splits = dict(dp=data, tp=tensor)
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "
                          f"parallel together are not planned yet: ask for one of them")
@@ -110,8 +106,11 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             raise ValueError(f"PASMegatron: cp={cp!r} must divide the data parallel degree dp={mesh['dp'].size} "
                              f"(devices / (tp * pp)); the sequence is split over groups of cp ranks")
         mesh = mesh.factor("dp", dp=mesh["dp"].size // cp, cp=cp)
-        data = data_parallel(graph, mesh["dp"])
-        splits = dict(dp=data, cp=context_parallel(graph, mesh["cp"]), tp=tensor)
+    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"], vocab=vocab_parallel)
+    if sp:
+        tensor = sequence_parallel(graph, tensor, mesh["tp"])
+    context = {"cp": context_parallel(graph, mesh["cp"])} if cp != 1 else {}
+    splits = dict(dp=data, **context, tp=tensor)
     if ep != 1:
         if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:
             raise ValueError(f"PASMegatron: ep={ep!r} must divide the data parallel degree dp={mesh['dp'].size} "

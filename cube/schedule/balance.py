@@ -199,11 +199,11 @@ def residual_cuts(ops: Sequence[IRFwOperation], cross: Sequence[Sequence[IRTenso
     In a transformer layer ``x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))`` that is the point
     after the first residual add: only ``x`` crosses it, as at the layer's boundaries. A stage
     cut there costs what a cut between layers costs and halves the balancing step."""
-    where = [block_of(op.module_path) for op in ops]
+    boundaries = set(block_cuts(ops))
     size = [sum(_bytes(t) for t in ts) for ts in cross]
     out, start = [], 0
     for k in range(1, len(ops)):
-        if where[k] is None or where[k] != where[k - 1]:
+        if k in boundaries:
             start = k
         elif 0 < size[k] <= size[start]:
             out.append(k)
