@@ -8,6 +8,14 @@ same model compiled by cube with ``PASSingle`` and ``precision="bf16"``, run in
 one process (``SINGLE_DEV_MODE``), rounds interleaved. Prints ms/step of each
 and the ratio cube / eager (target <= 1.02). Without CUDA it says so and
 returns no measurement. ``--quick`` uses 4 layers and sequence 512.
+
+``--predict PROFILE.json`` also simulates the same step with the simulator on
+that hardware profile (``python -m cube.sim.calibrate --out PROFILE.json`` fits
+one on this GPU) and prints the predicted step time beside the measured one.
+``--kernels DIR`` writes the torch profiler's table of each way's step (GPU time
+per op) to ``DIR``. ``build()`` is the simulator's spec of this benchmark:
+``python -m cube.sim benchmarks/gpu.py --hardware PROFILE --ngpus 1 --policy
+PASSingle --precision bf16 --estimate``.
 """
 from __future__ import annotations
 
@@ -30,6 +38,23 @@ FULL = {"layers": 12, "dim": 1024, "heads": 16, "batch": 8, "seq": 1024, "vocab"
 QUICK = {"layers": 4, "seq": 512, "steps": 5, "rounds": 2}
 
 
+def build(meta: bool = True, quick: bool = False, **settings):
+    """The benchmark's model and one batch, for ``python -m cube.sim benchmarks/gpu.py --hardware ...``.
+
+    On the meta device by default (the simulator needs shapes, not values); ``settings`` override
+    the sizes as in ``main``.
+    """
+    import torch
+    from examples.gpt.model import GPT, GPTConfig
+    cfg = {**FULL, **(QUICK if quick else {}), **settings}
+    config = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=cfg["heads"],
+                       n_embd=cfg["dim"], bias=False)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(config)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
+    return model, (ids, torch.roll(ids, -1, dims=1))
+
+
 def _timed(step, n: int) -> List[float]:
     import torch
     out = []
@@ -42,7 +67,33 @@ def _timed(step, n: int) -> List[float]:
     return out
 
 
-def main(quick: bool = False, **settings) -> List[dict]:
+def predict(profile: str, quick: bool = False, **settings) -> dict:
+    """The simulator's prediction of this benchmark's cube step on ``profile`` (its JSON report)."""
+    import json
+    from cube.sim.__main__ import main as simulate
+    with tempfile.TemporaryDirectory() as tmp:
+        out, spec = Path(tmp) / "prediction.json", Path(tmp) / "spec.py"
+        spec.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom benchmarks.gpu import build\n\n\n"
+                        f"def spec():\n    return build(quick={quick!r}, **{settings!r})\n")
+        simulate([f"{spec}:spec", "--hardware", profile, "--ngpus", "1", "--policy", "PASSingle", "--precision",
+                  "bf16", "--estimate", "--json", str(out)])
+        return json.loads(out.read_text())
+
+
+def _kernel_table(step, path: Path, steps: int = 3) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=80, max_name_column_width=60)
+    path.write_text(f"{steps} steps\n{table}\n")
+
+
+def main(quick: bool = False, predict_on: str = None, kernels: str = None, **settings) -> List[dict]:
     """Runs the comparison; returns rows (ms per step of each way and the ratio)."""
     import torch
     if not torch.cuda.is_available():
@@ -81,6 +132,10 @@ def main(quick: bool = False, **settings) -> List[dict]:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        if kernels:
+            Path(kernels).mkdir(parents=True, exist_ok=True)
+            _kernel_table(eager_step, Path(kernels) / "kernels_eager.txt")
+            _kernel_table(cube_step, Path(kernels) / "kernels_cube.txt")
         times = {"eager": [], "cube": []}
         for _ in range(cfg["rounds"]):
             for name, step in (("eager", eager_step), ("cube", cube_step)):
@@ -92,11 +147,27 @@ def main(quick: bool = False, **settings) -> List[dict]:
           f"{torch.cuda.get_device_name(0)}")
     print(f"eager {med['eager'] * 1e3:.1f} ms/step, cube {med['cube'] * 1e3:.1f} ms/step, "
           f"ratio {ratio:.3f} (target <= 1.02)")
-    return [{"benchmark": "gpu", "name": n, "ms_per_step": med[n] * 1e3} for n in med] + [
+    rows = [{"benchmark": "gpu", "name": n, "ms_per_step": med[n] * 1e3} for n in med] + [
         {"benchmark": "gpu", "name": "cube world size 1 / eager", "time_ratio": ratio, "target": "<= 1.02"}]
+    if predict_on:
+        got = predict(predict_on, quick, **settings)
+        error = got["step_time_s"] / med["cube"] - 1
+        print(f"simulator on {predict_on}: predicted {got['step_time_s'] * 1e3:.1f} ms/step against cube's "
+              f"measured {med['cube'] * 1e3:.1f}: error {error:+.1%} (target within 10%)")
+        rows.append({"benchmark": "gpu", "name": "simulator prediction / measured cube step",
+                     "predicted_ms": got["step_time_s"] * 1e3, "measured_ms": med["cube"] * 1e3,
+                     "error": error, "target": "within 10%"})
+    return rows
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
-    main(p.parse_args().quick)
+    p.add_argument("--predict", metavar="PROFILE", default=None,
+                   help="also predict the cube step on this hardware profile (python -m cube.sim.calibrate)")
+    p.add_argument("--kernels", metavar="DIR", default=None, help="write each way's profiler table here")
+    for key in ("layers", "dim", "heads", "batch", "seq", "steps", "rounds"):
+        p.add_argument(f"--{key}", type=int, default=None)
+    a = vars(p.parse_args())
+    main(a.pop("quick"), predict_on=a.pop("predict"), kernels=a.pop("kernels"),
+         **{k: v for k, v in a.items() if v is not None})

@@ -48,16 +48,17 @@ def single(script, args=(), env=None, timeout: int = 240) -> subprocess.Complete
 
 def parity_across_ranks(model: str, policy: str, nproc: int, tmp_path, steps: int = 5, nmicros: int = 1,
                         optimizer: str = "adamw", zero: int = 0, clip: float = 0.0, precision: str = "",
-                        env=None) -> list:
+                        env=None, backend: str = "") -> list:
     """Runs tests/workers/parity_worker.py on ``nproc`` ranks; returns each rank's errors.
 
     ``zero``: build a ZeRO optimizer of that stage; ``clip``: clip the gradient norm each step;
-    ``precision``: "bf16"/"fp16" compile and compare with the plain model under the same autocast.
+    ``precision``: "bf16"/"fp16" compile and compare with the plain model under the same autocast;
+    ``backend``: a ``torch.compile`` backend for the generated compute (``cube.compile(backend=)``).
     """
     import json
     torchrun(ROOT / "tests" / "workers" / "parity_worker.py", nproc, [model, policy, steps, tmp_path, nmicros],
              env={"CUBE_PARITY_OPT": optimizer, "CUBE_PARITY_ZERO": str(zero), "CUBE_PARITY_CLIP": str(clip),
-                  "CUBE_PARITY_PRECISION": precision,
+                  "CUBE_PARITY_PRECISION": precision, "CUBE_PARITY_BACKEND": backend,
                   **(env or {})})
     results = [json.loads((Path(tmp_path) / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert [r["rank"] for r in results] == list(range(nproc))

@@ -49,9 +49,11 @@ def eager_run(model, batches, steps, lr=1e-3):
     return losses, dict(model.named_parameters()), dict(model.named_buffers())
 
 
-def compile_step(model, loader, policy, cache_dir, tensor_batch: bool = False, zero: int = 0, precision=None):
-    """``cube.compile`` of the standard step (``model(data)`` when ``tensor_batch``)."""
-    @cube.compile(model, loader, PAS=policy, cache_dir=cache_dir, zero=zero, precision=precision)
+def compile_step(model, loader, policy, cache_dir, tensor_batch: bool = False, zero: int = 0, precision=None,
+                 backend=None):
+    """``cube.compile`` of the standard step (``model(data)`` when ``tensor_batch``; ``backend``: a
+    ``torch.compile`` backend for the generated compute)."""
+    @cube.compile(model, loader, PAS=policy, cache_dir=cache_dir, zero=zero, precision=precision, backend=backend)
     def train_iter(model, dataloader):
         data = next(dataloader)
         loss = model(data) if tensor_batch else model(*data)

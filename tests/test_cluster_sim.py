@@ -13,6 +13,7 @@ from cube.sim.symmetry import Fold
 from examples.gpt.model import GPT, GPTConfig
 
 A100 = hardware.load("dgx-a100-80g")
+H100 = hardware.load("dgx-h100")
 
 
 def test_shipped_profiles_load_and_cite_their_sources():
@@ -71,6 +72,29 @@ def test_device_costs_follow_the_profile():
     assert fp32.peak == A100.peak_flops("fp32") and fp32.act_bytes == 4
     with pytest.raises(ValueError, match="measured"):
         DeviceCosts(hardware.load("cpu-host"))
+
+
+def test_backward_factor_per_op_class_and_causal_attention(tmp_path):
+    from types import SimpleNamespace
+    raw = json.loads((hardware.HERE / "dgx-h100.json").read_text())
+    raw["device"]["backward_factor"] = {"default": 2.0, "attention": 3.0}
+    raw["device"]["launch_us"] = 0.0
+    path = tmp_path / "h.json"
+    path.write_text(json.dumps(raw))
+    costs = DeviceCosts(hardware.load(path), "bf16")
+    q = torch.empty(8, 16, 1024, 64)
+
+    def sdpa(causal):
+        return SimpleNamespace(name="scaled_dot_product_attention", args=(), kwargs={"is_causal": causal},
+                               inputs=[q, q, q], outputs=[q])
+    shape = tuple(q.shape)
+    full = costs.forward_seconds(sdpa(False), [shape] * 3, [shape], False)
+    causal = costs.forward_seconds(sdpa(True), [shape] * 3, [shape], False)
+    assert causal == pytest.approx(full / 2)   # the kernel skips the masked half (compute-bound here)
+    assert costs.backward_seconds(sdpa(False), full) == pytest.approx(3 * full)
+    mm = SimpleNamespace(name="matmul", args=(), kwargs={}, inputs=[q, q], outputs=[q])
+    assert costs.backward_seconds(mm, 1.0) == 2.0
+    assert DeviceCosts(H100, "bf16").backward_seconds(mm, 1.0) == 2.0   # a number: every class
 
 
 def test_fold_maps_folded_groups_to_the_real_ranks():
@@ -192,6 +216,9 @@ def test_calibrate_fits_a_profile_the_simulator_uses(tmp_path, capsys):
     assert main(["--out", str(out), "--quick", "--no-calibrate"]) == 0
     hw = hardware.load(out)
     assert hw.name == "here" and hw.device["peak_tflops"] and hw.memory_rate > 0
+    assert 0 < hw.device["efficiency"]["memory"] <= 1   # elementwise ops against the copy
+    got = json.loads(out.read_text())["measurements"]
+    assert got["gemm"] and set(got["elementwise_bytes_per_s"]) == {"add", "mul", "gelu"}
     model, batch = _gpt(layers=2, batch=8, device="cpu")
     res = simulate_policy(model, batch, "PASData", 2, costs=DeviceCosts(hw, next(iter(hw.device["peak_tflops"]))),
                           comm=ClusterComm(hw))

@@ -2,17 +2,27 @@
 
 Measures, on ``cuda:0`` when there is one (else the CPU):
 
-- a GEMM sweep (square matmuls of growing size in the profile's precision):
-  seconds are linear in FLOPs, ``t = (f + half) / peak``, so a least-squares
-  line gives the peak and the size at which half of it is reached (the
-  profile's ``gemm`` curve with ``max`` 1 of the fitted peak); attention and
-  convolution take the same curve;
-- memory bandwidth (a large copy: bytes read and written per second);
+- a GEMM sweep in the profile's precision: square matmuls of growing size and
+  the shapes a transformer's layers run (tokens x hidden x hidden, x 4 hidden,
+  and back). Seconds are taken linear in FLOPs, ``t = (f + half) / peak``; a
+  least-squares line gives the peak and the size at which half of it is
+  reached (the profile's ``gemm`` curve with ``max`` 1 of the fitted peak);
+  convolution takes the same curve;
+- attention (GPU): ``scaled_dot_product_attention`` forward and backward at a
+  few transformer sizes, without a mask (FLOPs as ``cube.ir.ops.flops``
+  counts them), giving the ``attention`` curve and its backward factor;
+- memory bandwidth: a large copy (bytes read and written per second) is the
+  peak; elementwise ops (add, multiply, GELU) give the share of it that
+  memory-bound ops reach (``efficiency.memory``);
+- AdamW (GPU): ``torch.optim.AdamW``'s default step over a model-sized set of
+  float32 tensors, as bytes moved per parameter at the copy's rate
+  (``optimizer_bytes_per_param``: the multi-tensor step makes several passes);
 - the dispatch time of a tiny kernel;
 - the network: kept from ``--base`` (a shipped profile) on a GPU, since one
   process on one device cannot measure NVLink or InfiniBand; on the CPU, gloo's
   calibrated costs (``cube.sim.comm``) for both hops.
 
+Every measurement is kept in the file (``measurements``), beside what was fitted from it.
 The file is usable at once: ``python -m cube.sim SPEC --hardware my-cluster.json ...``.
 """
 from __future__ import annotations
@@ -34,15 +44,59 @@ from cube.sim.profile import time_call
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def gemm_sweep(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], repeat: int = 5
-               ) -> List[Tuple[float, float]]:
-    """``[(flops, seconds)]`` of square matmuls."""
+def transformer_shapes(tokens: Sequence[int], hidden: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """``(m, n, k)`` of a transformer layer's matmuls: ``tokens x hidden`` times ``hidden x {hidden, 3 hidden,
+    4 hidden}``, and the ``4 hidden -> hidden`` projection."""
+    return [(t, n, k) for t in tokens for h in hidden for n, k in ((h, h), (3 * h, h), (4 * h, h), (h, 4 * h))]
+
+
+def gemm_sweep(device: torch.device, dtype: torch.dtype, sizes: Sequence[int], repeat: int = 5,
+               shapes: Sequence[Tuple[int, int, int]] = ()) -> List[Tuple[float, float]]:
+    """``[(flops, seconds)]`` of square matmuls of ``sizes`` and of ``(m, n, k)`` ``shapes``."""
     points = []
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        points.append((2.0 * n ** 3, time_call(lambda: torch.matmul(a, b), device, repeat)))
+    for m, n, k in [(n, n, n) for n in sizes] + list(shapes):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        points.append((2.0 * m * n * k, time_call(lambda: torch.matmul(a, b), device, repeat)))
     return points
+
+
+def attention_sweep(device: torch.device, dtype: torch.dtype, sizes: Sequence[Tuple[int, int, int, int]],
+                    repeat: int = 5) -> List[Tuple[float, float, float]]:
+    """``[(flops, forward seconds, backward seconds)]`` of ``scaled_dot_product_attention`` without a mask at
+    ``(batch, heads, sequence, head dim)`` sizes; FLOPs of the forward as the simulator counts them."""
+    from cube.ir.ops import flops as op_flops
+    points = []
+    for b, h, t, d in sizes:
+        q, k, v = (torch.randn(b, h, t, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        shape = (b, h, t, d)
+        f = op_flops("scaled_dot_product_attention", [shape] * 3, [shape])
+        fw = time_call(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), device, repeat)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        grad = torch.randn_like(out)
+
+        def both():
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            torch.autograd.grad(o, (q, k, v), grad)
+        points.append((float(f), fw, max(time_call(both, device, repeat) - fw, 0.0)))
+    return points
+
+
+def elementwise_rates(device: torch.device, nbytes: int, repeat: int = 5) -> dict:
+    """Bytes per second (read plus written) of memory-bound ops on ``nbytes``-sized float32 tensors."""
+    n = nbytes // 4
+    x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+    ops = {"add": (lambda: x + y, 3), "mul": (lambda: x * y, 3), "gelu": (lambda: torch.nn.functional.gelu(x), 2)}
+    return {name: moved * nbytes / time_call(fn, device, repeat) for name, (fn, moved) in ops.items()}
+
+
+def adamw_seconds(device: torch.device, numel: int, tensors: int = 48, repeat: int = 5) -> float:
+    """Seconds of one default ``torch.optim.AdamW`` step over ``tensors`` float32 tensors of ``numel`` in all."""
+    params = [torch.nn.Parameter(torch.randn(numel // tensors, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    return time_call(opt.step, device, repeat)
 
 
 def fit_curve(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
@@ -85,8 +139,10 @@ def profile(precision: str = "bf16", quick: bool = False, base: str = "dgx-a100-
     dtype = DTYPES[precision]
     sizes = ([512, 1024, 2048, 4096] if quick else [512, 1024, 2048, 3072, 4096, 6144, 8192]) if cuda else \
         ([64, 128, 256, 384] if quick else [128, 256, 384, 512, 768, 1024])
+    shapes = transformer_shapes([2048, 8192] if quick else [2048, 8192, 16384],
+                                [1024, 4096] if quick else [1024, 2048, 4096, 8192]) if cuda else []
     for attempt in range(3):   # another program's burst can flatten one sweep; measure again
-        points = gemm_sweep(device, dtype, sizes)
+        points = gemm_sweep(device, dtype, sizes, shapes=shapes)
         try:
             peak, half = fit_curve(points)
             break
@@ -94,11 +150,32 @@ def profile(precision: str = "bf16", quick: bool = False, base: str = "dgx-a100-
             if attempt == 2:
                 raise
             log("GEMM times did not grow with size (the device is busy): measuring again")
-    log("GEMM sweep: " + ", ".join(f"{round((f / 2) ** (1 / 3))}^3 {f / t / 1e12:.2f} TFLOP/s" for f, t in points))
+    log("GEMM sweep: " + ", ".join(f"{f / 1e9:.3g} GFLOP {f / t / 1e12:.2f} TFLOP/s" for f, t in points))
     log(f"fit: peak {peak / 1e12:.2f} TFLOP/s, half of it at {half / 1e9:.3f} GFLOP")
-    rate = bandwidth(device, (64 << 20) if quick else (512 << 20) if cuda else (128 << 20))
+    gemm_curve = {"max": 1.0, "half_gflop": half / 1e9}
+    attn_curve, attn_backward, attn = gemm_curve, 2.0, []
+    if cuda:
+        attn = attention_sweep(device, dtype, [(4, 16, 1024, 64), (8, 16, 1024, 64), (4, 16, 2048, 64),
+                                               (2, 16, 4096, 64), (4, 16, 2048, 128)][:3 if quick else None])
+        apeak, ahalf = fit_curve([(f, fw) for f, fw, _ in attn])
+        attn_curve = {"max": min(apeak / peak, 1.0), "half_gflop": ahalf / 1e9}
+        attn_backward = statistics.median(bw / fw for _, fw, bw in attn)
+        log("attention: " + ", ".join(f"{f / 1e9:.3g} GFLOP {f / fw / 1e12:.1f} TFLOP/s fw, bw/fw {bw / fw:.2f}"
+                                      for f, fw, bw in attn))
+    size = (64 << 20) if quick else (512 << 20) if cuda else (128 << 20)
+    rate = bandwidth(device, size)
+    elementwise = elementwise_rates(device, size // 2)
+    memory_share = min(statistics.median(elementwise.values()) / rate, 1.0)
     dispatch = launch(device)
-    log(f"memory: {rate / 1e9:.1f} GB/s; kernel dispatch {dispatch * 1e6:.1f} us")
+    log(f"memory: copy {rate / 1e9:.1f} GB/s; elementwise " +
+        ", ".join(f"{k} {v / 1e9:.1f}" for k, v in elementwise.items()) + f" GB/s; kernel dispatch "
+        f"{dispatch * 1e6:.1f} us")
+    adam_numel = (16 << 20) if quick else (128 << 20)
+    adam_s = adamw_seconds(device, adam_numel) if cuda else None
+    adam_bytes = adam_s * rate / adam_numel if adam_s else 28.0
+    if adam_s:
+        log(f"AdamW: {adam_s * 1e3:.2f} ms for {adam_numel / 1e6:.0f}M parameters = {adam_bytes:.1f} bytes per "
+            f"parameter at the copy's rate")
     name_of = torch.cuda.get_device_name(device) if cuda else (platform.processor() or platform.machine())
     memory = torch.cuda.get_device_properties(device).total_memory / 2**30 if cuda else 0
     if cuda:
@@ -114,20 +191,25 @@ def profile(precision: str = "bf16", quick: bool = False, base: str = "dgx-a100-
         node = {"gpus": 1}
         net_source = "gloo on this host, calibrated by cube.sim.comm"
     when = datetime.datetime.now().isoformat(timespec="seconds")
-    curve = {"max": 1.0, "half_gflop": half / 1e9}
     return {
         "name": name,
         "description": f"Fitted by python -m cube.sim.calibrate on {name_of} ({device.type}) at {when}.",
-        "sources": {"device": f"measured: GEMM sweep {sizes} in {precision}, a copy, a one-element kernel",
+        "sources": {"device": f"measured: GEMM sweep (squares {sizes} and {len(shapes)} transformer shapes) in "
+                              f"{precision}, attention, a copy, elementwise ops, AdamW, a one-element kernel",
                     "network": net_source},
         "device": {"kind": "gpu" if cuda else "cpu", "name": name_of, "memory_gib": round(memory, 1),
                    "peak_tflops": {precision: peak / 1e12},
                    "hbm_gbps": rate / 1e9,
-                   "efficiency": {"gemm": curve, "attention": curve, "conv": curve, "memory": 1.0},
-                   "launch_us": dispatch * 1e6, "backward_factor": 2.0, "optimizer_bytes_per_param": 28},
+                   "efficiency": {"gemm": gemm_curve, "attention": attn_curve, "conv": gemm_curve,
+                                  "memory": memory_share},
+                   "launch_us": dispatch * 1e6, "backward_factor": {"default": 2.0, "attention": attn_backward},
+                   "optimizer_bytes_per_param": adam_bytes},
         "node": node,
         "network": network,
-        "measurements": {"gemm": [[f, t] for f, t in points]},
+        "measurements": {"gemm": [[f, t] for f, t in points],
+                         "gemm_shapes": [[n, n, n] for n in sizes] + [list(x) for x in shapes],
+                         "attention": [list(x) for x in attn], "copy_bytes_per_s": rate,
+                         "elementwise_bytes_per_s": elementwise, "adamw": [adam_numel, adam_s]},
     }
 
 

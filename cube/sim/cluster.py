@@ -43,7 +43,11 @@ class DeviceCosts(Estimator):
         self.peak = hardware.peak_flops(self.precision)
         self.act_bytes = PRECISION_BYTES.get(self.precision, 4)
         self.launch = hardware.launch
-        self.backward_factor = float(hardware.device.get("backward_factor", 2.0))
+        factor = hardware.device.get("backward_factor", 2.0)
+        # one factor for every op, or one per op class ("default" for the rest)
+        self.backward_factors = {k: float(v) for k, v in factor.items()} if isinstance(factor, dict) else {}
+        self.backward_factor = float(self.backward_factors.get("default", 2.0) if self.backward_factors
+                                     else factor)
         self._memo: dict = {}
 
     def _bytes(self, shape, dtype) -> int:
@@ -63,13 +67,20 @@ class DeviceCosts(Estimator):
             got = self._memo[key] = super().op_cost(call)
         return got
 
+    def backward_seconds(self, op, fw: float) -> float:
+        return self.backward_factors.get(op_info(op.name).cost, self.backward_factor) * fw
+
     def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
         if is_view:
             return 0.0   # metadata only: no kernel
         nbytes = sum(self._bytes(s, t.dtype) for s, t in zip(ins, op.inputs)) + \
             sum(self._bytes(s, t.dtype) for s, t in zip(outs, op.outputs))
+        op_class = op_info(op.name).cost
         flops = op_flops(op.name, ins, outs)
-        compute = flops / (self.peak * self.hw.curve(op_info(op.name).cost).at(flops)) if flops else 0.0
+        work = flops
+        if op_class == "attention" and _causal(op):
+            work = flops / 2   # fused attention kernels skip the blocks the causal mask hides
+        compute = work / (self.peak * self.hw.curve(op_class).at(flops)) if flops else 0.0
         return self.launch + max(compute, nbytes / self.hw.memory_rate)
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
@@ -83,6 +94,11 @@ class DeviceCosts(Estimator):
 
     def copy_cost(self, nbytes: int) -> float:
         return self.launch + 2 * nbytes / self.hw.memory_rate
+
+
+def _causal(op) -> bool:
+    """Whether an attention op masks causally (``is_causal``, keyword or sixth argument)."""
+    return bool(op.kwargs.get("is_causal", op.args[5] if len(op.args) > 5 else False))
 
 
 class ClusterComm:

@@ -105,7 +105,11 @@ class Estimator:
         keeps = op_info(op.name).saves_inputs and not is_view and grad
         saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and keeps)
         alias = tuple(0 if is_view else -1 for _ in op.outputs)
-        return OpCost(fw, self.backward_factor * fw if grad else 0.0, saved, alias, measured=False)
+        return OpCost(fw, self.backward_seconds(op, fw) if grad else 0.0, saved, alias, measured=False)
+
+    def backward_seconds(self, op, fw: float) -> float:
+        """Backward seconds of ``op`` whose forward takes ``fw``."""
+        return self.backward_factor * fw
 
     def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
         """Forward seconds of ``op`` at local shapes ``ins``/``outs``."""

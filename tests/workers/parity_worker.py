@@ -37,7 +37,9 @@ def main():
     clip = float(os.environ.get("CUBE_PARITY_CLIP", "0"))
     # CUBE_PARITY_PRECISION=bf16|fp16: mixed precision, against the plain model under the same autocast
     precision = os.environ.get("CUBE_PARITY_PRECISION") or None
-    train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"), zero=zero, precision=precision)
+    # CUBE_PARITY_BACKEND=inductor|aot_eager|...: the generated compute under torch.compile
+    train_iter = compile_step(model, loader, policy, os.path.join(outdir, "cache"), zero=zero, precision=precision,
+                              backend=os.environ.get("CUBE_PARITY_BACKEND") or None)
     cmodel = cube.load_model()
     env = cube.init()
     ref.to(env.device)   # the plain model runs where cube runs (CPU, or the rank's GPU)
