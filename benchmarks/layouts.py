@@ -305,7 +305,9 @@ def worker(args):
     import torch
     import torch.distributed as dist
     warnings.filterwarnings("ignore", category=FutureWarning)   # *_into_tensor / *_tensor: renamed in torch 2.1x
+    from cube.runtime.cpu_memory import keep_freed_memory
     dist.init_process_group("gloo")
+    keep_freed_memory()   # what cube.init() does on a CPU rank (torch's calls below share it)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, args.threads))
     rows_out = []

@@ -8,8 +8,11 @@ page zeroed by the kernel: about 2300 faults per micro-batch, 3 to 10% of a
 step, on the pipeline benchmark's GPT stage. Schedules that hold tensors
 longer (zero-bubble's W keeps each layer's input and output gradient until
 its W runs) lose the most. :func:`keep_freed_memory` raises the thresholds,
-once per process: blocks up to ``MMAP_THRESHOLD`` come from the heap, and up
-to ``TRIM_THRESHOLD`` of free heap stays with the process. Peak memory does
+once per process: every block comes from the heap (``M_MMAP_MAX`` 0: glibc
+will not raise its mmap threshold past 32 MiB, and a collective's 64 MiB
+result mapped anew each step costs 40 ms of faults), and up to
+``TRIM_THRESHOLD`` (2 GiB) of free heap stays with the process. Threads other than the
+main one allocate from their own arenas, which still map blocks over 64 MiB. Peak memory does
 not grow (the same buffers are reused); memory freed after the peak is kept
 rather than returned. ``CUBE_CPU_MALLOC=system`` leaves ``malloc`` as it is.
 """
@@ -25,8 +28,8 @@ from cube import config
 log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 << 20    # glibc's own ceiling for its dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX)
-TRIM_THRESHOLD = 256 << 20
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # <malloc.h>
+TRIM_THRESHOLD = (1 << 31) - 1   # mallopt takes an int: 2 GiB of free heap top kept (a step's buffers)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4   # <malloc.h>
 _done = []
 
 
@@ -46,7 +49,8 @@ def keep_freed_memory() -> bool:
         except (OSError, AttributeError):   # musl and others have no mallopt
             mallopt = None
         if mallopt is not None:
-            ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+            ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) \
+                and bool(mallopt(_M_MMAP_MAX, 0))
     log.debug("cube: CPU malloc keeps freed memory: %s", ok)
     _done.append(ok)
     return ok
