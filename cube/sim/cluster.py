@@ -1,10 +1,18 @@
 """Costs on a cluster described by a hardware profile (``cube.sim.hardware``), not measured here.
 
 ``DeviceCosts``: an op piece's seconds from its FLOPs and bytes at its local
-shapes: ``launch + max(flops / (peak * efficiency(flops)), bytes / memory rate)``
-with the profile's efficiency curve of the op's class (GEMM, attention,
-convolution; others are bound by memory), the backward a fixed multiple of the
-forward, AdamW bound by memory.
+shapes: ``max(flops / (peak * efficiency(flops)), bytes / memory rate)`` on the
+device, with the profile's efficiency curve of the op's class (GEMM, attention,
+convolution; others are bound by memory), the backward a multiple of the
+forward (per op class), AdamW bound by memory. Under autocast (the plan's
+``precision``) each tensor is counted at the dtype it has then
+(``cube.sim.precision``), and an op autocast runs in another dtype than an
+input's pays the cast of that input (a copy, and its gradient's back). The
+host: a profile's ``launch_us`` is added to every op (dispatch the device does
+not hide); with a calibrated ``host_us_per_op`` (the host's seconds per op of
+an eager training step, forward and backward) ops cost the device alone and
+the host issues them on a clock of its own (``cube.sim.engine``), so a busy
+device hides the host and a slow host leaves the device waiting.
 
 ``ClusterComm``: collectives over the ranks they actually join. Ranks are
 numbered node by node (``rank // gpus_per_node`` is the node, as torchrun and
@@ -17,11 +25,14 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
 
 from cube.ir.ops import flops as op_flops
 from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
+from cube.runtime.amp import DTYPES
 from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
 from cube.sim.hardware import Hardware
 
@@ -48,20 +59,32 @@ class DeviceCosts(Estimator):
         self.backward_factors = {k: float(v) for k, v in factor.items()} if isinstance(factor, dict) else {}
         self.backward_factor = float(self.backward_factors.get("default", 2.0) if self.backward_factors
                                      else factor)
+        host = hardware.device.get("host_us_per_op")
+        self.host = (host["forward"] * 1e-6, host["backward"] * 1e-6) if host else None
+        self.low = DTYPES.get(self.precision)   # autocast's dtype (None in float32)
+        self.dtypes: Optional[dict] = None       # activation id -> dtype under autocast (bind_dtypes)
         self._memo: dict = {}
 
-    def _bytes(self, shape, dtype) -> int:
-        n = 1
-        for s in shape:
-            n *= s
-        return n * (self.act_bytes if dtype.is_floating_point else dtype.itemsize)
+    def bind_dtypes(self, dtypes: Optional[dict]) -> None:
+        """The dtypes of the graph about to be simulated under autocast (``autocast_dtypes``; None:
+        every float tensor at the precision's activation size)."""
+        self.dtypes = dtypes
+
+    def _dtype(self, t):
+        """``t``'s dtype when the op runs (autocast's, once bound)."""
+        return t.dtype if self.dtypes is None else self.dtypes.get(id(t), t.dtype)
+
+    def _itemsize(self, t) -> int:
+        if not t.dtype.is_floating_point:
+            return t.dtype.itemsize
+        return self.act_bytes if self.dtypes is None else self._dtype(t).itemsize
 
     def op_cost(self, call) -> OpCost:
         ins, outs = local_shapes(call)
         op = call.op
         # the same op at the same shapes costs the same: thousands of layers and micro-batches repeat
-        key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)),
-               tuple(t.dtype for t in op.inputs), tuple(t.dtype for t in op.outputs), needs_grad(call))
+        key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)), tuple(map(self._dtype, op.inputs)),
+               tuple(map(self._dtype, op.outputs)), needs_grad(call), _causal(op))
         got = self._memo.get(key)
         if got is None:
             got = self._memo[key] = super().op_cost(call)
@@ -70,18 +93,44 @@ class DeviceCosts(Estimator):
     def backward_seconds(self, op, fw: float) -> float:
         return self.backward_factors.get(op_info(op.name).cost, self.backward_factor) * fw
 
-    def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
-        if is_view:
-            return 0.0   # metadata only: no kernel
-        nbytes = sum(self._bytes(s, t.dtype) for s, t in zip(ins, op.inputs)) + \
-            sum(self._bytes(s, t.dtype) for s, t in zip(outs, op.outputs))
+    def device_seconds(self, op, ins, outs) -> Tuple[float, float]:
+        """``(the op's kernel, autocast's casts of its inputs)``: device seconds of the forward."""
+        target = None
+        if self.dtypes is not None and self.low is not None:
+            target = {"low": self.low, "fp32": torch.float32}.get(op_info(op.name).autocast)
+        nbytes, cast = 0, 0
+        for s, t in zip(ins, op.inputs):
+            size = self._itemsize(t)
+            if target is not None and t.dtype.is_floating_point and self._dtype(t) != target:
+                cast += _numel(s) * (size + target.itemsize)   # a copy into the dtype the op runs in
+                size = target.itemsize
+            nbytes += _numel(s) * size
+        nbytes += sum(_numel(s) * self._itemsize(t) for s, t in zip(outs, op.outputs))
         op_class = op_info(op.name).cost
         flops = op_flops(op.name, ins, outs)
         work = flops
         if op_class == "attention" and _causal(op):
             work = flops / 2   # fused attention kernels skip the blocks the causal mask hides
         compute = work / (self.peak * self.hw.curve(op_class).at(flops)) if flops else 0.0
-        return self.launch + max(compute, nbytes / self.hw.memory_rate)
+        rate = self.hw.memory_rate
+        return max(compute, nbytes / rate), cast / rate
+
+    def seconds(self, op, ins, outs, is_view: bool, grad: bool) -> Tuple[float, float]:
+        if is_view:
+            return 0.0, 0.0   # metadata only: no kernel
+        kernel, cast = self.device_seconds(op, ins, outs)
+        fw, bw = kernel + cast, (self.backward_seconds(op, kernel) + cast if grad else 0.0)   # casts' grads back
+        if self.host is None:
+            return self.launch + fw, (self.launch + bw if grad else 0.0)
+        return fw, bw   # the host's dispatch runs on its own clock (host_seconds)
+
+    def host_seconds(self, cat: str) -> float:
+        if self.host is None:
+            return 0.0
+        return self.host[1] if cat == "backward" else self.host[0]
+
+    def forward_seconds(self, op, ins, outs, is_view: bool) -> float:
+        return self.seconds(op, ins, outs, is_view, False)[0]
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         per_param = float(self.hw.device.get("optimizer_bytes_per_param", 28))
@@ -98,7 +147,16 @@ class DeviceCosts(Estimator):
 
 def _causal(op) -> bool:
     """Whether an attention op masks causally (``is_causal``, keyword or sixth argument)."""
+    if op_info(op.name).cost != "attention":
+        return False
     return bool(op.kwargs.get("is_causal", op.args[5] if len(op.args) > 5 else False))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 class ClusterComm:

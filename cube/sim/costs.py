@@ -101,11 +101,16 @@ class Estimator:
         ins, outs = local_shapes(call)
         is_view = op_info(op.name).alias   # a view of input 0: no new memory
         grad = needs_grad(call)
-        fw = self.forward_seconds(op, ins, outs, is_view)
+        fw, bw = self.seconds(op, ins, outs, is_view, grad)
         keeps = op_info(op.name).saves_inputs and not is_view and grad
         saved = tuple(("in", k) for k, t in enumerate(op.inputs) if t.dtype.is_floating_point and keeps)
         alias = tuple(0 if is_view else -1 for _ in op.outputs)
-        return OpCost(fw, self.backward_seconds(op, fw) if grad else 0.0, saved, alias, measured=False)
+        return OpCost(fw, bw, saved, alias, measured=False)
+
+    def seconds(self, op, ins, outs, is_view: bool, grad: bool) -> Tuple[float, float]:
+        """``(forward, backward)`` seconds of ``op`` at local shapes (backward 0 without ``grad``)."""
+        fw = self.forward_seconds(op, ins, outs, is_view)
+        return fw, self.backward_seconds(op, fw) if grad else 0.0
 
     def backward_seconds(self, op, fw: float) -> float:
         """Backward seconds of ``op`` whose forward takes ``fw``."""
@@ -119,6 +124,11 @@ class Estimator:
         out = sum(_numel(s) for s in outs)
         flops = op_flops(op.name, ins, outs) or out   # a memory-bound op: one per output element
         return self.launch + (0.0 if is_view else max(flops / self.flops_rate, nbytes / self.mem_rate))
+
+    def host_seconds(self, cat: str) -> float:
+        """Seconds the host spends issuing one compute instruction of category ``cat`` ahead of the
+        device (0: the host is the device, or dispatch is in the op's own seconds)."""
+        return 0.0
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         return len(numels) * self.launch * 4 + sum(numels) / self.adam_rate

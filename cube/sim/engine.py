@@ -8,6 +8,12 @@ an asynchronous one (gradient buckets, ZeRO gathers) runs beside compute. A
 send is posted (its message arrives after the point-to-point cost) and a
 receive waits for it.
 
+A GPU rank's host issues its kernels ahead of the device: each rank keeps a
+host clock that each compute instruction's ``host`` seconds advance (the host
+never waits for the device), and an instruction cannot end before the host has
+issued it. A device busier than its host hides the dispatch; a host slower
+than its device leaves the device idle between kernels.
+
 CPU ranks on one host (``cube.sim.host.Host``) share its cores: each rank asks
 for one core while it computes and ``comm_cpu`` more while a collective of it
 runs (gloo moves data with the CPU), and ``background`` other programs ask for
@@ -117,6 +123,7 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
     active: Dict[int, Item] = {}           # the collectives running, by id
     queued: set = set()                    # ranks with collectives in their queue
     known: Dict[int, float] = {}           # blocked rank -> when its condition lifts
+    issued = {r: 0.0 for r in ranks}       # the host's clock: when it has issued the rank's work so far
     waiters: Dict[tuple, List[int]] = {}   # a condition not met yet -> the ranks blocked on it
     left = [len(ready)]                    # ranks with instructions left
     now = 0.0
@@ -158,10 +165,12 @@ def run(programs: Dict[int, Program], host: Optional[Host] = None):
                 started[r] = now
                 changed = True
                 if i.op == "compute":
-                    if i.dur <= 0:
+                    issued[r] += i.host
+                    dur = max(i.dur, issued[r] - now)   # it ends once issued, at the earliest
+                    if dur <= 0:
                         finish(r, now)
                     else:
-                        state[r], remaining[r] = "compute", i.dur
+                        state[r], remaining[r] = "compute", dur
                         computing.add(r)
                 elif i.op in ("coll", "launch"):
                     queue[r].append(item(i))

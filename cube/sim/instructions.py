@@ -5,6 +5,8 @@ collective), ``launch`` / ``wait`` (an asynchronous collective on the
 communication stream), ``send`` (posted, never blocks), ``recv`` (blocks until
 the message is there), ``flush`` (waits until this rank's sends are out).
 Collectives are matched across ranks by their group and their order in it.
+A ``compute`` may carry ``host``: the seconds the host spends issuing it
+(dispatch), which the engine runs on a clock of its own per rank.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class Ins:
     cat: str = ""
     nbytes: int = 0
     mem: Dict[str, int] = field(default_factory=dict)
+    host: float = 0.0   # compute: the host's seconds issuing it (a GPU's queue runs behind the host)
 
 
 @dataclass
@@ -57,6 +60,8 @@ class Writer:
 
     def __init__(self, costs, comm):
         self.costs, self.comm = costs, comm
+        self._host_of = getattr(costs, "host_seconds", None)
+        self._host: Dict[str, float] = {}   # category -> the host's seconds per compute
         self.mem = MemTracker()
         self.ins: List[Ins] = []
         self.seq: Dict[tuple, int] = {}
@@ -76,7 +81,12 @@ class Writer:
                 self.ins[-1].mem[k] = self.ins[-1].mem.get(k, 0) + v
 
     def compute(self, dur: float, label: str, cat: str) -> None:
-        self.emit("compute", dur=dur, label=label, cat=cat)
+        host = 0.0
+        if dur > 0 and self._host_of is not None:
+            host = self._host.get(cat)
+            if host is None:
+                host = self._host[cat] = self._host_of(cat)
+        self.ins.append(Ins("compute", dur, None, (), label, cat, 0, {}, host))
 
     def _key(self, ranks) -> tuple:
         group = tuple(sorted(ranks))

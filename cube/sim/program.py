@@ -171,7 +171,7 @@ class Builder(Writer, StepEnd):
         if call.inside is not None:
             self.inside_comm(call, micro, cat, "f", fw)
         else:
-            self.ins.append(Ins("compute", fw, None, (), label, cat))
+            self.compute(fw, label, cat)
         mem, tag = self.micros[micro].mem, self.tag
         if tag:
             made = self.re_made
@@ -359,7 +359,7 @@ class Builder(Writer, StepEnd):
                     elif call.inside is not None:
                         self.inside_comm(call, micro, "backward", "b", bw)
                     else:
-                        self.ins.append(Ins("compute", bw, None, (), label, "backward"))
+                        self.compute(bw, label, "backward")
                     self.grad_flow(call, micro)
                 if not call.defer_wgrad:
                     mem.release_all(saved)

@@ -84,7 +84,7 @@ class Replays:
                 key = None
             else:
                 key = i.key[:2] + (micro,) + i.key[3:]
-            out.append(Ins(i.op, i.dur, key, i.group, i.label, i.cat, i.nbytes, dict(i.mem)))
+            out.append(Ins(i.op, i.dur, key, i.group, i.label, i.cat, i.nbytes, dict(i.mem), i.host))
         b.micros[micro] = rec.after
         self.done[micro] = past + ((kind, stage),)
         return True
@@ -109,7 +109,7 @@ class Replays:
         after = b.micros[micro].copy()
         after.shared = True
         self.recorded[key] = _Recording(
-            micro, [Ins(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes, dict(i.mem)) for i in ins],
+            micro, [Ins(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes, dict(i.mem), i.host) for i in ins],
             {k: v for k, v in delta.items() if v}, after)
 
 

@@ -162,6 +162,9 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
     costs = _PerCall(costs if costs is not None else Estimator())
     comm = comm if comm is not None else CommModel()
     dtypes = autocast_dtypes(graph, getattr(graph, "precision", None))   # the same for every rank
+    bind = getattr(costs.inner, "bind_dtypes", None)
+    if bind is not None:   # a cost model reading bytes from dtypes: this graph's, under its autocast
+        bind(dtypes if getattr(graph, "precision", None) else None)
     if ranks is None:
         if program is None or sorted(program.ranks) != list(range(world)):
             program = build_program(graph, world)
@@ -286,8 +289,9 @@ def _merge(ins: List[Ins]) -> List[Ins]:
     for i in ins:
         if out and i.op == "compute" and out[-1].op == "compute" and out[-1].cat == i.cat:
             out[-1].dur += i.dur
+            out[-1].host += i.host
             for k, v in i.mem.items():
                 out[-1].mem[k] = out[-1].mem.get(k, 0) + v
             continue
-        out.append(Ins(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes, dict(i.mem)))
+        out.append(Ins(i.op, i.dur, i.key, i.group, i.label, i.cat, i.nbytes, dict(i.mem), i.host))
     return out
