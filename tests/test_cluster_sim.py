@@ -60,6 +60,8 @@ def test_network_knows_nodes_rails_and_algorithms():
     small = net.cost("all_reduce", 1024, [8 * k for k in range(64)])
     assert small < 2 * 63 * inter["alpha_us"] * 1e-6
     assert net.cost("p2p", size, (0, 1)) < net.cost("p2p", size, (0, 8))
+    # a message between nodes goes over the sender's one rail: its latency, then the bytes at the rail's rate
+    assert net.cost("p2p", size, (0, 8)) == pytest.approx(inter["alpha_us"] * 1e-6 + size / rail)
     with pytest.raises(ValueError, match="no inter-node network"):
         solo = hardware.Hardware("solo", "gpu", {**A100.raw, "network": {"intra": A100.network["intra"]}}, "x")
         ClusterComm(solo).cost("p2p", 10, (0, 8))

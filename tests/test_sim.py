@@ -14,7 +14,7 @@ from cube.passes.rank_plans import build_plans
 from cube.sim import CommModel, Estimator, FixedCosts, OpCost, Profiler, simulate
 from cube.sim import comm as comm_mod
 from cube.sim import engine, search
-from cube.sim.program import Ins, Program
+from cube.sim.program import ACCUMULATE, Ins, Program
 from cube.sim.simulate import build_programs
 from examples.gpt.model import GPT, GPTConfig
 from policies.auto import plan
@@ -99,6 +99,65 @@ def test_pipeline_pays_for_its_messages():
     res = simulate(graph, world, costs=LINEARS, comm=_free_comm(p2p=beta))
     # (the loss the last stage sends back arrives while the first stage still runs backward)
     assert res.step_time == pytest.approx(2 * (F + B) + 2 * 256 * beta)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_gradients_accumulate_over_micro_batches_at_memory_speed(m):
+    """Each micro-batch after the first adds its gradient to the one the parameter holds (autograd's
+    in-place ``grad += new``: two reads and a write of the 8x8 float weight, 768 bytes, at the copy
+    rate); the first is taken as it is."""
+    rate = 768.0   # bytes per second the copies move: one accumulation costs 1 s
+    graph, world = _graph({"dp": 1, "tp": 1, "pp": 2, "starts": [0, 1], "nmicros": m, "schedule": "1f1b"})
+    costs = FixedCosts(fw=0.0, bw=0.0, by_name={"linear": (F, B)}, copy_rate=rate / 2)   # copy_cost(n) moves 2n
+    res = simulate(graph, world, costs=costs, comm=_free_comm())
+    for s in res.ranks.values():
+        assert s.compute == pytest.approx(m * (F + B) + (m - 1) * 1.0)
+        assert s.repeat_accumulate == pytest.approx((m - 1) * 1.0)
+    assert res.step_time >= (m + 1) * (F + B) + (m - 1) * 1.0
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute):
+    """Under ``precision="bf16"`` every forward call (and a recompute) casts each float32 weight a
+    linear reads to bf16 (4 + 2 bytes an element), and backward casts its gradient back to float32
+    (2 + 4); the norm's parameters are not cast, and without autocast nothing is."""
+    import cube
+    from cube.ir.operator import IRFwOperation
+
+    class Block(nn.Module):
+        def __init__(self, d=64):
+            super().__init__()
+            self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False)
+            self.out = nn.Linear(4 * d, d, bias=False)
+
+        def forward(self, x):
+            return (x + self.out(torch.relu(self.fc(self.norm(x))))).sum()
+
+    def policy(graph, resource):
+        from policies.single import PASSingle
+        graph = PASSingle(graph, resource, recompute=False)
+        if recompute:   # the block's body, norm to the second linear, run again in backward
+            body = ("layer_norm", "linear", "relu")
+            graph.recompute([n for n in graph.select(ntype=IRFwOperation) if n.name in body])
+        return graph
+    rate = 1e6
+    costs = FixedCosts(fw=0.0, bw=0.0, copy_rate=rate / 2)   # seconds = bytes moved / rate
+    weights = 2 * 64 * 256   # elements of the two linear weights
+    for precision in (None, "bf16"):
+        planned = cube.plan(Block(), (torch.randn(2, 64),), policy, 1, precision=precision)
+        prog, = build_programs(planned.graph, 1, costs, _free_comm(), 0, False, planned.program).values()
+        spent = {}
+        for ins in prog.ins:
+            if ins.label in ("autocast cast", "grad cast", ACCUMULATE):
+                spent[ins.label, ins.cat] = spent.get((ins.label, ins.cat), 0.0) + ins.dur
+        if precision is None:
+            assert spent == {}
+            continue
+        cast = weights * 6 / rate
+        expect = {("autocast cast", "forward"): cast, ("grad cast", "backward"): cast}
+        if recompute:
+            expect[("autocast cast", "recompute")] = cast
+        assert spent == pytest.approx(expect)
 
 
 # ---------------------------------------------------------------------- collectives

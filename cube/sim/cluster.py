@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 
 from cube.ir.ops import flops as op_flops
+from cube.ir.tensor import TensorKind
 from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
 from cube.runtime.amp import DTYPES
@@ -101,7 +102,8 @@ class DeviceCosts(Estimator):
         nbytes, cast = 0, 0
         for s, t in zip(ins, op.inputs):
             size = self._itemsize(t)
-            if target is not None and t.dtype.is_floating_point and self._dtype(t) != target:
+            if target is not None and t.dtype.is_floating_point and self._dtype(t) != target \
+                    and t.kind is not TensorKind.PARAM:   # weights: cast once per forward call (cube.sim.program)
                 cast += _numel(s) * (size + target.itemsize)   # a copy into the dtype the op runs in
                 size = target.itemsize
             nbytes += _numel(s) * size
@@ -135,14 +137,15 @@ class DeviceCosts(Estimator):
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         per_param = float(self.hw.device.get("optimizer_bytes_per_param", 28))
         # multi-tensor AdamW: a few kernels per group of tensors, bound by memory
-        return 4 * self.launch * max(1, len(numels) // 32) + sum(numels) * per_param / self.hw.memory_rate
+        launch = self.launch if self.host is None else 0.0   # with a host clock: the host's, not the device's
+        return 4 * launch * max(1, len(numels) // 32) + sum(numels) * per_param / self.hw.memory_rate
 
     def optimizer_workspace(self, numels: Sequence[int]) -> int:
         """AdamW's temporaries as its multi-tensor (``foreach``) step on a GPU makes them."""
         return adamw_workspace(numels, foreach=True)
 
     def copy_cost(self, nbytes: int) -> float:
-        return self.launch + 2 * nbytes / self.hw.memory_rate
+        return (self.launch if self.host is None else 0.0) + 2 * nbytes / self.hw.memory_rate
 
 
 def _causal(op) -> bool:

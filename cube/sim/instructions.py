@@ -80,9 +80,12 @@ class Writer:
             for k, v in delta.items():
                 self.ins[-1].mem[k] = self.ins[-1].mem.get(k, 0) + v
 
-    def compute(self, dur: float, label: str, cat: str) -> None:
-        host = 0.0
-        if dur > 0 and self._host_of is not None:
+    def compute(self, dur: float, label: str, cat: str, host: bool = True) -> None:
+        """A compute instruction; ``host``: the host issues it as an op of its own (False: its
+        dispatch is counted in the op it belongs to)."""
+        if not host or dur <= 0 or self._host_of is None:
+            host = 0.0
+        else:
             host = self._host.get(cat)
             if host is None:
                 host = self._host[cat] = self._host_of(cat)

@@ -41,7 +41,9 @@ from cube.sim.precision import autocast_dtypes, casts_weights
 from cube.sim.replay import MicroState, Replays
 from cube.sim.step_end import StepEnd
 
-__all__ = ["Builder", "Ins", "Program", "COLLECTIVES"]
+__all__ = ["Builder", "Ins", "Program", "COLLECTIVES", "ACCUMULATE"]
+
+ACCUMULATE = "grad accumulate"   # the label of a gradient added to the one a parameter holds
 
 
 class Builder(Writer, StepEnd):
@@ -94,6 +96,7 @@ class Builder(Writer, StepEnd):
         self.dtypes = dtypes   # activation id -> dtype under autocast
         self.cast_itemsize = DTYPES[precision].itemsize if precision else 0   # autocast's copies of weights
         self.replays = Replays(self)
+        self.grads_made: set = set()   # (micro-batch, value key) that got a gradient in backward
 
     def _lay_out(self, program: RankProgram) -> None:
         """The calls of each segment (each stage this rank holds, or its only forward) one after
@@ -168,11 +171,16 @@ class Builder(Writer, StepEnd):
             self.fw_step(call, micro, cat)
             return
         label, fw, outs, saved = self._fw_static(i, call)
+        mem, tag = self.micros[micro].mem, self.tag
+        casts = self._casts(call) if self.cast_itemsize else ()
+        if casts:   # autocast's copies this forward call has not made yet: one cast kernel each
+            cast = sum(self._cast_seconds(vid, nbytes) for vid, nbytes in casts if not mem.alive(("cast", vid, tag)))
+            if cast:
+                self.compute(cast, "autocast cast", cat, host=False)
         if call.inside is not None:
             self.inside_comm(call, micro, cat, "f", fw)
         else:
             self.compute(fw, label, cat)
-        mem, tag = self.micros[micro].mem, self.tag
         if tag:
             made = self.re_made
             for o, _, _ in outs:
@@ -190,10 +198,8 @@ class Builder(Writer, StepEnd):
             elif nbytes is not None:
                 mem.alloc(key(id(o)), nbytes)
         holder = ("saved", i, tag)
-        if self.cast_itemsize:
-            casts = self._casts(call)
-            if casts:
-                self.cast_weights(mem, casts, holder if keep_saved and self._needs_grad(call) else None)
+        if casts:
+            self.cast_weights(mem, casts, holder if keep_saved and self._needs_grad(call) else None)
         if not keep_saved:
             return
         for n, vid, nbytes in saved:
@@ -246,6 +252,46 @@ class Builder(Writer, StepEnd):
                 mem.alloc(key, nbytes, holder=cache)
             if saved is not None:
                 mem.hold(key, saved)
+
+    def _cast_seconds(self, vid: int, nbytes: int) -> float:
+        """Seconds of one elementwise kernel reading the float32 parameter piece ``vid`` and writing its
+        ``nbytes`` copy (or, in backward, the reverse): memory bound (``copy_cost(n)`` moves ``2 n``)."""
+        return self.costs.copy_cost((self.attr_bytes[vid] + nbytes) // 2)
+
+    def param_grad_seconds(self, call: Call) -> tuple:
+        """``(cast, accumulate)``: seconds a backward spends on the gradients of the parameters ``call``
+        reads beyond the op's own backward (which makes them in the op's dtype):
+
+        - ``cast``: the backward of autocast's cast of a float32 weight (``ToCopyBackward``) turns
+          its low-precision gradient back into float32, one kernel as large as the forward's cast;
+        - ``accumulate``: a parameter that already has a gradient (every micro-batch after the
+          first of the step, or a second reader) gets the new one added in place by autograd's
+          ``AccumulateGrad`` (``grad += new``: two reads and a write of the parameter's size);
+          the first gradient is taken as it is, without a copy.
+
+        Megatron-LM (2021) pays the accumulation every micro-batch too, in its data-parallel
+        wrapper's hook ``param.main_grad.add_(param.grad.data)`` (megatron/model/distributed.py).
+        Ask before ``grad_flow`` makes the call's gradients."""
+        reads = [v for v in self._grad_reads(call) if id(v) in self.attrs and v.kind is TensorKind.PARAM]
+        if not reads:
+            return 0.0, 0.0
+        casts = dict(self._casts(call)) if self.cast_itemsize else {}
+        cast = accumulate = 0.0
+        for v in reads:
+            vid = id(v)
+            if vid in casts:
+                cast += self._cast_seconds(vid, casts[vid])
+            if self.mem.alive(("pg", vid)):
+                accumulate += self.costs.copy_cost(3 * self.attr_bytes[vid] // 2)
+        return cast, accumulate
+
+    def param_grads(self, grads: tuple) -> None:
+        """The instructions of ``param_grad_seconds``' work."""
+        cast, accumulate = grads
+        if cast:
+            self.compute(cast, "grad cast", "backward", host=False)
+        if accumulate:
+            self.compute(accumulate, ACCUMULATE, "backward", host=False)
 
     def _casts(self, call: Call) -> tuple:
         """The float32 parameter pieces autocast casts for op piece ``call``: (id, bytes of the copy)."""
@@ -351,15 +397,18 @@ class Builder(Writer, StepEnd):
                 saved = ("saved", i, self.tag if run is not None else "")
                 if self._needs_grad(call):
                     bw, label = self.costs.op_cost(call).bw, self._fw_static(i, call)[0]
+                    grads = self.param_grad_seconds(call)
                     if call.defer_wgrad:   # B: the input's gradient; W gets the weight's (cube.runtime.zb)
                         x = call.op.inputs[DEFERRABLE[call.op.name][0]]
                         share = 0.5 if x.requires_grad else 0.0   # two equal products
                         self.compute(bw * share, label, "backward")
-                        st.deferred.setdefault(stage, []).append((bw * (1 - share), call, saved))
-                    elif call.inside is not None:
-                        self.inside_comm(call, micro, "backward", "b", bw)
+                        st.deferred.setdefault(stage, []).append((bw * (1 - share), call, saved, grads))
                     else:
-                        self.compute(bw, label, "backward")
+                        if call.inside is not None:
+                            self.inside_comm(call, micro, "backward", "b", bw)
+                        else:
+                            self.compute(bw, label, "backward")
+                        self.param_grads(grads)
                     self.grad_flow(call, micro)
                 if not call.defer_wgrad:
                     mem.release_all(saved)
@@ -378,8 +427,9 @@ class Builder(Writer, StepEnd):
     def weight(self, micro: int, stage: Optional[int] = None) -> None:
         """A W action: the weight gradients its B deferred; their saved inputs go after."""
         st = self.state(micro)
-        for seconds, call, saved in st.deferred.pop(stage, []):
+        for seconds, call, saved, grads in st.deferred.pop(stage, []):
             self.compute(seconds, _label(call.op) + " (W)", "backward")
+            self.param_grads(grads)
             st.mem.release_all(saved)
             self.settle()
 
@@ -467,8 +517,15 @@ class Builder(Writer, StepEnd):
                 if v.kind is TensorKind.PARAM and not self.mem.alive(("pg", vid)):
                     self.mem.alloc(("pg", vid), self.attr_bytes[vid], "grads", holder="grads")
                 continue
-            root = mem.root_of((vid, tag if vid in made else ""))
-            if root is not None and not mem.alive(("g", root)):
+            vkey = (vid, tag if vid in made else "")
+            root = mem.root_of(vkey)
+            if root is None:
+                continue
+            if (micro, vkey) in self.grads_made:   # read twice: autograd adds this gradient to the first
+                self.compute(self.costs.copy_cost(3 * mem.sizes.get(vkey, mem.sizes.get(root, 0)) // 2),
+                             "grad sum", "backward", host=False)
+            self.grads_made.add((micro, vkey))
+            if not mem.alive(("g", root)):
                 mem.alloc(("g", root), mem.sizes.get(root, 0), holder="g")
         for oid in self._grad_outs(call):
             key = (oid, tag if oid in made else "")

@@ -12,7 +12,10 @@ them (and to the instruction before it) and the micro-batch's state after it,
 and replays that for every later micro-batch that reaches the same action
 after the same actions: the instructions copied with the micro-batch's message
 keys (``((src, dst), tag, micro, way)``) and the collectives numbered on, the
-state shared until the micro-batch next runs an action for real. An action is
+state shared until the micro-batch next runs an action for real. A micro-batch
+one of whose actions changed the rank's own state (the first gradients are
+taken, later ones added to them) neither records nor replays its later
+actions (a W emits what its B decided). An action is
 recorded only when it changed nothing of the rank's own state and emitted only
 compute, blocking collectives and messages; the programs are the same as
 built action by action (``tests/test_cluster_sim.py`` compares them).
@@ -65,12 +68,13 @@ class Replays:
         self.on = self.enabled and builder.held and builder.zero != 3
         self.recorded: Dict[Tuple[str, Optional[int], tuple], _Recording] = {}
         self.done: Dict[int, tuple] = {}   # micro-batch -> the (kind, stage) of its actions so far
+        self.unique: set = set()   # micro-batches an action of which changed the rank's own state
 
     def replay(self, kind: str, micro: int, stage: Optional[int]) -> bool:
         """Appends the recorded action for ``micro``; False when there is none to replay."""
         b = self.b
         past = self.done.get(micro, ())
-        rec = self.recorded.get((kind, stage, past)) if self.on else None
+        rec = self.recorded.get((kind, stage, past)) if self.on and micro not in self.unique else None
         if rec is None or not b.ins or b.mem.pending:
             return False
         out = b.ins
@@ -95,10 +99,12 @@ class Replays:
         past = self.done.get(micro, ())
         key = (kind, stage, past)
         start, changes = len(b.ins), b.mem.changes
-        ok = self.on and key not in self.recorded and start > 0 and not b.mem.pending
+        ok = self.on and key not in self.recorded and start > 0 and not b.mem.pending and micro not in self.unique
         before = dict(b.ins[start - 1].mem) if ok else {}
         run(micro, stage)
         self.done[micro] = past + ((kind, stage),)
+        if b.mem.changes != changes:   # its later actions may differ too (a W whose B made the first gradients)
+            self.unique.add(micro)
         if not ok or b.mem.changes != changes or b.mem.pending or b.tag:
             return
         ins = b.ins[start:]

@@ -28,7 +28,7 @@ from cube.sim.host import Host
 from cube.sim.memory import KINDS, peak
 from cube.sim.precision import autocast_dtypes
 from cube.sim.instructions import message_pair
-from cube.sim.program import Builder, Ins
+from cube.sim.program import ACCUMULATE, Builder, Ins
 
 
 MICRO_WORK = ("forward", "backward", "recompute")   # instruction categories each micro-batch repeats
@@ -46,6 +46,8 @@ class RankStats:
         waiting: the part of ``comm`` spent waiting for peers' messages (pipeline bubbles).
         repeat_compute, repeat_comm: seconds of the work every micro-batch repeats (forward, backward
             and recompute compute; the collectives they block on).
+        repeat_accumulate: the part of ``repeat_compute`` adding gradients to those the parameters
+            hold (``cube.sim.program.ACCUMULATE``), which every micro-batch but the first pays.
     """
 
     end: float
@@ -56,6 +58,7 @@ class RankStats:
     waiting: float = 0.0
     repeat_compute: float = 0.0
     repeat_comm: float = 0.0
+    repeat_accumulate: float = 0.0
 
     @property
     def pipeline(self) -> float:
@@ -247,6 +250,7 @@ def simulate(graph: IRGraph, world: int, costs=None, comm: Optional[CommModel] =
         top, at, totals = peak(prog.base, [i.mem for i in prog.ins])
         stats[r] = (top, {k: at.get(k, 0) for k in KINDS}, totals)
         work[r] = [sum(i.dur for i in prog.ins if i.op == op and i.cat in MICRO_WORK) for op in ("compute", "coll")]
+        work[r].append(sum(i.dur for i in prog.ins if i.label == ACCUMULATE))
         solo[r] = _solo_collectives(r, prog, programs) if ranks is not None else 0.0
         if coarse:
             prog.ins = _merge(prog.ins)

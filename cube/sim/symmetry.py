@@ -20,8 +20,9 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
   with ``pp + 1`` of them (``3 pp`` when interleaved), the batch cut to match,
   each micro-batch as large as in the real step. In the steady state each
   further micro-batch adds the slowest pipeline rank's per-micro-batch work
-  (forward, backward, recompute and the collectives they wait on), so the step
-  time grows by that for each micro-batch not simulated. The memory peak is a
+  (forward, backward, recompute and the collectives they wait on; the gradient
+  accumulation that the first micro-batch skips counted as the others pay it),
+  so the step time grows by that for each micro-batch not simulated. The memory peak is a
   steady state's (every gradient made, at most ``pp`` micro-batches in flight),
   which the simulated micro-batches reach.
 
@@ -182,10 +183,12 @@ def micro_fold(mesh: Optional[DeviceMesh], fold: Fold, batch_size: Optional[int]
 
 def extrapolate(result, simulated: int, real: int) -> None:
     """Grows a step simulated with ``simulated`` micro-batches to ``real`` (see the module docstring)."""
-    slope = max(s.pipeline for s in result.ranks.values()) / simulated
+    def first_free(s) -> float:   # the accumulation every micro-batch but the first pays, once more
+        return s.repeat_accumulate / (simulated - 1)
+    slope = max(s.pipeline + first_free(s) for s in result.ranks.values()) / simulated
     extra = (real - simulated) * slope
     for s in result.ranks.values():
-        s.compute += (real - simulated) * s.repeat_compute / simulated
+        s.compute += (real - simulated) * (s.repeat_compute + first_free(s)) / simulated
         s.comm += (real - simulated) * s.repeat_comm / simulated
         s.end += extra
     result.step_time += extra
