@@ -19,7 +19,9 @@ FlashAttention; attention dropout 0.1, the hidden dropout fused into Megatron's
 bias-dropout-add and left out), built on the meta device; the same
 tp, pp and dp; ``PASMegatron`` with ``recompute=all``, ``nvirtual=2`` where the pipeline has
 more than one stage, micro-batches of one sample (``nmicros = batch / dp``: the table gives
-no micro-batch size; Megatron's examples of these runs use 1); simulated with
+no micro-batch size; Megatron's examples of these runs use 1), priced as Megatron ran it
+(the model itself in half precision, float32 main parameters in the optimizer:
+``DeviceCosts(half_model=True)``, no autocast casts or float32 activations); simulated with
 ``--hardware dgx-a100-80g`` (``cube/sim/hardware/dgx-a100-80g.json``, every number cited
 there, none fitted to this table). Prints per row the published and predicted TFLOP/s per
 GPU, the error, the predicted step time and memory, and the simulator's wall time; then
@@ -163,7 +165,7 @@ def predict(row, hardware: str = "dgx-a100-80g") -> dict:
     hw = hw_mod.load(hardware)
     started = time.perf_counter()
     model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
-    result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=DeviceCosts(hw, "bf16"),
+    result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=DeviceCosts(hw, "bf16", half_model=True),
                              comm=ClusterComm(hw), precision="bf16", options=options, symmetric=True)
     seconds = time.perf_counter() - started
     predicted = eq3_flops(batch, layers, hidden) / result.step_time / gpus / 1e12

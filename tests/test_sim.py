@@ -495,3 +495,62 @@ def test_mixed_precision_memory_follows_autocast():
         peaks[precision] = max(held)
     weight = 4 * 64 * 64 * 2   # one weight's bf16 copy
     assert peaks[None] < weight <= peaks["bf16"]
+
+
+def test_host_clock_hides_behind_a_busy_device_and_idles_a_fast_one():
+    """A GPU rank's host issues each op ahead of the device: three ops of 1 s on the device and
+    2 s of dispatch each end at 6 s (host-bound); of 2 s and 1 s dispatch at 6 s (device-bound)."""
+    host_bound = {0: Program(0, [Ins("compute", 1.0, host=2.0) for _ in range(3)], {}, [])}
+    device_bound = {0: Program(0, [Ins("compute", 2.0, host=1.0) for _ in range(3)], {}, [])}
+    no_host = {0: Program(0, [Ins("compute", 1.0) for _ in range(3)], {}, [])}
+    assert engine.run(host_bound)[0][0] == pytest.approx(6.0)
+    assert engine.run(device_bound)[0][0] == pytest.approx(6.0)
+    assert engine.run(no_host)[0][0] == pytest.approx(3.0)
+
+
+def _linear_block(d=64):
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(d)
+            self.q, self.k = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False)
+
+        def forward(self, x):
+            h = self.norm(x)   # float32 under autocast, read by two bf16 products
+            return (self.q(h) * self.k(h)).sum()
+    return Block()
+
+
+def test_device_costs_follow_autocast_dtypes_casts_and_gradient_sums():
+    """On a profiled GPU under bf16: the norm moves float32 bytes, each product pays the cast of its
+    float32 input (not of its weight: the program casts weights once per forward call), a value read
+    twice gets its second gradient added (one "grad sum"), and the host issues every op."""
+    import json
+    import cube
+    from cube.ir.operator import IRFwOperation
+    from cube.sim import hardware
+    from cube.sim.cluster import DeviceCosts
+    from cube.sim.precision import autocast_dtypes
+
+    model, x = _linear_block(), torch.randn(4096, 64)
+    planned = cube.plan(model, (x,), "PASSingle", 1, precision="bf16")
+    raw = json.loads((hardware.HERE / "dgx-h100.json").read_text())
+    raw["device"]["host_us_per_op"] = {"forward": 7.0, "backward": 11.0}
+    hw = hardware.Hardware("h", "gpu", raw, "test")
+    costs = DeviceCosts(hw, "bf16")
+    ops = {op.name: op for op in planned.graph.select(ntype=IRFwOperation)}
+    norm, lin = ops["layer_norm"], ops["linear"]
+    shape = [tuple(t.shape) for t in norm.inputs], [tuple(t.shape) for t in norm.outputs]
+    before = costs.device_seconds(norm, *shape)[0]
+    costs.bind_dtypes(autocast_dtypes(planned.graph, "bf16"))
+    assert costs.device_seconds(norm, *shape)[0] == pytest.approx(2 * before, rel=0.01)   # 4 bytes, not 2
+    ins = [tuple(t.shape) for t in lin.inputs]
+    kernel, cast = costs.device_seconds(lin, ins, [tuple(lin.outputs[0].shape)])
+    assert cast == pytest.approx(4096 * 64 * (4 + 2) / hw.memory_rate)   # the activation only
+    assert costs.host_seconds("forward") == pytest.approx(7e-6)
+    assert costs.host_seconds("backward") == pytest.approx(11e-6)
+    prog, = build_programs(planned.graph, 1, costs, _free_comm(), 0, True, planned.program).values()
+    sums = [i for i in prog.ins if i.label == "grad sum"]
+    assert len(sums) == 1 and sums[0].cat == "backward" and sums[0].host == 0.0
+    issued = [i for i in prog.ins if i.op == "compute" and i.host > 0]
+    assert {i.host for i in issued} == {7e-6, 11e-6}

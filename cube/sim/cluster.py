@@ -42,10 +42,14 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
 
 class DeviceCosts(Estimator):
     """Op, optimizer and copy costs of one device of ``hardware`` training at ``precision``
-    (``bf16``/``fp16``: float activations take 2 bytes and matmuls the half-precision peak; None:
-    float32 on the fp32 peak)."""
+    (``bf16``/``fp16``: matmuls on the half-precision peak; None: float32 on the fp32 peak).
 
-    def __init__(self, hardware: Hardware, precision: Optional[str] = "bf16"):
+    ``half_model``: price the step as a runtime that keeps the model itself in the low precision
+    (Megatron-LM's fp16/bf16 training: half-precision weights and activations, float32 main
+    parameters in the optimizer): every float activation at 2 bytes and no autocast casts. By
+    default the step is priced as cube runs it (``torch.autocast`` over float32 weights)."""
+
+    def __init__(self, hardware: Hardware, precision: Optional[str] = "bf16", half_model: bool = False):
         if hardware.is_host:
             raise ValueError(f"{hardware.name!r} is this host: its costs are measured (cube.sim.profile), not "
                              f"read from a profile")
@@ -63,13 +67,15 @@ class DeviceCosts(Estimator):
         host = hardware.device.get("host_us_per_op")
         self.host = (host["forward"] * 1e-6, host["backward"] * 1e-6) if host else None
         self.low = DTYPES.get(self.precision)   # autocast's dtype (None in float32)
+        self.half_model = bool(half_model) and self.low is not None
+        self.price_casts = not self.half_model   # cube.sim.program prices the weights' casts
         self.dtypes: Optional[dict] = None       # activation id -> dtype under autocast (bind_dtypes)
         self._memo: dict = {}
 
     def bind_dtypes(self, dtypes: Optional[dict]) -> None:
         """The dtypes of the graph about to be simulated under autocast (``autocast_dtypes``; None:
-        every float tensor at the precision's activation size)."""
-        self.dtypes = dtypes
+        every float tensor at the precision's activation size; always so for a ``half_model``)."""
+        self.dtypes = None if self.half_model else dtypes
 
     def _dtype(self, t):
         """``t``'s dtype when the op runs (autocast's, once bound)."""

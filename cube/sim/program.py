@@ -97,6 +97,7 @@ class Builder(Writer, StepEnd):
         self.cast_itemsize = DTYPES[precision].itemsize if precision else 0   # autocast's copies of weights
         self.replays = Replays(self)
         self.grads_made: set = set()   # (micro-batch, value key) that got a gradient in backward
+        self.price_casts = getattr(costs, "price_casts", True)   # autocast's weight casts cost time
 
     def _lay_out(self, program: RankProgram) -> None:
         """The calls of each segment (each stage this rank holds, or its only forward) one after
@@ -173,7 +174,7 @@ class Builder(Writer, StepEnd):
         label, fw, outs, saved = self._fw_static(i, call)
         mem, tag = self.micros[micro].mem, self.tag
         casts = self._casts(call) if self.cast_itemsize else ()
-        if casts:   # autocast's copies this forward call has not made yet: one cast kernel each
+        if casts and self.price_casts:   # autocast's copies this forward call has not made yet: one kernel each
             cast = sum(self._cast_seconds(vid, nbytes) for vid, nbytes in casts if not mem.alive(("cast", vid, tag)))
             if cast:
                 self.compute(cast, "autocast cast", cat, host=False)
@@ -275,7 +276,7 @@ class Builder(Writer, StepEnd):
         reads = [v for v in self._grad_reads(call) if id(v) in self.attrs and v.kind is TensorKind.PARAM]
         if not reads:
             return 0.0, 0.0
-        casts = dict(self._casts(call)) if self.cast_itemsize else {}
+        casts = dict(self._casts(call)) if self.cast_itemsize and self.price_casts else {}
         cast = accumulate = 0.0
         for v in reads:
             vid = id(v)
