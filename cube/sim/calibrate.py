@@ -140,8 +140,9 @@ class _Probe(torch.nn.Module):
 
 def host_per_op(device: torch.device, precision: str, steps: int = 30) -> Tuple[float, float, int]:
     """``(forward, backward seconds per op, ops)`` the host spends in an eager training step of a
-    transformer too small to keep the device busy, under autocast at ``precision``; ops as the
-    simulator counts them (the traced graph's, views left out: they launch nothing)."""
+    transformer too small to keep the device busy, under autocast at ``precision`` (each step
+    started on an idle device; medians over ``steps``); ops as the simulator counts them (the
+    traced graph's, views left out: they launch nothing)."""
     from cube.compiler import trace_model
     from cube.ir.ops import op_info
     from cube.ir.operator import IRFwOperation
@@ -150,30 +151,28 @@ def host_per_op(device: torch.device, precision: str, steps: int = 30) -> Tuple[
     ids = torch.randint(0, 256, (2, 32), device=device)
     batch = (ids, torch.roll(ids, -1, dims=1))
     low = DTYPES[precision] if precision != "fp32" else None
-    fw_s = bw_s = 0.0
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for i in range(steps + 5):
-        if i == 5:
-            sync()
-            fw_s = bw_s = 0.0
+    fws, bws = [], []
+    for _ in range(steps + 5):   # medians: a collector's pause or a first-time heuristic in one step stays out
+        sync()
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=low, enabled=low is not None):
             loss = model(*batch)
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
-        fw_s, bw_s = fw_s + t1 - t0, bw_s + t2 - t1
+        fws.append(t1 - t0)
+        bws.append(t2 - t1)
         model.zero_grad(set_to_none=True)
     sync()
     graph = trace_model(model, batch, precision=None if low is None else precision).graph
     ops = sum(1 for op in graph.select(ntype=IRFwOperation) if not op_info(op.name).alias)
-    return fw_s / steps / ops, bw_s / steps / ops, ops
+    return statistics.median(fws[5:]) / ops, statistics.median(bws[5:]) / ops, ops
 
 
 def host_per_op_generated(device: torch.device, precision: str, ops: int, steps: int = 30) -> float:
     """Seconds per op (forward and backward together) the host spends in cube's generated step of the
     same probe (``PASSingle`` in this process), each step started on an idle device."""
-    import os
     import tempfile
     import cube
     torch.manual_seed(0)
@@ -181,30 +180,23 @@ def host_per_op_generated(device: torch.device, precision: str, ops: int, steps:
     ids = torch.randint(0, 256, (2, 32), device=device)
     batch = (ids, torch.roll(ids, -1, dims=1))
     loader = iter(lambda: batch, None)
-    old = os.environ.get("SINGLE_DEV_MODE")
-    os.environ["SINGLE_DEV_MODE"] = "1"
-    try:
-        with tempfile.TemporaryDirectory() as cache:
-            @cube.compile(model, loader, PAS="PASSingle", cache_dir=cache,
-                          precision=None if precision == "fp32" else precision)
-            def step(model, dataloader):
-                loss = model(*next(dataloader))
-                loss.backward()
-                return loss
-            gen = cube.load_model()
-            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-            total = []
-            for i in range(steps + 5):
-                sync()
-                t0 = time.perf_counter()
-                step(gen, loader)
-                total.append(time.perf_counter() - t0)
-                gen.zero_grad(set_to_none=True)
-    finally:
-        if old is None:
-            os.environ.pop("SINGLE_DEV_MODE", None)
-        else:
-            os.environ["SINGLE_DEV_MODE"] = old
+    # one process without torchrun: cube runs it at world size 1 (cube.runtime.device)
+    with tempfile.TemporaryDirectory() as cache:
+        @cube.compile(model, loader, PAS="PASSingle", cache_dir=cache,
+                      precision=None if precision == "fp32" else precision)
+        def step(model, dataloader):
+            loss = model(*next(dataloader))
+            loss.backward()
+            return loss
+        gen = cube.load_model()
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        total = []
+        for i in range(steps + 5):
+            sync()
+            t0 = time.perf_counter()
+            step(gen, loader)
+            total.append(time.perf_counter() - t0)
+            gen.zero_grad(set_to_none=True)
     return statistics.median(total[5:]) / ops
 
 
