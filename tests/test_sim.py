@@ -124,14 +124,6 @@ def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute)
     import cube
     from cube.ir.operator import IRFwOperation
 
-    class Block(nn.Module):
-        def __init__(self, d=64):
-            super().__init__()
-            self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False)
-            self.out = nn.Linear(4 * d, d, bias=False)
-
-        def forward(self, x):
-            return (x + self.out(torch.relu(self.fc(self.norm(x))))).sum()
 
     def policy(graph, resource):
         from policies.single import PASSingle
@@ -144,7 +136,7 @@ def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute)
     costs = FixedCosts(fw=0.0, bw=0.0, copy_rate=rate / 2)   # seconds = bytes moved / rate
     weights = 2 * 64 * 256   # elements of the two linear weights
     for precision in (None, "bf16"):
-        planned = cube.plan(Block(), (torch.randn(2, 64),), policy, 1, precision=precision)
+        planned = cube.plan(NormMLP(), (torch.randn(2, 64),), policy, 1, precision=precision)
         prog, = build_programs(planned.graph, 1, costs, _free_comm(), 0, False, planned.program).values()
         spent = {}
         for ins in prog.ins:
@@ -296,6 +288,19 @@ def test_profiler_estimates_what_it_cannot_run(tmp_path):
 
 
 # ---------------------------------------------------------------------- stages and search
+class NormMLP(nn.Module):
+    """A pre-norm MLP block with its residual, summed: float32 norm and residual, bf16 products
+    under autocast."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False)
+        self.out = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x):
+        return (x + self.out(torch.relu(self.fc(self.norm(x))))).sum()
+
+
 class FourLinears(nn.Module):
     def __init__(self, d=8):
         super().__init__()
@@ -471,15 +476,7 @@ def test_mixed_precision_memory_follows_autocast():
     from cube.ir.operator import IRFwOperation
     from cube.sim.precision import autocast_dtypes
 
-    class Block(nn.Module):
-        def __init__(self, d=64):
-            super().__init__()
-            self.norm, self.fc = nn.LayerNorm(d), nn.Linear(d, 4 * d, bias=False)
-            self.out = nn.Linear(4 * d, d, bias=False)
-
-        def forward(self, x):
-            return (x + self.out(torch.relu(self.fc(self.norm(x))))).sum()
-    model, x = Block(), torch.randn(2, 64)
+    model, x = NormMLP(), torch.randn(2, 64)
     peaks = {}
     for precision in (None, "bf16"):
         planned = cube.plan(model, (x,), "PASSingle", 1, precision=precision)
