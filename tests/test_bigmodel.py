@@ -78,6 +78,9 @@ def test_weights_from_torch_save_file(tmp_path, cache):
 
 
 @pytest.mark.multirank
+# the default tier: the same init on 4 ranks in one process (above), and examples/bigmodel/train.py's
+# meta-built Llama under torchrun (tests/test_bigmodel_example.py)
+@pytest.mark.slow
 def test_init_under_torchrun(tmp_path):
     import json
     torchrun(ROOT / "tests" / "workers" / "bigmodel_worker.py", 4, ["hybrid", "init", tmp_path])

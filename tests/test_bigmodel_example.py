@@ -35,6 +35,7 @@ def test_example_on_4_ranks_equals_one_process():
 
 
 @pytest.mark.multirank
+@pytest.mark.slow   # the default tier: tests/test_bigmodel.py::test_middle_pipeline_stages_never_take_a_batch
 def test_middle_stages_never_read_a_batch():
     """--tp 1 --pp 4: ranks 1 and 2 hold middle stages; after compile they take no batch."""
     out = torchrun(SCRIPT, 4, ["--layers", "4"] + ARGS[2:] + ["--tp", "1", "--pp", "4", "--nmicros", "4",

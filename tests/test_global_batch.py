@@ -107,6 +107,9 @@ def test_megatron_pp2_dp2_counts_ignored_labels_on_the_whole_batch():
 
 
 @pytest.mark.multirank
+# the default tier: the same plan on gloo ranks with 4 micro-batches (tests/test_pipeline_policies.py,
+# pp2-tp1-dp2) and with 2 in one process (test_megatron_pp2_dp2_counts_ignored_labels_on_the_whole_batch)
+@pytest.mark.slow
 def test_megatron_pp2_dp_tp_on_gloo_ranks(tmp_path):
     results = parity_across_ranks("gpt_nobias", "policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
                                   nmicros=2, optimizer="adamw", env={"CUBE_TP": "1", "CUBE_PP": "2"})

@@ -18,6 +18,7 @@ from policies import resolve
 from policies.pipeline import PAS1F1BInterleaved
 from tests.launch import parity_across_ranks
 from tests.models import build
+from tests.tiers import tiered
 
 RTOL = 1e-5
 
@@ -130,11 +131,14 @@ CASES = [
     # PASMegatron pp=2 x tp=2 with two stages per pipeline rank (exact under SGD, see test_parallel)
     ("gpt4_nobias", "policies.megatron3d:PASMegatron", 4, "sgd", {"CUBE_TP": "2", "CUBE_PP": "2", "CUBE_VIRTUAL": "2"}),
 ]
+IDS = [f"{c[1].split(':')[1]}-{c[2]}" for c in CASES]
+# the slow tier (CUBE_SLOW=1): stages over two devices each, which PASMegatron-4 checks (tensor parallel
+# stages), and data parallel stages the 1F1B pipelines of tests/test_debug.py and tests/test_zero.py
+SLOW = {"PAS1F1BInterleavedData-4"}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,policy,nproc,optimizer,env", CASES,
-                         ids=[f"{c[1].split(':')[1]}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize("model,policy,nproc,optimizer,env", tiered(CASES, IDS, SLOW))
 def test_interleaved_schedule_equals_gradient_accumulation(model, policy, nproc, optimizer, env, tmp_path):
     results = parity_across_ranks(model, policy, nproc, tmp_path, steps=5, nmicros=4, optimizer=optimizer,
                                   env={"CUBE_MICROS": "4", **env})

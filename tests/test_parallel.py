@@ -8,6 +8,7 @@ the ranks' pieces together must cover every parameter.
 import pytest
 
 from tests.launch import parity_across_ranks
+from tests.tiers import tiered
 
 RTOL = 1e-5
 
@@ -41,10 +42,24 @@ CASES = [
     # context parallel: ring attention's point-to-point messages between processes
     ("gpt_nobias", "policies.context:PASContext", 4),
 ]
+IDS = [f"{m}-{p.split(':')[1]}-{n}" for m, p, n in CASES]
+# the slow tier (CUBE_SLOW=1): each plan's checks are covered by a default-tier case
+SLOW = {
+    # 4 ranks of a plan the 2-rank case checks, and dp x tp (PASHybrid on the GPT and the Llama)
+    "mlp-PASData-4", "mlp-PASMegatronTP-4", "mlp-PASHybrid-4", "gpt_nobias-PASData-4",
+    "gpt_nobias-PASMegatronTP-4",
+    # the same launch is tests/test_debug.py's multi-process run, which checks the same
+    "gpt_nobias-PASHybrid-4",
+    # the Llama's data and tensor parallel plans: PASHybrid-4 is both at once
+    "hf_llama-PASData-2", "hf_llama-PASMegatronTP-2", "hf_llama-PASData-4", "hf_llama-PASMegatronTP-4",
+    # two stages: the MLP on 2 ranks, the GPT on 4 (data parallel stages, tied weights across
+    # groups); the Llama's stages cross groups in its 1F1B pipeline below
+    "gpt_nobias-PASTwoStages-2", "hf_llama-PASTwoStages-4",
+}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,policy,nproc", CASES, ids=[f"{m}-{p.split(':')[1]}-{n}" for m, p, n in CASES])
+@pytest.mark.parametrize("model,policy,nproc", tiered(CASES, IDS, SLOW))
 def test_partitioned_plan_equals_single_device(model, policy, nproc, tmp_path):
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
@@ -86,11 +101,20 @@ PIPELINES = [
     ("gpt_nobias", "policies.pipeline:PAS1F1B", 4, "adamw"),
     ("mlp", "policies.pipeline:PASGPipe", 2, "adamw"),
 ]
+PIPELINE_IDS = [f"{m}-{p.split(':')[-1]}-{n}-{o}" for m, p, n, o in PIPELINES]
+PIPELINE_SLOW = {
+    # 4 stages of 1F1B: the shipped policies.pipeline:PAS1F1B on 4 ranks (adamw1); GPipe: 2 ranks
+    "gpt_nobias-PAS1F1B-4-adamw0", "gpt_nobias-PASGPipe-4-adamw",
+    # the same launch is tests/test_debug.py's multi-process run, which checks the same
+    "gpt_nobias-PAS1F1BData-4-adamw",
+    # pp2 x tp2: policies.megatron3d:PASMegatron in tests/test_pipeline_policies.py and
+    # tests/test_trace_repeat.py
+    "gpt_nobias-PAS1F1BTensor-4-sgd",
+}
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,policy,nproc,optimizer", PIPELINES,
-                         ids=[f"{m}-{p.split(':')[-1]}-{n}-{o}" for m, p, n, o in PIPELINES])
+@pytest.mark.parametrize("model,policy,nproc,optimizer", tiered(PIPELINES, PIPELINE_IDS, PIPELINE_SLOW))
 def test_pipeline_schedule_equals_gradient_accumulation(model, policy, nproc, optimizer, tmp_path):
     """A step on one global batch, cut into 4 micro-batches through the schedule, equals the plain
     model's step on that batch; the GPT's tied embedding and LM head sit in the first and last stage."""

@@ -11,6 +11,7 @@ import pytest
 
 import cube
 from tests.launch import parity_across_ranks
+from tests.tiers import tiered
 
 RTOL = 1e-5
 
@@ -26,6 +27,12 @@ CASES = [
     ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 3, 0.0, {"CUBE_TP": "2"}, 1),
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1BData", 4, 2, 0.05, {}, 4),
 ]
+IDS = [f"{m}-{p.split(':')[1]}-{n}-zero{z}{'-clip' if c else ''}{'-recompute' if 'CUBE_RECOMPUTE' in e else ''}"
+       for m, p, n, z, c, e, _ in CASES]
+# the slow tier (CUBE_SLOW=1): ZeRO-2 under dp x tp, and the MLP's ZeRO-2 under data parallel; the
+# default tier has ZeRO-1 and -3 under dp x tp, ZeRO-2 under data parallel (the GPT's case, with the
+# same checks of the bytes held) and under a data parallel pipeline
+SLOW = {"gpt_nobias-PASHybrid-4-zero2", "mlp-PASData-2-zero2"}
 
 
 def _bytes_held(results, key):
@@ -33,9 +40,7 @@ def _bytes_held(results, key):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,policy,nproc,zero,clip,env,nmicros", CASES,
-                         ids=[f"{m}-{p.split(':')[1]}-{n}-zero{z}{'-clip' if c else ''}"
-                              f"{'-recompute' if 'CUBE_RECOMPUTE' in e else ''}" for m, p, n, z, c, e, _ in CASES])
+@pytest.mark.parametrize("model,policy,nproc,zero,clip,env,nmicros", tiered(CASES, IDS, SLOW))
 def test_zero_equals_single_device(model, policy, nproc, zero, clip, env, nmicros, tmp_path):
     # clipping under tensor x data parallelism: AdamW turns the clip coefficient's round-off (norm error
     # ~1e-7) into parameter drift just past 1e-5 on near-zero gradients; SGD shows the step exact
