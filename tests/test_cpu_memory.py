@@ -43,7 +43,8 @@ def test_cached_malloc_reuses_freed_buffers_without_page_faults():
     cached, system = _probe("cache", 16 << 20), _probe("system", 16 << 20)
     assert cached["ok"] and cached["again"], "glibc's mallopt did not take the thresholds"
     assert not system["ok"]
-    assert system["faults"] > 30000, system
+    if system["faults"] < 1000:   # e.g. transparent huge pages always on: few faults to save
+        pytest.skip(f"fresh 64 MiB mappings cost only {system['faults']:.0f} page faults a round on this kernel")
     assert cached["faults"] < system["faults"] / 100, (cached, system)
     # 8 x 4 MiB (a micro-batch's activations): none after warm-up either
     small = _probe("cache", 1 << 20)
