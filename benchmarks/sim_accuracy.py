@@ -13,7 +13,10 @@ step and a barrier; median of the timed steps).
 
 The host may be shared: while measuring, the CPU time other programs take is
 measured and turned into competing programs (``cube.sim.host.Sampler``), and each plan is predicted twice,
-for an idle host and for the host as it was during its steps. Printed per plan:
+for an idle host and for the host as it was during its steps. A shared machine's speed also drifts (by
+30% within an hour on a 2-core VM, with no other program in it), so between the rounds every rank runs
+the anchor, the single-device step of the global batch (``cube.sim.context.WholeStep``); its median CPU
+time over the sum of its ops as profiled scales the ops of the second prediction. Printed per plan:
 both predictions, the measured time, the busiest rank's predicted compute and
 its measured CPU time (which other programs do not inflate); then the mean
 absolute percentage error, Spearman's rank correlation and the regret of the
@@ -107,10 +110,13 @@ def predict(plans, graphs, background=None, threads: int = 1, scale=None):
     """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and scaled to
     their cost in a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
     host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``scale``: the
-    context factor of an earlier call (measured when None)."""
+    context factor of an earlier call (measured when None), or one per plan.
+
+    Returns ``(results, the context factor used, host, profiled seconds of the single-device step's ops)``.
+    """
     import torch
     from cube.sim import comm as comm_mod
-    from cube.sim.context import scaled
+    from cube.sim.context import WholeStep, scaled
     from cube.sim.host import this_host
     from cube.sim.profile import Profiler
     from cube.sim.simulate import simulate
@@ -118,16 +124,17 @@ def predict(plans, graphs, background=None, threads: int = 1, scale=None):
     costs = Profiler(threads=threads)
     if scale is None:
         scaled(costs, *build())
-    else:
-        costs.scale = scale
+    scales = scale if isinstance(scale, (list, tuple)) else [scale if scale is not None else costs.scale] * len(plans)
+    profiled = WholeStep(*build()).profiled(costs)
     host = this_host()
     out = []
     for i, ((name, world, policy, m, zero, rc), graph) in enumerate(zip(plans, graphs)):
+        costs.scale = scales[i]
         comm = comm_mod.load(world, calibrate_missing=True)
         out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
                             host=host.loaded(background[i] if background else 0.0)))
     costs.save()
-    return out, costs.scale, host
+    return out, scales[0], host, profiled
 
 
 def _worker(args) -> None:
@@ -135,6 +142,7 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
     import cube
+    from cube.sim.context import WholeStep
     env = cube.init()
     torch.set_num_threads(1)
     plans = [p for p in PLANS if p[1] == env.world_size and p[0] in args.names.split("|")]
@@ -156,7 +164,14 @@ def _worker(args) -> None:
             opt.step()
             opt.zero_grad()
         runners.append((f"{name} w{world}", step, [], [], []))
+    # the anchor: the single-device step of the global batch, run by every rank at once between the plans'
+    # rounds; its CPU time tells how fast the host runs ops while the plans are measured
+    whole, anchor = WholeStep(model, (ids, tgt)), []
     for _ in range(args.rounds):
+        dist.barrier()
+        whole.seconds()
+        for _ in range(args.steps):
+            anchor.append(whole.seconds())
         for _, step, times, spans, cpu in runners:
             for _ in range(args.warmup):
                 step()
@@ -173,6 +188,9 @@ def _worker(args) -> None:
         busiest = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
         dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
         out[name] = [statistics.median(times), spans, float(busiest)]
+    mid = torch.tensor([statistics.median(anchor)], dtype=torch.float64)
+    dist.all_reduce(mid)
+    out["anchor"] = float(mid) / env.world_size   # the ranks' mean of their median
     if env.rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -180,9 +198,11 @@ def _worker(args) -> None:
 
 def measure(plans, steps: int, rounds: int, warmup: int = 1):
     """Per plan (one torchrun job per world size): the median step seconds, the mean number of other
-    programs competing for the cores during its timed steps, and the median CPU seconds per step of the
-    busiest rank's main thread (its compute, which other programs do not inflate)."""
-    out, background, busy = {}, {}, {}
+    programs competing for the cores during its timed steps, the median CPU seconds per step of the
+    busiest rank's main thread (its compute, which other programs do not inflate), and the median CPU
+    seconds of the anchor (the single-device step of the global batch, forward and backward) that the
+    ranks of its job ran between rounds."""
+    out, background, busy, anchor = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in sorted({p[1] for p in plans}):
             names = "|".join(p[0] for p in plans if p[1] == world)
@@ -200,10 +220,13 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
             sampler.stop()
             if job.returncode != 0:
                 raise RuntimeError(f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}")
-            for name, (median, spans, cpu) in json.loads(Path(result).read_text()).items():
+            got = json.loads(Path(result).read_text())
+            anchor[world] = got.pop("anchor")
+            for name, (median, spans, cpu) in got.items():
                 out[name], background[name], busy[name] = median, sampler.during(spans), cpu
     keys = [f"{p[0]} w{p[1]}" for p in plans]
-    return [out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys]
+    return ([out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys],
+            [anchor[p[1]] for p in plans])
 
 
 
@@ -242,40 +265,47 @@ def metrics(rows, key: str = "loaded_ms") -> dict:
 def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     """Predicts and measures the plans; prints the table and the metrics; returns one dict per plan.
 
-    Two predictions per plan: for ranks that have the host's cores to themselves (``predicted_ms``),
-    and for the host as it was while measuring, shared with the other programs' runnable threads
-    (``loaded_ms``; ``background``: their mean count).
+    Two predictions per plan: for ranks that have the host's cores to themselves at the speed the ops
+    were profiled at (``predicted_ms``), and for the host as it was while measuring (``loaded_ms``):
+    shared with the other programs' runnable threads (``background``: their mean count), its ops scaled
+    by the anchor (the single-device step the ranks ran between the plans' rounds, over the sum of its
+    ops as profiled). The anchor follows the host's speed, which drifts on a shared machine by more
+    than the simulator's error; it is one number per job, the same for every plan.
     """
     plans = [PLANS[i] for i in QUICK] if quick else PLANS
     t0 = time.perf_counter()
     graphs = plan_graphs(plans)
-    idle, context, host = predict(plans, graphs)
+    idle, context, host, profiled = predict(plans, graphs)
     t1 = time.perf_counter()
-    measured, background, cpu = measure(plans, steps, rounds)
+    measured, background, cpu, anchor = measure(plans, steps, rounds)
     t2 = time.perf_counter()
-    loaded, _, _ = predict(plans, graphs, background, scale=context)
+    now = [a / profiled for a in anchor]
+    loaded, _, _, _ = predict(plans, graphs, background, scale=now)
     rows = []
-    for (name, world, *_), res, busy, m, others, c in zip(plans, idle, loaded, measured, background, cpu):
-        compute = max(s.compute for s in res.ranks.values())
+    for (name, world, *_), res, busy, m, others, c, k in zip(plans, idle, loaded, measured, background, cpu, now):
+        compute = max(s.compute for s in busy.ranks.values())
         rows.append({"benchmark": "sim_accuracy", "name": f"{name} ({world} ranks)", "plan": f"{name} ({world} ranks)",
                      "world": world, "predicted_ms": res.step_time * 1e3, "loaded_ms": busy.step_time * 1e3,
                      "measured_ms": m * 1e3, "background": others,
                      "error_pct": (busy.step_time - m) / m * 100, "peak_mib": res.peak_memory / 2**20,
-                     "compute_ms": compute * 1e3, "cpu_ms": c * 1e3})
+                     "compute_ms": compute * 1e3, "cpu_ms": c * 1e3, "ops_scale": k, "profiled_scale": context})
+    worlds = sorted({r["world"] for r in rows})
+    scales = ", ".join(f"x{next(r['ops_scale'] for r in rows if r['world'] == w):.2f} with {w} ranks" for w in worlds)
     print(f"GPT 4 layers, d256, T64, global batch {BATCH}; CPU gloo ranks on {os.cpu_count()} cores; "
-          f"simulated in {t1 - t0:.1f}s, measured in {t2 - t1:.1f}s; ops cost x{context:.2f} in a whole step")
+          f"simulated in {t1 - t0:.1f}s, measured in {t2 - t1:.1f}s; ops cost x{context:.2f} in a whole step "
+          f"when profiled; while measured (the anchor): {scales}")
     print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'others':>8}"
           f"{'compute':>9}{'CPU':>8}{'peak MiB':>10}")
     for r in rows:
         print(f"{r['plan']:<27}{r['predicted_ms']:>10.1f}{r['loaded_ms']:>10.1f}{r['measured_ms']:>10.1f}"
               f"{r['error_pct']:>7.1f}%{r['background']:>8.2f}{r['compute_ms']:>9.1f}{r['cpu_ms']:>8.1f}"
               f"{r['peak_mib']:>10.1f}")
-    print("(ms per step. idle host: predicted with the cores to the ranks; as loaded: sharing them with the "
-          "other programs competing while it was measured ('others', from their CPU time); error: as loaded vs measured; "
-          "compute: predicted compute of the busiest rank; CPU: its main thread's measured CPU time)")
+    print("(ms per step. idle host: predicted with the cores to the ranks, ops as profiled; as loaded: sharing "
+          "them with the other programs competing while it was measured ('others', from their CPU time), ops at the "
+          "anchor's speed; error: as loaded vs measured; compute: predicted compute of the busiest rank, as loaded; "
+          "CPU: its main thread's measured CPU time)")
     cmape = statistics.mean(abs(r["compute_ms"] - r["cpu_ms"]) / r["cpu_ms"] for r in rows)
     print(f"compute vs CPU time: MAPE {cmape * 100:.1f}% (the op costs, whatever else runs on the host)")
-    worlds = sorted({r["world"] for r in rows})
     for key, label in (("loaded_ms", "as loaded"), ("predicted_ms", "idle host")):
         for part_label, part in [("all", rows)] + [(f"{w} ranks", [r for r in rows if r["world"] == w]) for w in worlds]:
             if len(part) < 2:

@@ -278,6 +278,21 @@ def test_profiler_measures_once_then_reads_its_cache(tmp_path):
     assert [c.fw for c in again] == [c.fw for c in costs]
 
 
+def test_whole_step_times_the_model_and_sums_its_profiled_ops(tmp_path):
+    from cube.sim.context import WholeStep, context_factor, typical
+    torch.manual_seed(0)
+    model, x = TwoLinears(64), torch.randn(32, 64)
+    prof = Profiler(device="cpu", cache=tmp_path / "p.json", repeats=1)
+    step = WholeStep(model, (x,))
+    assert [c.op.name for c in step.calls].count("linear") == 2
+    per_op = sum(prof.op_cost(c).fw + prof.op_cost(c).bw for c in step.calls if c.op.name == "linear")
+    prof.scale = 3.0   # the sum is of the ops as profiled, whatever scale the profiler has now
+    assert step.profiled(prof) >= per_op > 0 and prof.scale == 3.0
+    assert step.seconds() > 0 and all(p.grad is None for p in step.gen.parameters())   # gradients cleared
+    assert context_factor(model, (x,), prof, steps=2) >= 1.0
+    assert typical([5.0, 1.0, 3.0, 100.0]) == 2.0   # the median of the faster half
+
+
 def test_profiler_estimates_what_it_cannot_run(tmp_path):
     graph, world = _graph({"dp": 1, "tp": 1, "pp": 1})
     call = next(c for c in build_plans(graph, world)[0].calls if c.op is not None)

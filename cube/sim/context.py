@@ -29,6 +29,46 @@ def _load(source: str):
     return namespace
 
 
+class WholeStep:
+    """The model's single-device plan as cube runs it (its generated code, ``cube.toolkit.whole``), ready
+    to time: ``seconds()`` runs one forward and backward and returns its seconds (CPU time of this
+    thread on a one-thread CPU, else wall time). ``profiled(profiler)``: the sum of the same calls'
+    profiled costs, unscaled.
+
+    Raises what planning or running raises (``RuntimeError`` for out of memory, ``ValueError`` or
+    ``TypeError`` for a model cube cannot run alone).
+    """
+
+    def __init__(self, model: torch.nn.Module, batch, device=None):
+        from cube.toolkit import whole   # the whole model on the one device
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.structure, sample = batch_structure(batch)
+        planned = plan(model, batch, whole, 1)
+        self.calls = [c for c in planned.program[0].plan.calls if c.op is not None]
+        self.gen = _load(planned.source(0))["GenModel"](self.device)
+        self.gen.load_from(model, {k: v.to(self.device) for k, v in planned.consts.items()})
+        self.data = [t.to(self.device) for t in sample]
+
+    def profiled(self, profiler) -> float:
+        """Seconds of the step's calls as ``profiler`` measures them one by one (its scale left out)."""
+        scale, profiler.scale = profiler.scale, 1.0
+        try:
+            return sum(c.fw + (c.bw if needs_grad(call) else 0.0)
+                       for call in self.calls for c in [profiler.op_cost(call)])
+        finally:
+            profiler.scale = scale
+
+    def seconds(self) -> float:
+        """Seconds of one forward and backward."""
+        return _step(self.gen, self.data, self.structure, self.device)
+
+
+def typical(times) -> float:
+    """The median of the faster half of ``times`` (as the profiler keeps its samples)."""
+    times = sorted(times)
+    return statistics.median(times[:max(1, (len(times) + 1) // 2)])
+
+
 def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> float:
     """Measured seconds of a single-device step (forward and backward) over the sum of its ops'
     profiled costs, at least 1; 1 when the step cannot run here.
@@ -39,28 +79,15 @@ def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, devi
         steps: timed steps (after two untimed ones; the median of the faster half is kept, as the
             profiler keeps its samples).
     """
-    from cube.toolkit import whole   # the whole model on the one device
-    device = torch.device(device) if device is not None else profiler.device
+    device = device if device is not None else profiler.device
     old = torch.get_num_threads()
     if profiler.threads:
         torch.set_num_threads(profiler.threads)
     try:
-        structure, sample = batch_structure(batch)
-        planned = plan(model, batch, whole, 1)
-        calls = [c for c in planned.program[0].plan.calls if c.op is not None]
-        scale, profiler.scale = profiler.scale, 1.0
-        try:
-            profiled = sum(c.fw + (c.bw if needs_grad(call) else 0.0)
-                           for call in calls for c in [profiler.op_cost(call)])
-        finally:
-            profiler.scale = scale
-        code = _load(planned.source(0))
-        gen = code["GenModel"](device)
-        gen.load_from(model, {k: v.to(device) for k, v in planned.consts.items()})
-        data = [t.to(device) for t in sample]
-        times = sorted([_step(gen, data, structure, device) for _ in range(max(steps, 1) + 2)][2:])
-        measured = statistics.median(times[:max(1, (len(times) + 1) // 2)])
-        del gen
+        step = WholeStep(model, batch, device)
+        profiled = step.profiled(profiler)
+        measured = typical([step.seconds() for _ in range(max(steps, 1) + 2)][2:])
+        del step
     except (RuntimeError, ValueError, TypeError) as e:   # out of memory, or a model cube cannot run alone
         log.debug("cube.sim: no context factor (%s: %s); op costs are used as profiled", type(e).__name__, e)
         return 1.0
