@@ -1,6 +1,6 @@
 """How well ``cube.sim`` predicts: simulated vs measured step time of GPT plans on CPU ranks.
 
-    python -m benchmarks.sim_accuracy [--quick] [--steps 2] [--rounds 4]
+    python -m benchmarks.sim_accuracy [--quick] [--steps 2] [--rounds 4] [--runs 1]
 
 The GPT of ``benchmarks/parallel.py`` (4 layers, d256, T64, global batch 16,
 AdamW) is planned several ways on 2 and 4 gloo ranks (data parallel with ZeRO
@@ -306,6 +306,13 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
           "CPU: its main thread's measured CPU time)")
     cmape = statistics.mean(abs(r["compute_ms"] - r["cpu_ms"]) / r["cpu_ms"] for r in rows)
     print(f"compute vs CPU time: MAPE {cmape * 100:.1f}% (the op costs, whatever else runs on the host)")
+    _print_metrics(rows)
+    return rows
+
+
+def _print_metrics(rows) -> None:
+    """MAPE, Spearman and regret of both predictions, over all plans and per world size."""
+    worlds = sorted({r["world"] for r in rows})
     for key, label in (("loaded_ms", "as loaded"), ("predicted_ms", "idle host")):
         for part_label, part in [("all", rows)] + [(f"{w} ranks", [r for r in rows if r["world"] == w]) for w in worlds]:
             if len(part) < 2:
@@ -314,6 +321,33 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
             print(f"{label:<10}{part_label:<8} MAPE {m['mape'] * 100:5.1f}% (target <= 10%)   Spearman "
                   f"{m['spearman']:6.3f} (>= 0.9)   regret {m['regret'] * 100:5.1f}% (<= 5%), predicted best: "
                   f"{m['predicted_best']}")
+
+
+def over_runs(runs) -> list:
+    """One row per plan holding the medians over ``runs`` (each a list of ``main``'s rows, same plans)."""
+    out = []
+    for group in zip(*runs):
+        row = dict(group[0])
+        for key in ("predicted_ms", "loaded_ms", "measured_ms", "compute_ms", "cpu_ms"):
+            row[key] = statistics.median(r[key] for r in group)
+        row["error_pct"] = (row["loaded_ms"] - row["measured_ms"]) / row["measured_ms"] * 100
+        out.append(row)
+    return out
+
+
+def repeated(runs: int, **kw) -> list:
+    """``main`` ``runs`` times (each profiles nothing it has measured before, measures again, anchors
+    again), then the per-plan medians over the runs and their metrics: a shared host's drift makes
+    one run's figures swing by more than the simulator's error."""
+    results = [main(**kw) for _ in range(runs)]
+    rows = over_runs(results)
+    if runs > 1:
+        print(f"\nper-plan medians over {runs} runs")
+        print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}")
+        for r in rows:
+            print(f"{r['plan']:<27}{r['predicted_ms']:>10.1f}{r['loaded_ms']:>10.1f}{r['measured_ms']:>10.1f}"
+                  f"{r['error_pct']:>7.1f}%")
+        _print_metrics(rows)
     return rows
 
 
@@ -322,6 +356,8 @@ def _cli() -> None:
     p.add_argument("--quick", action="store_true", help=f"{len(QUICK)} plans instead of {len(PLANS)}")
     p.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
     p.add_argument("--rounds", type=int, default=4, help="rounds over the plans (interleaved)")
+    p.add_argument("--runs", type=int, default=1, help="whole runs; with more than one, the metrics of the "
+                   "per-plan medians follow")
     p.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--names", default="", help=argparse.SUPPRESS)
@@ -331,7 +367,9 @@ def _cli() -> None:
     if args.worker:
         _worker(args)
         return
-    main(args.quick, args.steps, args.rounds)
+    if args.runs < 1:
+        p.error(f"--runs must be at least 1, got {args.runs}")
+    repeated(args.runs, quick=args.quick, steps=args.steps, rounds=args.rounds)
 
 
 if __name__ == "__main__":
