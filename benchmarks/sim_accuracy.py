@@ -110,22 +110,25 @@ def predict(plans, graphs, background=None, threads: int = 1, scale=None):
     """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and scaled to
     their cost in a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
     host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``scale``: the
-    context factor of an earlier call (measured when None), or one per plan.
+    context factor of each plan (measured once for all when None).
 
-    Returns ``(results, the context factor used, host, profiled seconds of the single-device step's ops)``.
+    Returns ``(results, the measured context factor, the profiled seconds of the single-device step's
+    ops)``; the last two None when ``scale`` was given.
     """
     import torch
     from cube.sim import comm as comm_mod
-    from cube.sim.context import WholeStep, scaled
+    from cube.sim.context import WholeStep
     from cube.sim.host import this_host
     from cube.sim.profile import Profiler
     from cube.sim.simulate import simulate
     torch.set_num_threads(threads)
     costs = Profiler(threads=threads)
-    if scale is None:
-        scaled(costs, *build())
-    scales = scale if isinstance(scale, (list, tuple)) else [scale if scale is not None else costs.scale] * len(plans)
-    profiled = WholeStep(*build()).profiled(costs)
+    context = profiled = None
+    if scale is None:   # one single-device step gives both: the sum of its ops and the factor
+        step = WholeStep(*build())
+        profiled, context = step.profiled(costs), step.factor(costs)
+        del step
+    scales = scale if scale is not None else [context] * len(plans)
     host = this_host()
     out = []
     for i, ((name, world, policy, m, zero, rc), graph) in enumerate(zip(plans, graphs)):
@@ -134,7 +137,7 @@ def predict(plans, graphs, background=None, threads: int = 1, scale=None):
         out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
                             host=host.loaded(background[i] if background else 0.0)))
     costs.save()
-    return out, scales[0], host, profiled
+    return out, context, profiled
 
 
 def _worker(args) -> None:
@@ -275,12 +278,12 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     plans = [PLANS[i] for i in QUICK] if quick else PLANS
     t0 = time.perf_counter()
     graphs = plan_graphs(plans)
-    idle, context, host, profiled = predict(plans, graphs)
+    idle, context, profiled = predict(plans, graphs)
     t1 = time.perf_counter()
     measured, background, cpu, anchor = measure(plans, steps, rounds)
     t2 = time.perf_counter()
     now = [a / profiled for a in anchor]
-    loaded, _, _, _ = predict(plans, graphs, background, scale=now)
+    loaded, *_ = predict(plans, graphs, background, scale=now)
     rows = []
     for (name, world, *_), res, busy, m, others, c, k in zip(plans, idle, loaded, measured, background, cpu, now):
         compute = max(s.compute for s in busy.ranks.values())

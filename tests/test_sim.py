@@ -279,7 +279,8 @@ def test_profiler_measures_once_then_reads_its_cache(tmp_path):
 
 
 def test_whole_step_times_the_model_and_sums_its_profiled_ops(tmp_path):
-    from cube.sim.context import WholeStep, context_factor, typical
+    from cube.sim.context import WholeStep, context_factor
+    from cube.sim.profile import typical
     torch.manual_seed(0)
     model, x = TwoLinears(64), torch.randn(32, 64)
     prof = Profiler(device="cpu", cache=tmp_path / "p.json", repeats=1)

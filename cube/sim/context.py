@@ -11,7 +11,6 @@ that does not fit on one device, or cannot run here, keeps the factor 1.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Optional
 
@@ -19,6 +18,7 @@ import torch
 
 from cube.compiler import batch_structure, plan
 from cube.sim.costs import needs_grad
+from cube.sim.profile import typical
 
 log = logging.getLogger("cube")
 
@@ -62,11 +62,12 @@ class WholeStep:
         """Seconds of one forward and backward."""
         return _step(self.gen, self.data, self.structure, self.device)
 
-
-def typical(times) -> float:
-    """The median of the faster half of ``times`` (as the profiler keeps its samples)."""
-    times = sorted(times)
-    return statistics.median(times[:max(1, (len(times) + 1) // 2)])
+    def factor(self, profiler, steps: int = 8) -> float:
+        """Measured seconds (the median of the faster half of ``steps``, after two untimed ones) over
+        ``profiled(profiler)``, at least 1."""
+        profiled = self.profiled(profiler)
+        measured = typical([self.seconds() for _ in range(max(steps, 1) + 2)][2:])
+        return max(1.0, measured / profiled) if profiled > 0 else 1.0
 
 
 def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> float:
@@ -84,16 +85,12 @@ def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, devi
     if profiler.threads:
         torch.set_num_threads(profiler.threads)
     try:
-        step = WholeStep(model, batch, device)
-        profiled = step.profiled(profiler)
-        measured = typical([step.seconds() for _ in range(max(steps, 1) + 2)][2:])
-        del step
+        return WholeStep(model, batch, device).factor(profiler, steps)
     except (RuntimeError, ValueError, TypeError) as e:   # out of memory, or a model cube cannot run alone
         log.debug("cube.sim: no context factor (%s: %s); op costs are used as profiled", type(e).__name__, e)
         return 1.0
     finally:
         torch.set_num_threads(old)
-    return max(1.0, measured / profiled) if profiled > 0 else 1.0
 
 
 def _step(gen, data, structure: str, device: torch.device) -> float:

@@ -71,8 +71,13 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
             fn()
         _sync(device)
         samples.append((clock() - t0) / inner)
-    samples.sort()
-    return statistics.median(samples[:max(1, (len(samples) + 1) // 2)])
+    return typical(samples)
+
+
+def typical(times) -> float:
+    """The median of the faster half of ``times`` (what the profiler keeps of its samples)."""
+    times = sorted(times)
+    return statistics.median(times[:max(1, (len(times) + 1) // 2)])
 
 
 class Profiler:
