@@ -15,8 +15,10 @@ The host may be shared: while measuring, the CPU time other programs take is
 measured and turned into competing programs (``cube.sim.host.Sampler``), and each plan is predicted twice,
 for an idle host and for the host as it was during its steps. A shared machine's speed also drifts (by
 30% within an hour on a 2-core VM, with no other program in it), so between the rounds every rank runs
-the anchor, the single-device step of the global batch (``cube.sim.context.WholeStep``); its median CPU
-time over the sum of its ops as profiled scales the ops of the second prediction. Printed per plan:
+the anchors, the single-device step (``cube.sim.context.WholeStep``) of the global batch and of a quarter
+of it; their median CPU times against the sums of their ops as profiled give the scale of what ops cost
+in a step (``cube.sim.context.fit``; the cost per call is fitted before measuring, from the two steps timed
+in turns), for the second prediction. Printed per plan:
 both predictions, the measured time, the busiest rank's predicted compute and
 its measured CPU time (which other programs do not inflate); then the mean
 absolute percentage error, Spearman's rank correlation and the regret of the
@@ -36,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import List
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -106,33 +109,39 @@ def plan_graphs(plans):
     return graphs
 
 
-def predict(plans, graphs, background=None, threads: int = 1, scale=None):
-    """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and scaled to
-    their cost in a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
-    host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``scale``: the
-    context factor of each plan (measured once for all when None).
+def anchors(model, batch):
+    """The anchors: the single-device step (``cube.sim.context.WholeStep``) of the global batch and of a
+    quarter of it (the smallest micro-batch of the plans), whose measured seconds fit the ops' context."""
+    from cube.sim.context import WholeStep, quarter
+    return [WholeStep(model, batch), WholeStep(model, quarter(batch))]
 
-    Returns ``(results, the measured context factor, the profiled seconds of the single-device step's
-    ops)``; the last two None when ``scale`` was given.
+
+def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
+    """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and put in
+    the context of a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
+    host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``contexts``: the
+    ``Context`` of each plan (fitted once for all, from the anchors run in this process, when None).
+
+    Returns ``(results, the fitted context, the anchors' (profiled seconds, calls))``; the last two None
+    when ``contexts`` was given.
     """
     import torch
     from cube.sim import comm as comm_mod
-    from cube.sim.context import WholeStep
+    from cube.sim.context import fit, points
     from cube.sim.host import this_host
     from cube.sim.profile import Profiler
     from cube.sim.simulate import simulate
     torch.set_num_threads(threads)
     costs = Profiler(threads=threads)
     context = profiled = None
-    if scale is None:   # one single-device step gives both: the sum of its ops and the factor
-        step = WholeStep(*build())
-        profiled, context = step.profiled(costs), step.factor(costs)
-        del step
-    scales = scale if scale is not None else [context] * len(plans)
+    if contexts is None:   # the anchors, timed in turns, give both: the sums of their ops and the context
+        got = points(anchors(*build()), costs, steps=12)
+        profiled, context = [(p, n) for p, n, _ in got], fit(got)
+    contexts = contexts if contexts is not None else [context] * len(plans)
     host = this_host()
     out = []
     for i, ((name, world, policy, m, zero, rc), graph) in enumerate(zip(plans, graphs)):
-        costs.scale = scales[i]
+        costs.context = contexts[i]
         comm = comm_mod.load(world, calibrate_missing=True)
         out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
                             host=host.loaded(background[i] if background else 0.0)))
@@ -145,7 +154,6 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
     import cube
-    from cube.sim.context import WholeStep
     env = cube.init()
     torch.set_num_threads(1)
     plans = [p for p in PLANS if p[1] == env.world_size and p[0] in args.names.split("|")]
@@ -167,45 +175,72 @@ def _worker(args) -> None:
             opt.step()
             opt.zero_grad()
         runners.append((f"{name} w{world}", step, [], [], []))
-    # the anchor: the single-device step of the global batch, run by every rank at once between the plans'
-    # rounds; its CPU time tells how fast the host runs ops while the plans are measured
-    whole, anchor = WholeStep(model, (ids, tgt)), []
+    # the anchors: the single-device step of the global batch and of a quarter of it, run by every rank at
+    # once between the plans' rounds; their CPU times tell what ops cost while the plans are measured
+    wholes = anchors(model, (ids, tgt))
+    anchor = [[] for _ in wholes]
+    # and the window anchors: the quarter step once before each plan's timed steps and once after the last
+    # plan of a round. The host's speed swings by 20% within seconds (a shared VM's neighbours), so each
+    # plan's steps are also taken at the pace of the anchors around them (``paced``)
+    windows: List[float] = []
     for _ in range(args.rounds):
         dist.barrier()
-        whole.seconds()
-        for _ in range(args.steps):
-            anchor.append(whole.seconds())
+        for whole, times in zip(wholes, anchor):
+            whole.seconds()
+            for _ in range(args.steps):
+                times.append(whole.seconds())
         for _, step, times, spans, cpu in runners:
             for _ in range(args.warmup):
                 step()
+            dist.barrier()
+            windows.append(wholes[1].seconds())
+            times.append([])
+            cpu.append([])
             for _ in range(args.steps):
                 dist.barrier()
                 t0, wall, c0 = time.perf_counter(), time.time(), time.thread_time()
                 step()
-                cpu.append(time.thread_time() - c0)
+                cpu[-1].append(time.thread_time() - c0)
                 dist.barrier()
-                times.append(time.perf_counter() - t0)
+                times[-1].append(time.perf_counter() - t0)
                 spans.append((wall, time.time()))
+        dist.barrier()
+        windows.append(wholes[1].seconds())
+    w = torch.tensor(windows, dtype=torch.float64)
+    dist.all_reduce(w)
+    w = (w / env.world_size).tolist()   # the ranks' mean of each window anchor
     out = {}
-    for name, _, times, spans, cpu in runners:   # CPU time of the busiest rank's main thread
-        busiest = torch.tensor([statistics.median(cpu)], dtype=torch.float64)
-        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
-        out[name] = [statistics.median(times), spans, float(busiest)]
-    mid = torch.tensor([statistics.median(anchor)], dtype=torch.float64)
+    for k, (name, _, times, spans, cpu) in enumerate(runners):
+        around = [(w[i * (len(runners) + 1) + k] + w[i * (len(runners) + 1) + k + 1]) / 2 for i in range(args.rounds)]
+        got = torch.tensor([statistics.median(paced(cpu, around, w)), statistics.median(sum(cpu, []))],
+                           dtype=torch.float64)
+        dist.all_reduce(got, op=dist.ReduceOp.MAX)   # CPU time of the busiest rank's main thread
+        out[name] = [statistics.median(paced(times, around, w)), spans, float(got[0]),
+                     statistics.median(sum(times, [])), float(got[1])]
+    mid = torch.tensor([statistics.median(times) for times in anchor], dtype=torch.float64)
     dist.all_reduce(mid)
-    out["anchor"] = float(mid) / env.world_size   # the ranks' mean of their median
+    out["anchor"] = (mid / env.world_size).tolist()   # per anchor, the ranks' mean of their median
+    out["windows"] = [min(w), statistics.median(w), max(w)]
     if env.rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
 
 
+def paced(samples: List[List[float]], around: List[float], windows: List[float]) -> List[float]:
+    """Each round's samples at the job's typical pace: times the median window anchor over the mean of the
+    two window anchors around them (``around[i]`` for ``samples[i]``)."""
+    typical_pace = statistics.median(windows)
+    return [t * typical_pace / a for got, a in zip(samples, around) for t in got]
+
+
 def measure(plans, steps: int, rounds: int, warmup: int = 1):
     """Per plan (one torchrun job per world size): the median step seconds, the mean number of other
     programs competing for the cores during its timed steps, the median CPU seconds per step of the
-    busiest rank's main thread (its compute, which other programs do not inflate), and the median CPU
-    seconds of the anchor (the single-device step of the global batch, forward and backward) that the
-    ranks of its job ran between rounds."""
-    out, background, busy, anchor = {}, {}, {}, {}
+    busiest rank's main thread (its compute, which other programs do not inflate), the median CPU
+    seconds of each anchor (``anchors``: the single-device step, forward and backward) that the ranks of
+    its job ran between rounds, the raw median step and CPU seconds (the first and third are paced:
+    ``paced``), and per job the window anchors' (min, median, max) seconds."""
+    out, background, busy, anchor, raw, windows = {}, {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in sorted({p[1] for p in plans}):
             names = "|".join(p[0] for p in plans if p[1] == world)
@@ -224,12 +259,13 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
             if job.returncode != 0:
                 raise RuntimeError(f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}")
             got = json.loads(Path(result).read_text())
-            anchor[world] = got.pop("anchor")
-            for name, (median, spans, cpu) in got.items():
+            anchor[world], windows[world] = got.pop("anchor"), got.pop("windows")
+            for name, (median, spans, cpu, raw_median, raw_cpu) in got.items():
                 out[name], background[name], busy[name] = median, sampler.during(spans), cpu
+                raw[name] = (raw_median, raw_cpu)
     keys = [f"{p[0]} w{p[1]}" for p in plans]
     return ([out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys],
-            [anchor[p[1]] for p in plans])
+            [anchor[p[1]] for p in plans], [raw[k] for k in keys], windows)
 
 
 
@@ -270,45 +306,60 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
 
     Two predictions per plan: for ranks that have the host's cores to themselves at the speed the ops
     were profiled at (``predicted_ms``), and for the host as it was while measuring (``loaded_ms``):
-    shared with the other programs' runnable threads (``background``: their mean count), its ops scaled
-    by the anchor (the single-device step the ranks ran between the plans' rounds, over the sum of its
-    ops as profiled). The anchor follows the host's speed, which drifts on a shared machine by more
-    than the simulator's error; it is one number per job, the same for every plan.
+    shared with the other programs' runnable threads (``background``: their mean count), its ops in the
+    context fitted to the anchors (the single-device steps the ranks ran between the plans' rounds,
+    against the sums of their ops as profiled). The anchors follow the host's speed, which drifts on a
+    shared machine by more than the simulator's error; they give one context per job, the same for
+    every plan of it.
     """
     plans = [PLANS[i] for i in QUICK] if quick else PLANS
+    from cube.sim.context import fit
     t0 = time.perf_counter()
     graphs = plan_graphs(plans)
     idle, context, profiled = predict(plans, graphs)
     t1 = time.perf_counter()
-    measured, background, cpu, anchor = measure(plans, steps, rounds)
+    measured, background, cpu, anchor, raw, windows = measure(plans, steps, rounds)
     t2 = time.perf_counter()
-    now = [a / profiled for a in anchor]
-    loaded, *_ = predict(plans, graphs, background, scale=now)
+    # the cost per call as fitted here (from the anchors timed in turns); the scale of each job from its
+    # anchors (run in turns with the plans, so the host's swings shift their two medians apart)
+    now = [fit([(p, n, a) for (p, n), a in zip(profiled, seconds)], per_call=context.per_call) for seconds in anchor]
+    loaded, *_ = predict(plans, graphs, background, contexts=now)
     rows = []
-    for (name, world, *_), res, busy, m, others, c, k in zip(plans, idle, loaded, measured, background, cpu, now):
+    for (name, world, *_), res, busy, m, others, c, k, (m_raw, c_raw) in zip(plans, idle, loaded, measured, background,
+                                                                             cpu, now, raw):
         compute = max(s.compute for s in busy.ranks.values())
         rows.append({"benchmark": "sim_accuracy", "name": f"{name} ({world} ranks)", "plan": f"{name} ({world} ranks)",
                      "world": world, "predicted_ms": res.step_time * 1e3, "loaded_ms": busy.step_time * 1e3,
-                     "measured_ms": m * 1e3, "background": others,
+                     "measured_ms": m * 1e3, "raw_ms": m_raw * 1e3, "raw_cpu_ms": c_raw * 1e3, "background": others,
                      "error_pct": (busy.step_time - m) / m * 100, "peak_mib": res.peak_memory / 2**20,
-                     "compute_ms": compute * 1e3, "cpu_ms": c * 1e3, "ops_scale": k, "profiled_scale": context})
+                     "compute_ms": compute * 1e3, "cpu_ms": c * 1e3, "ops_scale": k.scale,
+                     "ops_per_call_us": k.per_call * 1e6, "profiled_scale": context.scale,
+                     "profiled_per_call_us": context.per_call * 1e6})
     worlds = sorted({r["world"] for r in rows})
-    scales = ", ".join(f"x{next(r['ops_scale'] for r in rows if r['world'] == w):.2f} with {w} ranks" for w in worlds)
+    scales = ", ".join(f"{next(k for (_, w, *_), k in zip(plans, now) if w == world)} with {world} ranks"
+                       for world in worlds)
     print(f"GPT 4 layers, d256, T64, global batch {BATCH}; CPU gloo ranks on {os.cpu_count()} cores; "
-          f"simulated in {t1 - t0:.1f}s, measured in {t2 - t1:.1f}s; ops cost x{context:.2f} in a whole step "
-          f"when profiled; while measured (the anchor): {scales}")
-    print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'others':>8}"
+          f"simulated in {t1 - t0:.1f}s, measured in {t2 - t1:.1f}s; ops in a whole step cost {context} "
+          f"when profiled; while measured (the anchors): {scales}")
+    print("window anchors (the quarter step around each plan's steps, ms min/median/max): " + ", ".join(
+        f"{lo * 1e3:.0f}/{mid * 1e3:.0f}/{hi * 1e3:.0f} with {w} ranks"
+        for w, (lo, mid, hi) in sorted(windows.items())))
+    print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'raw':>8}{'others':>8}"
           f"{'compute':>9}{'CPU':>8}{'peak MiB':>10}")
     for r in rows:
         print(f"{r['plan']:<27}{r['predicted_ms']:>10.1f}{r['loaded_ms']:>10.1f}{r['measured_ms']:>10.1f}"
-              f"{r['error_pct']:>7.1f}%{r['background']:>8.2f}{r['compute_ms']:>9.1f}{r['cpu_ms']:>8.1f}"
-              f"{r['peak_mib']:>10.1f}")
-    print("(ms per step. idle host: predicted with the cores to the ranks, ops as profiled; as loaded: sharing "
-          "them with the other programs competing while it was measured ('others', from their CPU time), ops at the "
-          "anchor's speed; error: as loaded vs measured; compute: predicted compute of the busiest rank, as loaded; "
-          "CPU: its main thread's measured CPU time)")
+              f"{r['error_pct']:>7.1f}%{r['raw_ms']:>8.1f}{r['background']:>8.2f}{r['compute_ms']:>9.1f}"
+              f"{r['cpu_ms']:>8.1f}{r['peak_mib']:>10.1f}")
+    print("(ms per step. idle host: predicted with the cores to the ranks, ops in the context fitted before "
+          "measuring; as loaded: sharing them with the other programs competing while it was measured ('others', "
+          "from their CPU time), ops in the anchors' context; measured: at the job's typical pace (each round's "
+          "steps times the median window anchor over the window anchors around them); error: as loaded vs "
+          "measured; raw: the steps' median as timed; compute: predicted compute of the busiest rank, as loaded; "
+          "CPU: its main thread's measured CPU time, paced)")
     cmape = statistics.mean(abs(r["compute_ms"] - r["cpu_ms"]) / r["cpu_ms"] for r in rows)
     print(f"compute vs CPU time: MAPE {cmape * 100:.1f}% (the op costs, whatever else runs on the host)")
+    rmape = statistics.mean(abs(r["loaded_ms"] - r["raw_ms"]) / r["raw_ms"] for r in rows)
+    print(f"as loaded vs the raw medians: MAPE {rmape * 100:.1f}% (the host's swings within the job left in)")
     _print_metrics(rows)
     return rows
 
@@ -331,7 +382,7 @@ def over_runs(runs) -> list:
     out = []
     for group in zip(*runs):
         row = dict(group[0])
-        for key in ("predicted_ms", "loaded_ms", "measured_ms", "compute_ms", "cpu_ms"):
+        for key in ("predicted_ms", "loaded_ms", "measured_ms", "raw_ms", "raw_cpu_ms", "compute_ms", "cpu_ms"):
             row[key] = statistics.median(r[key] for r in group)
         row["error_pct"] = (row["loaded_ms"] - row["measured_ms"]) / row["measured_ms"] * 100
         out.append(row)

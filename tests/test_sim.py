@@ -193,6 +193,23 @@ def test_fit_recovers_alpha_and_beta():
         assert m.alpha[k] == pytest.approx(2e-5, rel=1e-6) and m.beta[k] == pytest.approx(3e-10, rel=1e-6)
 
 
+def test_a_calibration_made_on_a_busy_host_is_measured_again(tmp_path, monkeypatch):
+    fresh = []
+
+    def calibrate(world):
+        fresh.append(world)
+        return CommModel("gloo", {"all_reduce": 1e-3}, calibrated=True, background=0.1)
+    monkeypatch.setattr(comm_mod, "calibrate", calibrate)
+    cache = tmp_path / "comm.json"
+    busy = CommModel("gloo", {"all_reduce": 6e-5}, calibrated=True, background=1.7)
+    key = f"{comm_mod.default_backend()}/{comm_mod.socket.gethostname()}/world2/torch{torch.__version__}/idle3"
+    cache.write_text(json.dumps({key: busy.to_json()}))
+    kept = comm_mod.load(2, calibrate_missing=False, cache=cache)   # kept, if asked not to measure
+    assert kept.alpha["all_reduce"] == 6e-5 and fresh == []
+    got = comm_mod.load(2, calibrate_missing=True, cache=cache)   # measured again, and kept
+    assert fresh == [2] and got.alpha["all_reduce"] == 1e-3 and got.background == 0.1
+    assert comm_mod.load(2, calibrate_missing=True, cache=cache).alpha["all_reduce"] == 1e-3 and fresh == [2]
+
 # ---------------------------------------------------------------------- data parallel
 def test_data_parallel_step_is_compute_plus_exposed_communication(monkeypatch):
     # one bucket per weight (tiny buckets): W2's sum overlaps l1's backward, W1's cannot overlap anything
@@ -279,7 +296,7 @@ def test_profiler_measures_once_then_reads_its_cache(tmp_path):
 
 
 def test_whole_step_times_the_model_and_sums_its_profiled_ops(tmp_path):
-    from cube.sim.context import WholeStep, context_factor
+    from cube.sim.context import Context, WholeStep, fit_context
     from cube.sim.profile import typical
     torch.manual_seed(0)
     model, x = TwoLinears(64), torch.randn(32, 64)
@@ -287,11 +304,35 @@ def test_whole_step_times_the_model_and_sums_its_profiled_ops(tmp_path):
     step = WholeStep(model, (x,))
     assert [c.op.name for c in step.calls].count("linear") == 2
     per_op = sum(prof.op_cost(c).fw + prof.op_cost(c).bw for c in step.calls if c.op.name == "linear")
-    prof.scale = 3.0   # the sum is of the ops as profiled, whatever scale the profiler has now
-    assert step.profiled(prof) >= per_op > 0 and prof.scale == 3.0
+    prof.context = Context(3.0, 1.0)   # the sum is of the ops as profiled, whatever context the profiler has now
+    assert step.profiled(prof) >= per_op > 0 and prof.context == Context(3.0, 1.0)
+    assert step.count(prof) >= 4   # each linear's forward and backward at least
     assert step.seconds() > 0 and all(p.grad is None for p in step.gen.parameters())   # gradients cleared
-    assert context_factor(model, (x,), prof, steps=2) >= 1.0
+    got = fit_context(model, (x,), prof, steps=2)
+    assert got.scale >= 1.0 and got.per_call >= 0.0
     assert typical([5.0, 1.0, 3.0, 100.0]) == 2.0   # the median of the faster half
+
+
+def test_context_fit_separates_a_scale_from_a_cost_per_call():
+    """Whole steps of one model at two batch sizes: measured = scale * profiled + per_call * calls."""
+    from cube.sim.context import fit, quarter
+    from cube.sim.profile import Context
+    truth = Context(1.2, 80e-6)
+    points = [(p, 176, truth.scale * p + truth.per_call * 176) for p in (0.327, 0.077)]
+    got = fit(points)
+    assert got.scale == pytest.approx(truth.scale) and got.per_call == pytest.approx(truth.per_call)
+    assert fit(points[:1]) == Context(points[0][2] / points[0][0])   # one step: the scale alone
+    assert fit([(0.3, 10, 0.2)]) == Context(1.0)   # never cheaper than alone
+    neg = fit([(0.3, 10, 0.5), (0.1, 10, 0.1)])   # a negative cost per call: the scale alone
+    assert neg.scale == pytest.approx(1.5) and neg.per_call == 0.0
+    below = fit([(0.3, 10, 0.9 * 0.3 + 0.01), (0.1, 10, 0.9 * 0.1 + 0.01)])   # a scale under 1: raised to 1
+    assert below.scale == 1.0 and below.per_call >= 0.0
+    assert fit([]) == Context()
+    drifted = fit([(0.3, 10, 0.25), (0.1, 10, 0.1)], per_call=1e-3)   # the cost per call known: the scale alone,
+    assert drifted.scale == pytest.approx((0.35 - 0.02) / 0.4) and drifted.per_call == 1e-3   # under 1 if so
+    x, y = torch.zeros(16, 3), torch.zeros(16)
+    assert [t.shape[0] for t in quarter((x, y))] == [4, 4] and quarter(x).shape[0] == 4
+    assert quarter((x, torch.zeros(8))) is None and quarter(torch.zeros(1, 3)) is None
 
 
 def test_profiler_estimates_what_it_cannot_run(tmp_path):

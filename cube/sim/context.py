@@ -1,24 +1,37 @@
 """Ops in context: how much a whole step costs beyond the sum of its ops measured one by one.
 
-The profiler times each op alone, on warm caches; a real step runs them one
-after another through the generated code and autograd, on tensors that no
-longer sit in cache. ``context_factor`` runs the model's single-device plan as
-cube runs it (its generated code, ``cube.toolkit.whole``, in this process),
-times its forward and backward, and divides by the sum of the profiled costs of
-the same calls. The profiler then scales every op by it (``Profiler.scale``). A model
-that does not fit on one device, or cannot run here, keeps the factor 1.
+The profiler times each op alone, in a loop on the same inputs; a real step
+runs them one after another through the generated code and autograd, on fresh
+outputs and tensors that no longer sit in cache. The difference has two parts
+(measured on CPU ranks: a GPT's step at batch 16 and at batch 4 differ from
+their profiled sums by the same ~15 ms, and the difference grows with the
+number of layers, not the batch):
+
+- a **scale** on the work itself (cold caches; ``Context.scale``), and
+- a **cost per call** that does not shrink with the op (``Context.per_call``:
+  each forward call and each backward call of an op pays it once).
+
+``fit_context`` runs the model's single-device plan as cube runs it (its
+generated code, ``cube.toolkit.whole``, in this process) at the batch and at a
+quarter of it, and fits both through the two steps (``fit``); a model whose
+batch cannot be cut along dim 0 gets the scale alone. The profiler then adds
+both to every op (``Profiler.context``). A model that does not fit on one
+device, or cannot run here, keeps the ops as profiled. On a GPU only the scale
+is fitted: a kernel's launch is the host's part of the op, which the simulator
+models on its own (``cube.sim.engine``).
 """
 from __future__ import annotations
 
 import logging
+import statistics
 import time
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from cube.compiler import batch_structure, plan
 from cube.sim.costs import needs_grad
-from cube.sim.profile import typical
+from cube.sim.profile import Context, typical
 
 log = logging.getLogger("cube")
 
@@ -27,6 +40,41 @@ def _load(source: str):
     namespace: dict = {"__name__": "cube_sim_context"}
     exec(compile(source, "<cube.sim context plan>", "exec"), namespace)   # noqa: S102 - cube's own generated code
     return namespace
+
+
+def fit(points: Sequence[Tuple[float, int, float]], per_call: Optional[float] = None) -> Context:
+    """The ``Context`` through whole steps, each ``(profiled seconds, calls, measured seconds)``.
+
+    Least squares of ``measured = scale * profiled + per_call * calls``; with one point, or points
+    whose profiled sums barely differ, the scale alone. Neither part below what the op costs alone:
+    a negative cost per call is dropped (the scale alone), a scale under 1 raised to 1 (the rest
+    per call).
+
+    With ``per_call`` given, the scale alone is fitted, and may be under 1: the ops then run faster
+    than when they were profiled (a shared host's speed drifts; ``benchmarks/sim_accuracy.py`` fits
+    the cost per call once, from steps timed in turns, and the scale of each job from its anchors).
+    """
+    points = [(p, n, m) for p, n, m in points if p > 0 and n > 0]
+    if not points:
+        return Context()
+    if per_call is not None:
+        return Context(max(0.0, sum(m - per_call * n for _, n, m in points) / sum(p for p, _, _ in points)),
+                       per_call)
+
+    def scale_only() -> Context:
+        return Context(max(1.0, sum(m for _, _, m in points) / sum(p for p, _, _ in points)))
+    ps = [p / n for p, n, _ in points]   # per call: measured/n = scale * profiled/n + per_call
+    if len(points) < 2 or max(ps) - min(ps) < 0.05 * max(ps):
+        return scale_only()
+    ms = [m / n for _, n, m in points]
+    pm, mm = sum(ps) / len(ps), sum(ms) / len(ms)
+    scale = sum((p - pm) * (m - mm) for p, m in zip(ps, ms)) / sum((p - pm) ** 2 for p in ps)
+    per_call = mm - scale * pm
+    if per_call < 0:
+        return scale_only()
+    if scale < 1.0:
+        return Context(1.0, max(0.0, statistics.mean((m - p) / n for p, n, m in points)))
+    return Context(scale, per_call)
 
 
 class WholeStep:
@@ -50,47 +98,81 @@ class WholeStep:
         self.data = [t.to(self.device) for t in sample]
 
     def profiled(self, profiler) -> float:
-        """Seconds of the step's calls as ``profiler`` measures them one by one (its scale left out)."""
-        scale, profiler.scale = profiler.scale, 1.0
+        """Seconds of the step's calls as ``profiler`` measures them one by one (its context left out)."""
+        return sum(fw + bw for fw, bw in self._costs(profiler))
+
+    def count(self, profiler) -> int:
+        """Calls the step makes as ``Profiler.context`` counts them: each op's forward, and its backward
+        where it has one."""
+        return sum(1 + (bw > 0) for _, bw in self._costs(profiler))
+
+    def _costs(self, profiler):
+        context, profiler.context = getattr(profiler, "context", Context()), Context()
         try:
-            return sum(c.fw + (c.bw if needs_grad(call) else 0.0)
-                       for call in self.calls for c in [profiler.op_cost(call)])
+            return [(c.fw, c.bw if needs_grad(call) else 0.0) for call in self.calls for c in [profiler.op_cost(call)]]
         finally:
-            profiler.scale = scale
+            profiler.context = context
 
     def seconds(self) -> float:
         """Seconds of one forward and backward."""
         return _step(self.gen, self.data, self.structure, self.device)
 
-    def factor(self, profiler, steps: int = 8) -> float:
-        """Measured seconds (the median of the faster half of ``steps``, after two untimed ones) over
-        ``profiled(profiler)``, at least 1."""
-        profiled = self.profiled(profiler)
-        measured = typical([self.seconds() for _ in range(max(steps, 1) + 2)][2:])
-        return max(1.0, measured / profiled) if profiled > 0 else 1.0
+
+def points(wholes: Sequence[WholeStep], profiler, steps: int = 8) -> list:
+    """``(profiled seconds, calls, measured seconds)`` of each step for ``fit``: the steps are timed in
+    turns (so that a drift of the host's speed hits all alike), ``steps`` times each after two untimed
+    turns; the median of the faster half is kept, as the profiler keeps its samples."""
+    times: list = [[] for _ in wholes]
+    for turn in range(max(steps, 1) + 2):
+        for whole, got in zip(wholes, times):
+            t = whole.seconds()
+            if turn >= 2:
+                got.append(t)
+    return [(w.profiled(profiler), w.count(profiler), typical(got)) for w, got in zip(wholes, times)]
 
 
-def context_factor(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> float:
-    """Measured seconds of a single-device step (forward and backward) over the sum of its ops'
-    profiled costs, at least 1; 1 when the step cannot run here.
+def fit_context(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> Context:
+    """The ``Context`` of the model's ops (see the module docstring): its single-device step timed at
+    ``batch`` and, on a CPU, at a quarter of it (dim 0 of every tensor of the batch), fitted by ``fit``;
+    ``Context()`` (the ops as profiled) when the step cannot run here.
 
     Args:
         model, batch: the model and one batch (the sample the step is traced with).
-        profiler: the ``Profiler`` whose costs are compared (and that should be scaled).
-        steps: timed steps (after two untimed ones; the median of the faster half is kept, as the
-            profiler keeps its samples).
+        profiler: the ``Profiler`` whose costs are compared (and that should carry the context).
+        steps: timed steps of each (after two untimed ones; the median of the faster half is kept, as
+            the profiler keeps its samples).
     """
-    device = device if device is not None else profiler.device
+    device = torch.device(device if device is not None else profiler.device)
     old = torch.get_num_threads()
     if profiler.threads:
         torch.set_num_threads(profiler.threads)
     try:
-        return WholeStep(model, batch, device).factor(profiler, steps)
+        wholes = [WholeStep(model, batch, device)]
+        small = quarter(batch) if device.type == "cpu" else None
+        if small is not None:
+            try:
+                wholes.append(WholeStep(model, small, device))
+            except (RuntimeError, ValueError, TypeError) as e:   # a batch not cut along dim 0: the scale alone
+                log.debug("cube.sim: the step at a quarter of the batch does not run (%s: %s); the context is "
+                          "a scale alone", type(e).__name__, e)
+        return fit(points(wholes, profiler, steps))
     except (RuntimeError, ValueError, TypeError) as e:   # out of memory, or a model cube cannot run alone
-        log.debug("cube.sim: no context factor (%s: %s); op costs are used as profiled", type(e).__name__, e)
-        return 1.0
+        log.debug("cube.sim: no context (%s: %s); op costs are used as profiled", type(e).__name__, e)
+        return Context()
     finally:
         torch.set_num_threads(old)
+
+
+def quarter(batch):
+    """The batch cut to a quarter along dim 0 (at least one sample), in its structure; None when its
+    tensors do not share a dim 0 of at least 2."""
+    structure, tensors = batch_structure(batch)
+    sizes = {t.shape[0] if t.dim() else 0 for t in tensors}
+    if len(sizes) != 1 or next(iter(sizes)) < 2:
+        return None
+    k = max(1, next(iter(sizes)) // 4)
+    cut = tuple(t[:k] for t in tensors)
+    return cut[0] if structure == "tensor" else cut
 
 
 def _step(gen, data, structure: str, device: torch.device) -> float:
@@ -109,9 +191,10 @@ def _step(gen, data, structure: str, device: torch.device) -> float:
     return elapsed
 
 
-def scaled(profiler, model: torch.nn.Module, batch) -> Optional[float]:
-    """Sets ``profiler.scale`` to the model's context factor; returns it (None for other cost models)."""
-    if not hasattr(profiler, "scale"):
+def scaled(profiler, model: torch.nn.Module, batch) -> Optional[Context]:
+    """Sets ``profiler.context`` to the model's (``fit_context``); returns it (None for other cost models)."""
+    if not hasattr(profiler, "context"):
         return None
-    profiler.scale = context_factor(model, batch, profiler)
-    return profiler.scale
+    profiler.context = fit_context(model, batch, profiler)
+    log.info("cube.sim: ops in a whole step cost %s of their profiled seconds", profiler.context)
+    return profiler.context

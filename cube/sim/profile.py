@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -80,6 +81,18 @@ def typical(times) -> float:
     return statistics.median(times[:max(1, (len(times) + 1) // 2)])
 
 
+@dataclass(frozen=True)
+class Context:
+    """What an op costs in a whole step: ``scale`` times its profiled seconds, plus ``per_call`` seconds
+    for each call (its forward, and its backward when it has one)."""
+
+    scale: float = 1.0
+    per_call: float = 0.0
+
+    def __str__(self) -> str:
+        return f"x{self.scale:.2f} {self.per_call * 1e6:+.0f} us a call"
+
+
 class Profiler:
     """Measured costs of op pieces on ``device`` (default: CUDA if available, else CPU).
 
@@ -92,8 +105,8 @@ class Profiler:
             Ranks launched by torchrun run with one thread each.
 
     Attributes:
-        scale: factor applied to every op's time (``cube.sim.context.context_factor``: what a
-            whole step costs beyond its ops measured alone); 1 by default.
+        context: what an op costs in a whole step beyond alone (``Context``: a scale
+            and a cost per call, fitted by ``cube.sim.context.fit_context``); none by default.
     """
 
     def __init__(self, device=None, cache=None, repeats: int = 7, threads: Optional[int] = None):
@@ -104,16 +117,19 @@ class Profiler:
         self.threads = threads
         self.estimate = Estimator()
         self.hits = self.misses = 0
-        self.scale = 1.0   # ops in context cost this much more than alone (cube.sim.context)
+        self.context = Context()   # what ops cost in a whole step beyond alone (cube.sim.context)
         self._memo: Dict[str, OpCost] = {}
 
     # ------------------------------------------------------------------ public
     def op_cost(self, call: Call) -> OpCost:
-        """The cost of an op piece (measured once, then from the cache), times ``scale``."""
+        """The cost of an op piece (measured once, then from the cache), in context: ``context.scale``
+        times it, plus ``context.per_call`` for its forward and for its backward (where it has one)."""
         cost = self._cost(call)
-        if self.scale == 1.0:
+        k, c = self.context.scale, self.context.per_call
+        if k == 1.0 and c == 0.0:
             return cost
-        return OpCost(cost.fw * self.scale, cost.bw * self.scale, cost.saved, cost.alias, cost.measured)
+        return OpCost(cost.fw * k + c, cost.bw * k + (c if cost.bw > 0 else 0.0), cost.saved, cost.alias,
+                      cost.measured)
 
     def _cost(self, call: Call) -> OpCost:
         key = self.key(call)
