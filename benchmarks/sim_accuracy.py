@@ -16,9 +16,9 @@ measured and turned into competing programs (``cube.sim.host.Sampler``), and eac
 for an idle host and for the host as it was during its steps. A shared machine's speed also drifts (by
 30% within an hour on a 2-core VM, with no other program in it), so between the rounds every rank runs
 the anchors, the single-device step (``cube.sim.context.WholeStep``) of the global batch and of a quarter
-of it; their median CPU times against the sums of their ops as profiled give the scale of what ops cost
-in a step (``cube.sim.context.fit``; the cost per call is fitted before measuring, from the two steps timed
-in turns), for the second prediction. Printed per plan:
+of it and an AdamW step, in turns; their median CPU times against their costs as profiled fit what ops
+and the optimizer cost in a step (``cube.sim.context.fit``: a scale, a cost per call and a factor on
+memory-bound work) for the second prediction. Printed per plan:
 both predictions, the measured time, the busiest rank's predicted compute and
 its measured CPU time (which other programs do not inflate); then the mean
 absolute percentage error, Spearman's rank correlation and the regret of the
@@ -111,9 +111,11 @@ def plan_graphs(plans):
 
 def anchors(model, batch):
     """The anchors: the single-device step (``cube.sim.context.WholeStep``) of the global batch and of a
-    quarter of it (the smallest micro-batch of the plans), whose measured seconds fit the ops' context."""
-    from cube.sim.context import WholeStep, quarter
-    return [WholeStep(model, batch), WholeStep(model, quarter(batch))]
+    quarter of it (the smallest micro-batch of the plans), and AdamW over the model's parameters
+    (``cube.sim.context.OptimizerStep``), whose measured seconds fit the ops' context."""
+    from cube.sim.context import OptimizerStep, WholeStep, quarter
+    wholes = [WholeStep(model, batch), WholeStep(model, quarter(batch))]
+    return wholes + [OptimizerStep(wholes[0].gen.parameters())]
 
 
 def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
@@ -122,21 +124,21 @@ def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
     host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``contexts``: the
     ``Context`` of each plan (fitted once for all, from the anchors run in this process, when None).
 
-    Returns ``(results, the fitted context, the anchors' (profiled seconds, calls))``; the last two None
-    when ``contexts`` was given.
+    Returns ``(results, the fitted context, the anchors and a profiler)``; the last two None when
+    ``contexts`` was given.
     """
     import torch
     from cube.sim import comm as comm_mod
-    from cube.sim.context import fit, points
+    from cube.sim.context import fit_measured, timed
     from cube.sim.host import this_host
     from cube.sim.profile import Profiler
     from cube.sim.simulate import simulate
     torch.set_num_threads(threads)
     costs = Profiler(threads=threads)
-    context = profiled = None
-    if contexts is None:   # the anchors, timed in turns, give both: the sums of their ops and the context
-        got = points(anchors(*build()), costs, steps=12)
-        profiled, context = [(p, n) for p, n, _ in got], fit(got)
+    context = fitted = None
+    if contexts is None:   # the anchors, timed in turns
+        fitted = anchors(*build())
+        context = fit_measured(fitted[:2], fitted[2], timed(fitted, steps=12), costs)
     contexts = contexts if contexts is not None else [context] * len(plans)
     host = this_host()
     out = []
@@ -146,7 +148,7 @@ def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
         out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
                             host=host.loaded(background[i] if background else 0.0)))
     costs.save()
-    return out, context, profiled
+    return out, context, (fitted, costs) if fitted else None
 
 
 def _worker(args) -> None:
@@ -175,8 +177,8 @@ def _worker(args) -> None:
             opt.step()
             opt.zero_grad()
         runners.append((f"{name} w{world}", step, [], [], []))
-    # the anchors: the single-device step of the global batch and of a quarter of it, run by every rank at
-    # once between the plans' rounds; their CPU times tell what ops cost while the plans are measured
+    # the anchors: the single-device step of the global batch and of a quarter of it, and AdamW, run by every
+    # rank at once between the plans' rounds; their CPU times tell what ops cost while the plans are measured
     wholes = anchors(model, (ids, tgt))
     anchor = [[] for _ in wholes]
     # and the window anchors: the quarter step once before each plan's timed steps and once after the last
@@ -185,10 +187,11 @@ def _worker(args) -> None:
     windows: List[float] = []
     for _ in range(args.rounds):
         dist.barrier()
-        for whole, times in zip(wholes, anchor):
-            whole.seconds()
-            for _ in range(args.steps):
-                times.append(whole.seconds())
+        for turn in range(args.steps + 1):   # in turns (a swing of the host's speed hits all alike)
+            for whole, times in zip(wholes, anchor):
+                t = whole.seconds()
+                if turn:
+                    times.append(t)
         for _, step, times, spans, cpu in runners:
             for _ in range(args.warmup):
                 step()
@@ -313,16 +316,15 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     every plan of it.
     """
     plans = [PLANS[i] for i in QUICK] if quick else PLANS
-    from cube.sim.context import fit
+    from cube.sim.context import fit_measured
     t0 = time.perf_counter()
     graphs = plan_graphs(plans)
-    idle, context, profiled = predict(plans, graphs)
+    idle, context, (fitted, costs) = predict(plans, graphs)
     t1 = time.perf_counter()
     measured, background, cpu, anchor, raw, windows = measure(plans, steps, rounds)
     t2 = time.perf_counter()
-    # the cost per call as fitted here (from the anchors timed in turns); the scale of each job from its
-    # anchors (run in turns with the plans, so the host's swings shift their two medians apart)
-    now = [fit([(p, n, a) for (p, n), a in zip(profiled, seconds)], per_call=context.per_call) for seconds in anchor]
+    # each job's context from its anchors, as measured by its ranks
+    now = [fit_measured(fitted[:2], fitted[2], seconds, costs) for seconds in anchor]
     loaded, *_ = predict(plans, graphs, background, contexts=now)
     rows = []
     for (name, world, *_), res, busy, m, others, c, k, (m_raw, c_raw) in zip(plans, idle, loaded, measured, background,

@@ -309,7 +309,13 @@ def test_whole_step_times_the_model_and_sums_its_profiled_ops(tmp_path):
     assert step.count(prof) >= 4   # each linear's forward and backward at least
     assert step.seconds() > 0 and all(p.grad is None for p in step.gen.parameters())   # gradients cleared
     got = fit_context(model, (x,), prof, steps=2)
-    assert got.scale >= 1.0 and got.per_call >= 0.0
+    assert got.scale >= 1.0 and got.per_call >= 0.0 and got.memory > 0.0
+    numels = [p.numel() for p in model.parameters()]
+    prof.context = Context()
+    alone, copy = prof.optimizer_cost(numels), prof.copy_cost(1 << 20)
+    prof.context = Context(1.0, 0.0, 2.0)   # the optimizer step and copies: times the memory factor
+    assert prof.optimizer_cost(numels) == pytest.approx(2 * alone)
+    assert prof.copy_cost(1 << 20) == pytest.approx(2 * copy)
     assert typical([5.0, 1.0, 3.0, 100.0]) == 2.0   # the median of the faster half
 
 
@@ -328,8 +334,8 @@ def test_context_fit_separates_a_scale_from_a_cost_per_call():
     below = fit([(0.3, 10, 0.9 * 0.3 + 0.01), (0.1, 10, 0.9 * 0.1 + 0.01)])   # a scale under 1: raised to 1
     assert below.scale == 1.0 and below.per_call >= 0.0
     assert fit([]) == Context()
-    drifted = fit([(0.3, 10, 0.25), (0.1, 10, 0.1)], per_call=1e-3)   # the cost per call known: the scale alone,
-    assert drifted.scale == pytest.approx((0.35 - 0.02) / 0.4) and drifted.per_call == 1e-3   # under 1 if so
+    with_opt = fit(points, optimizer=(0.01, 0.03))   # the optimizer step: memory-bound work's own factor
+    assert with_opt.memory == pytest.approx(3.0) and with_opt.scale == pytest.approx(truth.scale)
     x, y = torch.zeros(16, 3), torch.zeros(16)
     assert [t.shape[0] for t in quarter((x, y))] == [4, 4] and quarter(x).shape[0] == 4
     assert quarter((x, torch.zeros(8))) is None and quarter(torch.zeros(1, 3)) is None

@@ -11,11 +11,16 @@ number of layers, not the batch):
 - a **cost per call** that does not shrink with the op (``Context.per_call``:
   each forward call and each backward call of an op pays it once).
 
+Memory-bound work (the optimizer step, copies) has a factor of its own
+(``Context.memory``): an AdamW step over the model's parameters timed against
+the profiler's rate for it (a shared host's memory bandwidth drifts apart from
+its compute: x3 against x1.1 on one afternoon).
+
 ``fit_context`` runs the model's single-device plan as cube runs it (its
 generated code, ``cube.toolkit.whole``, in this process) at the batch and at a
-quarter of it, and fits both through the two steps (``fit``); a model whose
-batch cannot be cut along dim 0 gets the scale alone. The profiler then adds
-both to every op (``Profiler.context``). A model that does not fit on one
+quarter of it, and the AdamW step, in turns, and fits the three (``fit``); a
+model whose batch cannot be cut along dim 0 gets the scale alone. The profiler
+then applies them to every op, optimizer step and copy (``Profiler.context``). A model that does not fit on one
 device, or cannot run here, keeps the ops as profiled. On a GPU only the scale
 is fitted: a kernel's launch is the host's part of the op, which the simulator
 models on its own (``cube.sim.engine``).
@@ -25,7 +30,8 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import Optional, Sequence, Tuple
+from dataclasses import replace
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,24 +48,23 @@ def _load(source: str):
     return namespace
 
 
-def fit(points: Sequence[Tuple[float, int, float]], per_call: Optional[float] = None) -> Context:
-    """The ``Context`` through whole steps, each ``(profiled seconds, calls, measured seconds)``.
+def fit(points: Sequence[Tuple[float, int, float]], optimizer: Optional[Tuple[float, float]] = None) -> Context:
+    """The ``Context`` through whole steps, each ``(profiled seconds, calls, measured seconds)``, and an
+    optimizer step ``(profiled seconds, measured seconds)`` (its ratio is ``memory``; 1 without one).
 
     Least squares of ``measured = scale * profiled + per_call * calls``; with one point, or points
     whose profiled sums barely differ, the scale alone. Neither part below what the op costs alone:
     a negative cost per call is dropped (the scale alone), a scale under 1 raised to 1 (the rest
     per call).
-
-    With ``per_call`` given, the scale alone is fitted, and may be under 1: the ops then run faster
-    than when they were profiled (a shared host's speed drifts; ``benchmarks/sim_accuracy.py`` fits
-    the cost per call once, from steps timed in turns, and the scale of each job from its anchors).
     """
+    memory = optimizer[1] / optimizer[0] if optimizer and optimizer[0] > 0 and optimizer[1] > 0 else 1.0
+    return replace(_fit_ops(points), memory=memory)
+
+
+def _fit_ops(points: Sequence[Tuple[float, int, float]]) -> Context:
     points = [(p, n, m) for p, n, m in points if p > 0 and n > 0]
     if not points:
         return Context()
-    if per_call is not None:
-        return Context(max(0.0, sum(m - per_call * n for _, n, m in points) / sum(p for p, _, _ in points)),
-                       per_call)
 
     def scale_only() -> Context:
         return Context(max(1.0, sum(m for _, _, m in points) / sum(p for p, _, _ in points)))
@@ -118,17 +123,48 @@ class WholeStep:
         return _step(self.gen, self.data, self.structure, self.device)
 
 
-def points(wholes: Sequence[WholeStep], profiler, steps: int = 8) -> list:
-    """``(profiled seconds, calls, measured seconds)`` of each step for ``fit``: the steps are timed in
-    turns (so that a drift of the host's speed hits all alike), ``steps`` times each after two untimed
-    turns; the median of the faster half is kept, as the profiler keeps its samples."""
-    times: list = [[] for _ in wholes]
+class OptimizerStep:
+    """AdamW over copies of parameters, their gradients set, ready to time: ``seconds()`` runs one step
+    (CPU time of this thread on a one-thread CPU, else wall time); ``profiled(profiler)`` is its cost as
+    the profiler rates it (its context left out)."""
+
+    def __init__(self, params, device=None):
+        self.params = [torch.nn.Parameter(p.detach().clone().to(device)) for p in params]
+        for p in self.params:
+            p.grad = torch.rand_like(p)
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
+
+    def profiled(self, profiler) -> float:
+        context, profiler.context = profiler.context, Context()
+        try:
+            return profiler.optimizer_cost([p.numel() for p in self.params])
+        finally:
+            profiler.context = context
+
+    def seconds(self) -> float:
+        return _seconds(self.opt.step, self.device)
+
+
+def timed(items: Sequence, steps: int = 8) -> List[float]:
+    """Seconds of each item's ``seconds()``, timed in turns (so that a swing of the host's speed hits
+    all alike), ``steps`` times each after two untimed turns: the median of the faster half, as the
+    profiler keeps its samples."""
+    times: List[List[float]] = [[] for _ in items]
     for turn in range(max(steps, 1) + 2):
-        for whole, got in zip(wholes, times):
-            t = whole.seconds()
+        for item, got in zip(items, times):
+            t = item.seconds()
             if turn >= 2:
                 got.append(t)
-    return [(w.profiled(profiler), w.count(profiler), typical(got)) for w, got in zip(wholes, times)]
+    return [typical(got) for got in times]
+
+
+def fit_measured(wholes: Sequence[WholeStep], optimizer: Optional[OptimizerStep], measured: Sequence[float],
+                 profiler) -> Context:
+    """``fit`` of the steps (and the optimizer step, last in ``measured`` when given) as measured."""
+    points = [(w.profiled(profiler), w.count(profiler), m) for w, m in zip(wholes, measured)]
+    opt = (optimizer.profiled(profiler), measured[len(wholes)]) if optimizer is not None else None
+    return fit(points, opt)
 
 
 def fit_context(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> Context:
@@ -155,7 +191,8 @@ def fit_context(model: torch.nn.Module, batch, profiler, steps: int = 8, device=
             except (RuntimeError, ValueError, TypeError) as e:   # a batch not cut along dim 0: the scale alone
                 log.debug("cube.sim: the step at a quarter of the batch does not run (%s: %s); the context is "
                           "a scale alone", type(e).__name__, e)
-        return fit(points(wholes, profiler, steps))
+        optimizer = OptimizerStep(wholes[0].gen.parameters(), device)
+        return fit_measured(wholes, optimizer, timed(wholes + [optimizer], steps), profiler)
     except (RuntimeError, ValueError, TypeError) as e:   # out of memory, or a model cube cannot run alone
         log.debug("cube.sim: no context (%s: %s); op costs are used as profiled", type(e).__name__, e)
         return Context()
@@ -176,19 +213,24 @@ def quarter(batch):
 
 
 def _step(gen, data, structure: str, device: torch.device) -> float:
-    """Seconds of one forward and backward (CPU time of this thread on a one-thread CPU, else wall time)."""
+    """Seconds of one forward and backward (``_seconds``); the gradients are cleared after it."""
+    elapsed = _seconds(lambda: (gen(*data) if structure == "tuple" else gen(data[0])).backward(), device)
+    for p in gen.parameters():
+        p.grad = None
+    return elapsed
+
+
+def _seconds(fn, device: torch.device) -> float:
+    """Seconds of ``fn()``: CPU time of this thread on a one-thread CPU (not inflated by other programs
+    sharing the cores), else wall time after synchronizing the device."""
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = clock()
-    loss = gen(*data) if structure == "tuple" else gen(data[0])
-    loss.backward()
+    fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    elapsed = clock() - t0
-    for p in gen.parameters():
-        p.grad = None
-    return elapsed
+    return clock() - t0
 
 
 def scaled(profiler, model: torch.nn.Module, batch) -> Optional[Context]:

@@ -84,13 +84,16 @@ def typical(times) -> float:
 @dataclass(frozen=True)
 class Context:
     """What an op costs in a whole step: ``scale`` times its profiled seconds, plus ``per_call`` seconds
-    for each call (its forward, and its backward when it has one)."""
+    for each call (its forward, and its backward when it has one); the optimizer step and memory copies
+    ``memory`` times theirs (memory-bound work: a host's memory bandwidth drifts apart from its compute,
+    by x3 against x1.1 on a shared VM)."""
 
     scale: float = 1.0
     per_call: float = 0.0
+    memory: float = 1.0
 
     def __str__(self) -> str:
-        return f"x{self.scale:.2f} {self.per_call * 1e6:+.0f} us a call"
+        return f"x{self.scale:.2f} {self.per_call * 1e6:+.0f} us a call, optimizer and copies x{self.memory:.2f}"
 
 
 class Profiler:
@@ -148,16 +151,16 @@ class Profiler:
 
     def optimizer_cost(self, numels: Sequence[int]) -> float:
         """Seconds of one AdamW step over tensors of ``numels`` elements: a per-tensor and a
-        per-element rate, measured once per device."""
+        per-element rate, measured once per device, times ``context.memory``."""
         per_tensor, per_elem = self._adam_rates()
-        return len(numels) * per_tensor + sum(numels) * per_elem
+        return (len(numels) * per_tensor + sum(numels) * per_elem) * self.context.memory
 
     def optimizer_workspace(self, numels: Sequence[int]) -> int:
         """AdamW's temporaries on this device: ``foreach`` on a GPU, the single-tensor loop on a CPU."""
         return adamw_workspace(numels, foreach=self.device.type != "cpu")
 
     def copy_cost(self, nbytes: int) -> float:
-        return nbytes * self._copy_rate()
+        return nbytes * self._copy_rate() * self.context.memory
 
     def save(self) -> None:
         """Writes new measurements to the cache file."""
