@@ -18,11 +18,14 @@ for an idle host and for the host as it was during its steps. A shared machine's
 the anchors, the single-device step (``cube.sim.context.WholeStep``) of the global batch and of a quarter
 of it and an AdamW step, in turns; their median CPU times against their costs as profiled fit what ops
 and the optimizer cost in a step (``cube.sim.context.fit``: a scale, a cost per call and a factor on
-memory-bound work) for the second prediction. Printed per plan:
-both predictions, the measured time, the busiest rank's predicted compute and
-its measured CPU time (which other programs do not inflate); then the mean
-absolute percentage error, Spearman's rank correlation and the regret of the
-plan predicted best (its measured time over the measured best, minus 1).
+memory-bound work) for the second prediction. The quarter step also runs right before each plan's
+timed steps (the window anchors): each round's steps are taken at the job's typical pace by the window
+anchors around them (``paced``; the speed swings by 20% within seconds), and the ops' context is raised
+to the window anchors' level (``in_situ``). Printed per plan: both predictions, the measured time, the
+busiest rank's predicted compute and its measured CPU time (which other programs do not inflate); then
+the mean absolute percentage error, Spearman's rank correlation, the pairs of plans more than 10% apart
+ordered right and the regret of the plan predicted best (its measured time over the measured best,
+minus 1).
 
 ``build()`` returns the model and a batch, so the simulator's command line
 takes this file as a model spec: ``python -m cube.sim benchmarks/sim_accuracy.py --ngpus 2 --search``.
