@@ -19,17 +19,17 @@ its compute: x3 against x1.1 on one afternoon).
 ``fit_context`` runs the model's single-device plan as cube runs it (its
 generated code, ``cube.toolkit.whole``, in this process) at the batch and at a
 quarter of it, and the AdamW step, in turns, and fits the three (``fit``); a
-model whose batch cannot be cut along dim 0 gets the scale alone. The profiler
-then applies them to every op, optimizer step and copy (``Profiler.context``). A model that does not fit on one
-device, or cannot run here, keeps the ops as profiled. On a GPU only the scale
-is fitted: a kernel's launch is the host's part of the op, which the simulator
+model whose batch cannot be cut along dim 0 gets no cost per call. The profiler
+then applies them to every op, optimizer step and copy (``Profiler.context``).
+A model that does not fit on one device, or cannot run here, keeps the ops as
+profiled. On a GPU no cost per call is fitted (the step runs at the batch
+alone): a kernel's launch is the host's part of the op, which the simulator
 models on its own (``cube.sim.engine``).
 """
 from __future__ import annotations
 
 import logging
 import statistics
-import time
 from dataclasses import replace
 from typing import List, Optional, Sequence, Tuple
 
@@ -37,7 +37,7 @@ import torch
 
 from cube.compiler import batch_structure, plan
 from cube.sim.costs import needs_grad
-from cube.sim.profile import Context, typical
+from cube.sim.profile import Context, seconds_of, typical
 
 log = logging.getLogger("cube")
 
@@ -112,11 +112,8 @@ class WholeStep:
         return sum(1 + (bw > 0) for _, bw in self._costs(profiler))
 
     def _costs(self, profiler):
-        context, profiler.context = getattr(profiler, "context", Context()), Context()
-        try:
+        with profiler.alone():
             return [(c.fw, c.bw if needs_grad(call) else 0.0) for call in self.calls for c in [profiler.op_cost(call)]]
-        finally:
-            profiler.context = context
 
     def seconds(self) -> float:
         """Seconds of one forward and backward."""
@@ -136,14 +133,11 @@ class OptimizerStep:
         self.device = self.params[0].device if self.params else torch.device("cpu")
 
     def profiled(self, profiler) -> float:
-        context, profiler.context = profiler.context, Context()
-        try:
+        with profiler.alone():
             return profiler.optimizer_cost([p.numel() for p in self.params])
-        finally:
-            profiler.context = context
 
     def seconds(self) -> float:
-        return _seconds(self.opt.step, self.device)
+        return seconds_of(self.opt.step, self.device)
 
 
 def timed(items: Sequence, steps: int = 8) -> List[float]:
@@ -169,8 +163,9 @@ def fit_measured(wholes: Sequence[WholeStep], optimizer: Optional[OptimizerStep]
 
 def fit_context(model: torch.nn.Module, batch, profiler, steps: int = 8, device=None) -> Context:
     """The ``Context`` of the model's ops (see the module docstring): its single-device step timed at
-    ``batch`` and, on a CPU, at a quarter of it (dim 0 of every tensor of the batch), fitted by ``fit``;
-    ``Context()`` (the ops as profiled) when the step cannot run here.
+    ``batch`` and, on a CPU, at a quarter of it (dim 0 of every tensor of the batch), and AdamW over its
+    parameters, in turns, fitted by ``fit``; ``Context()`` (the ops as profiled) when the step cannot
+    run here.
 
     Args:
         model, batch: the model and one batch (the sample the step is traced with).
@@ -213,24 +208,11 @@ def quarter(batch):
 
 
 def _step(gen, data, structure: str, device: torch.device) -> float:
-    """Seconds of one forward and backward (``_seconds``); the gradients are cleared after it."""
-    elapsed = _seconds(lambda: (gen(*data) if structure == "tuple" else gen(data[0])).backward(), device)
+    """Seconds of one forward and backward (``seconds_of``); the gradients are cleared after it."""
+    elapsed = seconds_of(lambda: (gen(*data) if structure == "tuple" else gen(data[0])).backward(), device)
     for p in gen.parameters():
         p.grad = None
     return elapsed
-
-
-def _seconds(fn, device: torch.device) -> float:
-    """Seconds of ``fn()``: CPU time of this thread on a one-thread CPU (not inflated by other programs
-    sharing the cores), else wall time after synchronizing the device."""
-    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = clock()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return clock() - t0
 
 
 def scaled(profiler, model: torch.nn.Module, batch) -> Optional[Context]:

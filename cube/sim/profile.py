@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -53,11 +54,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def clock_for(device: torch.device) -> Callable[[], float]:
+    """The clock costs on ``device`` are timed with: this thread's CPU time on a CPU with one intra-op
+    thread (not inflated by other programs sharing the cores), else wall time (after ``_sync``)."""
+    return time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+
+
+def seconds_of(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one ``fn()`` on ``clock_for(device)``, the device synchronized around it."""
+    clock = clock_for(device)
+    _sync(device)
+    t0 = clock()
+    fn()
+    _sync(device)
+    return clock() - t0
+
+
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, budget: float = 2e-3) -> float:
     """Seconds of ``fn()``: the median of the faster half of ``repeats`` samples. Fast calls are looped so
     that a sample lasts about ``budget``. On a CPU with one intra-op thread the clock is this thread's
     CPU time (not inflated by other programs sharing the cores), else wall time."""
-    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    clock = clock_for(device)
     fn()
     _sync(device)
     t0 = clock()
@@ -108,8 +125,9 @@ class Profiler:
             Ranks launched by torchrun run with one thread each.
 
     Attributes:
-        context: what an op costs in a whole step beyond alone (``Context``: a scale
-            and a cost per call, fitted by ``cube.sim.context.fit_context``); none by default.
+        context: what an op costs in a whole step beyond alone (``Context``: a scale, a cost per
+            call and a factor on the optimizer and copies, fitted by ``cube.sim.context.fit_context``);
+            none by default (``alone()`` leaves it out for a while).
     """
 
     def __init__(self, device=None, cache=None, repeats: int = 7, threads: Optional[int] = None):
@@ -133,6 +151,15 @@ class Profiler:
             return cost
         return OpCost(cost.fw * k + c, cost.bw * k + (c if cost.bw > 0 else 0.0), cost.saved, cost.alias,
                       cost.measured)
+
+    @contextmanager
+    def alone(self) -> Iterator["Profiler"]:
+        """Inside, costs as profiled: the context is left out (and put back after)."""
+        context, self.context = self.context, Context()
+        try:
+            yield self
+        finally:
+            self.context = context
 
     def _cost(self, call: Call) -> OpCost:
         key = self.key(call)
