@@ -121,11 +121,12 @@ def anchors(model, batch):
     return wholes + [OptimizerStep(wholes[0].gen.parameters())]
 
 
-def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
+def predict(plans, graphs, background=None, threads: int = 1, contexts=None, comms=None):
     """Simulated results of each plan: ops profiled at ``threads`` threads (as the ranks run) and put in
     the context of a whole step (``cube.sim.context``), collectives calibrated, the ranks sharing this
     host's cores (``cube.sim.host.this_host``) with ``background[i]`` other programs. ``contexts``: the
     ``Context`` of each plan (fitted once for all, from the anchors run in this process, when None).
+    ``comms``: the communication model of each plan (the calibrated one of its world size, when None).
 
     Returns ``(results, the fitted context, the anchors and a profiler)``; the last two None when
     ``contexts`` was given.
@@ -147,7 +148,7 @@ def predict(plans, graphs, background=None, threads: int = 1, contexts=None):
     out = []
     for i, ((name, world, policy, m, zero, rc), graph) in enumerate(zip(plans, graphs)):
         costs.context = contexts[i]
-        comm = comm_mod.load(world, calibrate_missing=True)
+        comm = comms[i] if comms is not None else comm_mod.load(world, calibrate_missing=True)
         out.append(simulate(graph, world, costs=costs, comm=comm, zero=zero,
                             host=host.loaded(background[i] if background else 0.0)))
     costs.save()
@@ -159,6 +160,8 @@ def _worker(args) -> None:
     import torch
     import torch.distributed as dist
     import cube
+    from cube.runtime import collectives as C
+    from cube.sim import arrival
     env = cube.init()
     torch.set_num_threads(1)
     plans = [p for p in PLANS if p[1] == env.world_size and p[0] in args.names.split("|")]
@@ -184,6 +187,11 @@ def _worker(args) -> None:
     # rank at once between the plans' rounds; their CPU times tell what ops cost while the plans are measured
     wholes = anchors(model, (ids, tgt))
     anchor = [[] for _ in wholes]
+    # and the arrival loops (cube.sim.arrival): what communication costs beyond its alpha-beta when the ranks
+    # come to it from computing drifts with the host's state as its speed does, so it is measured here too
+    sizes = arrival.sizes_for(env.world_size, sorted({2, env.world_size}))
+    C.create_groups(sorted({g for n in sizes for g in arrival.groups_of(env.world_size, n)}))
+    waits = []
     # and the window anchors: the quarter step once before each plan's timed steps and once after the last
     # plan of a round. The host's speed swings by 20% within seconds (a shared VM's neighbours), so each
     # plan's steps are also taken at the pace of the anchors around them (``paced``)
@@ -195,6 +203,7 @@ def _worker(args) -> None:
                 t = whole.seconds()
                 if turn:
                     times.append(t)
+        waits.append(arrival.measure(env.rank, env.world_size, sizes, C._all_reduce, repeats=3))
         for _, step, times, spans, cpu in runners:
             for _ in range(args.warmup):
                 step()
@@ -227,6 +236,9 @@ def _worker(args) -> None:
     dist.all_reduce(mid)
     out["anchor"] = (mid / env.world_size).tolist()   # per anchor, the ranks' mean of their median
     out["windows"] = [min(w), statistics.median(w), max(w)]
+    out["arrival"] = {"none": statistics.median(t["none"] for t in waits),
+                      "coll": {n: statistics.median(t["coll"][n] for t in waits) for n in sizes},
+                      "p2p": statistics.median(t["p2p"] for t in waits) if waits[0]["p2p"] is not None else None}
     if env.rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -256,8 +268,9 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
     busiest rank's main thread (its compute, which other programs do not inflate), the median CPU
     seconds of each anchor (``anchors``: the single-device step, forward and backward) that the ranks of
     its job ran between rounds, the raw median step and CPU seconds (the first and third are paced:
-    ``paced``), and per job the window anchors' (min, median, max) seconds."""
-    out, background, busy, anchor, raw, windows = {}, {}, {}, {}, {}, {}
+    ``paced``), and per job the window anchors' (min, median, max) seconds and the arrival loops' times
+    (``cube.sim.arrival.measure``, medians over the rounds)."""
+    out, background, busy, anchor, raw, windows, waits = {}, {}, {}, {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for world in sorted({p[1] for p in plans}):
             names = "|".join(p[0] for p in plans if p[1] == world)
@@ -276,13 +289,13 @@ def measure(plans, steps: int, rounds: int, warmup: int = 1):
             if job.returncode != 0:
                 raise RuntimeError(f"torchrun failed:\n{stdout[-3000:]}\n{stderr[-5000:]}")
             got = json.loads(Path(result).read_text())
-            anchor[world], windows[world] = got.pop("anchor"), got.pop("windows")
+            anchor[world], windows[world], waits[world] = got.pop("anchor"), got.pop("windows"), got.pop("arrival")
             for name, (median, spans, cpu, raw_median, raw_cpu) in got.items():
                 out[name], background[name], busy[name] = median, sampler.during(spans), cpu
                 raw[name] = (raw_median, raw_cpu)
     keys = [f"{p[0]} w{p[1]}" for p in plans]
     return ([out[k] for k in keys], [background[k] for k in keys], [busy[k] for k in keys],
-            [anchor[p[1]] for p in plans], [raw[k] for k in keys], windows)
+            [anchor[p[1]] for p in plans], [raw[k] for k in keys], windows, waits)
 
 
 
@@ -333,17 +346,22 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     every plan of it.
     """
     plans = [PLANS[i] for i in QUICK] if quick else PLANS
+    from cube.sim import arrival, comm as comm_mod
     from cube.sim.context import fit_measured
+    from cube.sim.host import this_host
     t0 = time.perf_counter()
     graphs = plan_graphs(plans)
     idle, context, (fitted, costs) = predict(plans, graphs)
     t1 = time.perf_counter()
-    measured, background, cpu, anchor, raw, windows = measure(plans, steps, rounds)
+    measured, background, cpu, anchor, raw, windows, waits = measure(plans, steps, rounds)
     t2 = time.perf_counter()
     # each job's context from its anchors, as measured by its ranks, at the window anchors' level
     now = [in_situ(fit_measured(fitted[:2], fitted[2], seconds, costs), windows[p[1]][1], seconds[1])
            for p, seconds in zip(plans, anchor)]
-    loaded, *_ = predict(plans, graphs, background, contexts=now)
+    # and each job's arrival costs from its arrival loops (the host's other programs as during its plans)
+    comms = {w: arrival.refit(comm_mod.load(w), waits[w], w, this_host().loaded(
+        statistics.mean(b for p, b in zip(plans, background) if p[1] == w))) for w in waits}
+    loaded, *_ = predict(plans, graphs, background, contexts=now, comms=[comms[p[1]] for p in plans])
     rows = []
     for (name, world, *_), res, busy, m, others, c, k, (m_raw, c_raw) in zip(plans, idle, loaded, measured, background,
                                                                              cpu, now, raw):
@@ -364,6 +382,11 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     print("window anchors (the quarter step around each plan's steps, ms min/median/max): " + ", ".join(
         f"{lo * 1e3:.0f}/{mid * 1e3:.0f}/{hi * 1e3:.0f} with {w} ranks"
         for w, (lo, mid, hi) in sorted(windows.items())))
+
+    def _arrival(m) -> str:
+        return " ".join(f"n={n}: {a * 1e3:.2f}" for n, a in sorted(m.arrival.items())) + f" p2p: {m.p2p_arrival * 1e3:.2f}"
+    print("arrival costs (ms a collective, by group size, and a message; cube.sim.arrival): " + ", ".join(
+        f"calibrated {_arrival(comm_mod.load(w))}, in the job {_arrival(comms[w])} with {w} ranks" for w in sorted(comms)))
     print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'raw':>8}{'others':>8}"
           f"{'compute':>9}{'CPU':>8}{'peak MiB':>10}")
     for r in rows:

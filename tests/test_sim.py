@@ -202,13 +202,66 @@ def test_a_calibration_made_on_a_busy_host_is_measured_again(tmp_path, monkeypat
     monkeypatch.setattr(comm_mod, "calibrate", calibrate)
     cache = tmp_path / "comm.json"
     busy = CommModel("gloo", {"all_reduce": 6e-5}, calibrated=True, background=1.7)
-    key = f"{comm_mod.default_backend()}/{comm_mod.socket.gethostname()}/world2/torch{torch.__version__}/idle3"
-    cache.write_text(json.dumps({key: busy.to_json()}))
+    cache.write_text(json.dumps({comm_mod.cache_key(2): busy.to_json()}))
     kept = comm_mod.load(2, calibrate_missing=False, cache=cache)   # kept, if asked not to measure
     assert kept.alpha["all_reduce"] == 6e-5 and fresh == []
     got = comm_mod.load(2, calibrate_missing=True, cache=cache)   # measured again, and kept
     assert fresh == [2] and got.alpha["all_reduce"] == 1e-3 and got.background == 0.1
     assert comm_mod.load(2, calibrate_missing=True, cache=cache).alpha["all_reduce"] == 1e-3 and fresh == [2]
+
+
+def test_arrival_costs_add_to_the_alpha_beta_and_survive_the_cache():
+    m = CommModel("gloo", {"all_reduce": 1e-4, "p2p": 1e-5}, {"all_reduce": 0.0, "p2p": 0.0},
+                  arrival={2: 1e-3, 4: 2e-3}, p2p_arrival=5e-4)
+    assert m.cost("all_reduce", 4096, 2) == pytest.approx(2 * 1e-4 + 1e-3)
+    assert m.cost("all_reduce", 4096, 4) == pytest.approx(6 * 1e-4 + 2e-3)
+    assert m.cost("all_reduce", 4096, 8) == pytest.approx(14 * 1e-4 + 2e-3)   # the nearest size measured
+    assert m.cost("p2p", 4096, 2) == pytest.approx(1e-5 + 5e-4)
+    assert m.cost("all_reduce", 4096, 1) == 0.0
+    back = CommModel.from_json(json.loads(json.dumps(m.to_json())))
+    assert back.arrival == {2: 1e-3, 4: 2e-3} and back.p2p_arrival == 5e-4
+
+
+@pytest.mark.parametrize("cores,per_rank", [(2.0, True), (4.0, True), (2.0, False)])
+def test_arrival_fit_recovers_the_costs_the_loops_were_made_with(cores, per_rank):
+    from cube.sim import arrival
+    from cube.sim.host import Host
+    host = Host(cores, 1.0, 0.3, per_rank)
+    burst, true, p2p_true = 3e-3, {2: 8e-4, 4: 1.5e-3}, 1e-3
+
+    def cost(n):
+        return 2 * (n - 1) * 1e-4
+
+    def per_iter(after, n=0, dur=0.0):
+        return arrival._per_iter(arrival._loop(4, burst, after, n, dur), host)
+    times = {"none": per_iter("none"), "coll": {n: per_iter("coll", n, cost(n) + a) for n, a in true.items()},
+             "p2p": per_iter("p2p", dur=3e-4 + p2p_true)}
+    coll, p2p = arrival.fit(json.loads(json.dumps(times)), 4, host, cost, 3e-4)   # through JSON, as cached
+    assert coll == pytest.approx(true, rel=1e-6) and p2p == pytest.approx(p2p_true, rel=1e-6)
+
+
+def test_communication_faster_after_compute_than_back_to_back_adds_nothing():
+    from cube.sim import arrival
+    from cube.sim.host import Host
+    host = Host(2.0)
+    none = arrival._per_iter(arrival._loop(2, 3e-3, "none"), host)
+    coll, p2p = arrival.fit({"none": none, "coll": {2: none + 1e-4}, "p2p": none}, 2, host, lambda n: 5e-4, 2e-4)
+    assert coll == {2: 0.0} and p2p == 0.0
+
+
+@pytest.mark.multirank
+def test_calibrating_gloo_measures_the_arrival_costs():
+    m = comm_mod.calibrate(2, sizes=(1 << 12, 1 << 16), repeats=2)
+    assert m.calibrated and set(m.arrival) == {2}
+    assert m.arrival[2] >= 0.0 and m.p2p_arrival >= 0.0
+    assert m.cost("all_reduce", 1 << 16, 2) >= 2 * m.alpha["all_reduce"] + m.arrival[2]
+
+
+def test_arrival_groups_cut_the_world_into_whole_groups():
+    from cube.sim import arrival
+    assert arrival.groups_of(4, 2) == [(0, 1), (2, 3)] and arrival.groups_of(4, 4) == [(0, 1, 2, 3)]
+    assert arrival.sizes_for(6, [2, 4, 6]) == [2, 6] and arrival.sizes_for(2, [2]) == [2]
+
 
 # ---------------------------------------------------------------------- data parallel
 def test_data_parallel_step_is_compute_plus_exposed_communication(monkeypatch):

@@ -28,10 +28,16 @@ slows it down: calibration counts the other programs competing for the cores
 while it measures (``cube.sim.host``) and fits the costs of an idle host (each
 time scaled by the share of the cores the measuring ranks had); the simulator
 then shares the cores as they are when it runs (``simulate(host=)``).
+
+In a program, the ranks come to a collective from computing rather than from a
+barrier: on CPU, calibration also measures what a collective (a message) costs
+beyond its alpha-beta then (``cube.sim.arrival``), per group size, and ``cost``
+adds it.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import statistics
@@ -47,7 +53,8 @@ import torch
 
 from cube import config
 from cube.sim.engine import shares
-from cube.sim.host import Sampler
+from cube.sim import arrival
+from cube.sim.host import Host, Sampler, autogroups
 from cube.sim.store import JsonStore, default_path
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -83,6 +90,9 @@ class CommModel:
         calibrated: whether measured on this machine.
         background: other programs' runnable threads while it was measured (the costs are corrected
             to an idle host).
+        arrival: group size -> seconds a collective costs beyond alpha and beta when its members come
+            to it from computing (``cube.sim.arrival``; measured on CPU hosts only).
+        p2p_arrival: the same for a message.
     """
 
     backend: str = "gloo"
@@ -90,6 +100,8 @@ class CommModel:
     beta: Dict[str, float] = field(default_factory=dict)
     calibrated: bool = False
     background: float = 0.0   # other programs' runnable threads while calibrating (corrected for)
+    arrival: Dict[int, float] = field(default_factory=dict)
+    p2p_arrival: float = 0.0
 
     def __post_init__(self):
         if self.backend not in DEFAULTS:
@@ -105,16 +117,28 @@ class CommModel:
         steps, factor = shape_of(kind, n)
         if kind != "p2p" and n <= 1:
             return 0.0
-        return steps * self.alpha[kind] + factor * nbytes * self.beta[kind]
+        return steps * self.alpha[kind] + factor * nbytes * self.beta[kind] + self._arrival(kind, n)
+
+    def _arrival(self, kind: str, n: int) -> float:
+        if kind == "p2p":
+            return self.p2p_arrival
+        if not self.arrival:
+            return 0.0
+        if n in self.arrival:
+            return self.arrival[n]
+        near = min(self.arrival, key=lambda m: abs(math.log(m / n)))   # the nearest size measured
+        return self.arrival[near]
 
     def to_json(self) -> dict:
         return {"backend": self.backend, "alpha": self.alpha, "beta": self.beta, "calibrated": self.calibrated,
-                "background": self.background}
+                "background": self.background, "arrival": {str(n): a for n, a in self.arrival.items()},
+                "p2p_arrival": self.p2p_arrival}
 
     @staticmethod
     def from_json(d: dict) -> "CommModel":
         return CommModel(d["backend"], dict(d["alpha"]), dict(d["beta"]), bool(d.get("calibrated")),
-                         float(d.get("background", 0.0)))
+                         float(d.get("background", 0.0)),
+                         {int(n): float(a) for n, a in d.get("arrival", {}).items()}, float(d.get("p2p_arrival", 0.0)))
 
 
 def default_backend() -> str:
@@ -176,7 +200,8 @@ def _worker(rank: int, world: int, init: str, out: str, sizes: Sequence[int], re
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     groups = sorted({2, world}) if world > 2 else [2]
-    C.create_groups([tuple(range(n)) for n in groups])
+    waits = arrival.sizes_for(world, groups) if backend == "gloo" else []
+    C.create_groups(sorted({tuple(range(n)) for n in groups} | {g for n in waits for g in arrival.groups_of(world, n)}))
     samples = []
 
     def timed(fn, n):
@@ -212,9 +237,10 @@ def _worker(rank: int, world: int, init: str, out: str, sizes: Sequence[int], re
                     elif rank == 1:
                         dist.recv(x, 0)
                 samples.append(("p2p", 2, x.numel() * 4, timed(p2p, 2)))
+    times = arrival.measure(rank, world, waits, C._all_reduce) if waits else None
     if rank == 0:
         with open(out, "w") as f:
-            json.dump(samples, f)
+            json.dump({"samples": samples, "arrival": times}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -248,11 +274,13 @@ def calibrate(world: int = 2, sizes: Sequence[int] = SIZES, repeats: int = 7, ti
         if any(p.returncode for p in procs) or not os.path.exists(out):
             raise RuntimeError("calibrating the collectives failed:\n" + "\n".join(x[-2000:] for x in logs))
         with open(out) as f:
-            samples = [tuple(s) for s in json.load(f)]
+            got = json.load(f)
     backend = default_backend()
     cores = float(os.cpu_count() or 1) if backend == "gloo" else 0.0
-    model = fit(samples, backend, cores, background)
+    model = fit([tuple(s) for s in got["samples"]], backend, cores, background)
     model.background = background
+    if got["arrival"]:
+        model = arrival.refit(model, got["arrival"], world, Host(cores, 1.0, background, autogroups()))
     return model
 
 
@@ -263,15 +291,20 @@ def calibrate(world: int = 2, sizes: Sequence[int] = SIZES, repeats: int = 7, ti
 BUSY = 0.5
 
 
+def cache_key(world: int) -> str:
+    """Where ``load`` keeps the calibration of ``world`` ranks on this machine and backend."""
+    # idle4: with the arrival costs (cube.sim.arrival); the host's load is measured from other
+    # programs' CPU time
+    return f"{default_backend()}/{socket.gethostname()}/world{world}/torch{torch.__version__}/idle4"
+
+
 def load(world: int = 2, calibrate_missing: bool = False, cache=None) -> CommModel:
     """The calibrated model for this machine, backend and ``world`` from the cache; measured now when
     missing and ``calibrate_missing``, else the backend's defaults. A cached calibration made on a
     busy host (``BUSY``) is measured again with ``calibrate_missing``; the one made beside fewer
     other programs is kept."""
     store = JsonStore(cache or default_path("comm"))
-    # idle3: the host's load is measured from other programs' CPU time (calibrations corrected with
-    # the earlier count of runnable programs are not reused)
-    key = f"{default_backend()}/{socket.gethostname()}/world{world}/torch{torch.__version__}/idle3"
+    key = cache_key(world)
     hit = store.get(key)
     cached = CommModel.from_json(hit) if hit is not None else None
     if cached is not None and (cached.background <= BUSY or not calibrate_missing):
