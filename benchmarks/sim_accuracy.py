@@ -21,7 +21,9 @@ and the optimizer cost in a step (``cube.sim.context.fit``: a scale, a cost per 
 memory-bound work) for the second prediction. The quarter step also runs right before each plan's
 timed steps (the window anchors): each round's steps are taken at the job's typical pace by the window
 anchors around them (``paced``; the speed swings by 20% within seconds), and the ops' context is raised
-to the window anchors' level (``in_situ``). Printed per plan: both predictions, the measured time, the
+to the window anchors' level (``in_situ``). The arrival loops (``cube.sim.arrival``) run between the rounds
+too, and the second prediction takes what communication costs after compute from them (it drifts with the
+host's state, by x3 from job to job on a 2-core VM). Printed per plan: both predictions, the measured time, the
 busiest rank's predicted compute and its measured CPU time (which other programs do not inflate); then
 the mean absolute percentage error, Spearman's rank correlation, the pairs of plans more than 10% apart
 ordered right and the regret of the plan predicted best (its measured time over the measured best,
