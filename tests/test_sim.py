@@ -250,11 +250,16 @@ def test_communication_faster_after_compute_than_back_to_back_adds_nothing():
 
 
 @pytest.mark.multirank
-def test_calibrating_gloo_measures_the_arrival_costs():
-    m = comm_mod.calibrate(2, sizes=(1 << 12, 1 << 16), repeats=2)
-    assert m.calibrated and set(m.arrival) == {2}
-    assert m.arrival[2] >= 0.0 and m.p2p_arrival >= 0.0
-    assert m.cost("all_reduce", 1 << 16, 2) >= 2 * m.alpha["all_reduce"] + m.arrival[2]
+@pytest.mark.parametrize("world", [2, 3])
+def test_calibrating_gloo_measures_the_arrival_costs(world):
+    # 3: an odd world (its tensors cut into 3 whole pieces; no pairs to exchange messages)
+    m = comm_mod.calibrate(world, sizes=(1 << 12, 1 << 16), repeats=2)
+    assert m.calibrated and set(m.arrival) == {world}
+    assert m.arrival[world] >= 0.0 and m.p2p_arrival >= 0.0
+    if world % 2:
+        assert m.p2p_arrival == 0.0
+    steps = 2 * (world - 1)
+    assert m.cost("all_reduce", 1 << 16, world) >= steps * m.alpha["all_reduce"] + m.arrival[world]
 
 
 def test_arrival_groups_cut_the_world_into_whole_groups():

@@ -222,7 +222,8 @@ def _worker(rank: int, world: int, init: str, out: str, sizes: Sequence[int], re
         ranks = tuple(range(n))
         member = rank < n
         for nbytes in sizes:
-            x = torch.rand(max(nbytes // 4, n * n), device=device)
+            numel = -(-max(nbytes // 4, n * n) // n) * n   # whole pieces for n ranks (any n, 3 too)
+            x = torch.rand(numel, device=device)
             fns = {"all_reduce": lambda: C._all_reduce(x, ranks),
                    "all_gather": lambda: C._all_gather(x[:x.numel() // n], ranks, 0),
                    "reduce_scatter": lambda: C._reduce_scatter(x, ranks, 0),
