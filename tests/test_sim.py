@@ -198,7 +198,7 @@ def test_a_calibration_made_on_a_busy_host_is_measured_again(tmp_path, monkeypat
 
     def calibrate(world):
         fresh.append(world)
-        return CommModel("gloo", {"all_reduce": 1e-3}, calibrated=True, background=0.1)
+        return CommModel("gloo", {"all_reduce": 1e-3 * len(fresh)}, calibrated=True, background=0.1)
     monkeypatch.setattr(comm_mod, "calibrate", calibrate)
     cache = tmp_path / "comm.json"
     busy = CommModel("gloo", {"all_reduce": 6e-5}, calibrated=True, background=1.7)
@@ -208,6 +208,10 @@ def test_a_calibration_made_on_a_busy_host_is_measured_again(tmp_path, monkeypat
     got = comm_mod.load(2, calibrate_missing=True, cache=cache)   # measured again, and kept
     assert fresh == [2] and got.alpha["all_reduce"] == 1e-3 and got.background == 0.1
     assert comm_mod.load(2, calibrate_missing=True, cache=cache).alpha["all_reduce"] == 1e-3 and fresh == [2]
+    # asked to measure again: measured, and cached, though the cache holds one from a quiet host
+    again = comm_mod.load(2, cache=cache, again=True)
+    assert fresh == [2, 2] and again.alpha["all_reduce"] == 2e-3
+    assert json.loads(cache.read_text())[comm_mod.cache_key(2)]["alpha"]["all_reduce"] == 2e-3
 
 
 def test_arrival_costs_add_to_the_alpha_beta_and_survive_the_cache():
@@ -518,6 +522,12 @@ def test_command_line_simulates_a_policy_and_searches(tmp_path, capsys, monkeypa
     assert cfg["dp"] * cfg["tp"] * cfg["pp"] == 2 and cfg["predicted_step_ms"] > 0
     with pytest.raises(ValueError, match=r"defines no function nope\(\)"):
         main([f"{spec}:nope", *common, "--policy", "PASData"])
+    with pytest.raises(SystemExit):   # measure again, and use defaults: contradictory
+        main([str(spec), *common, "--recalibrate", "--policy", "PASData"])
+    assert "--recalibrate measures the collectives again" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # a cluster's profile has no host collectives to measure
+        main([str(spec), "--ngpus", "2", "--hardware", "dgx-a100-80g", "--recalibrate", "--policy", "PASData"])
+    assert "--recalibrate measures this host's collectives" in capsys.readouterr().err
 
 
 def test_auto_plan_is_part_of_the_code_cache_key(tmp_path, monkeypatch):

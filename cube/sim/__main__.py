@@ -10,7 +10,8 @@ fine, its ``main`` guarded by ``if __name__ == "__main__"``) or a module,
 optionally with ``:function``, defining ``build()`` that returns
 ``(model, batch)`` (default function: ``build``). Op costs are measured on this
 device (cached; ``--estimate`` uses FLOP/byte estimates instead) and
-collectives are calibrated once per world size (``--no-calibrate``: defaults).
+collectives are calibrated once per world size (``--no-calibrate``: defaults;
+``--recalibrate``: measured again now).
 ``--hardware`` names a cluster this machine is not (``cube.sim.hardware``):
 op and network costs then come from its profile, and one rank of each
 symmetric class is simulated (``cube.sim.symmetry``), so thousands of ranks
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=20, help="rows of the search table")
     p.add_argument("--estimate", action="store_true", help="FLOP/byte estimates instead of measuring ops")
     p.add_argument("--no-calibrate", action="store_true", help="default communication costs, no host calibration")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure the collectives again now and cache them (a shared host's costs drift)")
     p.add_argument("--cores", type=float, default=None,
                    help="cores the ranks share (default: this host's on CPU, none on GPU)")
     p.add_argument("--hardware", default="cpu-host",
@@ -104,6 +107,8 @@ def main(argv=None) -> int:
         options = parse_options(args.option)
     except ValueError as e:
         p.error(str(e))
+    if args.recalibrate and args.no_calibrate:
+        p.error("--recalibrate measures the collectives again; --no-calibrate uses defaults: give one")
     if options and not args.policy:
         p.error("--option passes keyword options to --policy; the search chooses its own")
 
@@ -113,11 +118,14 @@ def main(argv=None) -> int:
         hw = hardware.load(args.hardware)
     except ValueError as e:
         p.error(str(e))
+    if args.recalibrate and not hw.is_host:
+        p.error(f"--recalibrate measures this host's collectives; --hardware {args.hardware} takes its costs from "
+                f"the profile")
     model, batch = load_spec(args.spec)
     precision = None if args.precision == "fp32" else args.precision
     if hw.is_host:
         costs, comm, host = api.default_models(args.ngpus, estimate=args.estimate, calibrate=not args.no_calibrate,
-                                               cores=args.cores)
+                                               cores=args.cores, recalibrate=args.recalibrate)
         if not args.estimate:
             from cube.sim.context import scaled
             scaled(costs, model, batch)   # what ops cost in a whole step beyond alone

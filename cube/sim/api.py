@@ -18,14 +18,14 @@ from cube.sim.profile import Profiler
 from cube.sim.simulate import SimResult, simulate
 
 
-def default_models(world: int, estimate: bool = False, calibrate: bool = True, cores: Optional[float] = None
-                   ) -> Tuple[object, comm_mod.CommModel, Optional[Host]]:
+def default_models(world: int, estimate: bool = False, calibrate: bool = True, cores: Optional[float] = None,
+                   recalibrate: bool = False) -> Tuple[object, comm_mod.CommModel, Optional[Host]]:
     """``(costs, comm, host)`` for simulating ``world`` ranks on this kind of device.
 
     On CPU the ranks are taken to share this host (``cube.sim.host.this_host``:
     its cores, or ``cores``; one thread per rank, as torchrun starts them); on
     GPU each rank has its own device (host None). Collectives are calibrated
-    once for ``min(world, what this host can run)`` ranks and cached.
+    once for ``min(world, what this host can run)`` ranks and cached (``recalibrate``: measured again now).
     """
     cuda = torch.cuda.is_available()
     costs = Estimator() if estimate else Profiler(threads=None if cuda or world == 1 else 1)
@@ -33,7 +33,7 @@ def default_models(world: int, estimate: bool = False, calibrate: bool = True, c
         n = min(world, torch.cuda.device_count())
     else:
         n = min(world, max(2, os.cpu_count() or 2))
-    comm = comm_mod.load(n, calibrate_missing=calibrate and n >= 2) if n >= 2 else comm_mod.CommModel(
+    comm = comm_mod.load(n, calibrate_missing=calibrate, again=recalibrate) if n >= 2 else comm_mod.CommModel(
         comm_mod.default_backend())
     if cuda:
         return costs, comm, None
