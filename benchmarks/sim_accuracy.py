@@ -192,7 +192,7 @@ def _worker(args) -> None:
     # and the arrival loops (cube.sim.arrival): what communication costs beyond its alpha-beta when the ranks
     # come to it from computing drifts with the host's state as its speed does, so it is measured here too
     sizes = arrival.sizes_for(env.world_size, sorted({2, env.world_size}))
-    C.create_groups(sorted({g for n in sizes for g in arrival.groups_of(env.world_size, n)}))
+    C.create_groups(arrival.groups(env.world_size, sizes))
     waits = []
     # and the window anchors: the quarter step once before each plan's timed steps and once after the last
     # plan of a round. The host's speed swings by 20% within seconds (a shared VM's neighbours), so each
@@ -361,7 +361,8 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     now = [in_situ(fit_measured(fitted[:2], fitted[2], seconds, costs), windows[p[1]][1], seconds[1])
            for p, seconds in zip(plans, anchor)]
     # and each job's arrival costs from its arrival loops (the host's other programs as during its plans)
-    comms = {w: arrival.refit(comm_mod.load(w), waits[w], w, this_host().loaded(
+    calibrated = {w: comm_mod.load(w) for w in waits}
+    comms = {w: arrival.refit(calibrated[w], waits[w], w, this_host().loaded(
         statistics.mean(b for p, b in zip(plans, background) if p[1] == w))) for w in waits}
     loaded, *_ = predict(plans, graphs, background, contexts=now, comms=[comms[p[1]] for p in plans])
     rows = []
@@ -388,7 +389,7 @@ def main(quick: bool = False, steps: int = 2, rounds: int = 4) -> list:
     def _arrival(m) -> str:
         return " ".join(f"n={n}: {a * 1e3:.2f}" for n, a in sorted(m.arrival.items())) + f" p2p: {m.p2p_arrival * 1e3:.2f}"
     print("arrival costs (ms a collective, by group size, and a message; cube.sim.arrival): " + ", ".join(
-        f"calibrated {_arrival(comm_mod.load(w))}, in the job {_arrival(comms[w])} with {w} ranks" for w in sorted(comms)))
+        f"calibrated {_arrival(calibrated[w])}, in the job {_arrival(comms[w])} with {w} ranks" for w in sorted(comms)))
     print(f"{'plan':<27}{'idle host':>10}{'as loaded':>10}{'measured':>10}{'error':>8}{'raw':>8}{'others':>8}"
           f"{'compute':>9}{'CPU':>8}{'peak MiB':>10}")
     for r in rows:

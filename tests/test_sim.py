@@ -269,6 +269,8 @@ def test_calibrating_gloo_measures_the_arrival_costs(world):
 def test_arrival_groups_cut_the_world_into_whole_groups():
     from cube.sim import arrival
     assert arrival.groups_of(4, 2) == [(0, 1), (2, 3)] and arrival.groups_of(4, 4) == [(0, 1, 2, 3)]
+    assert [arrival.group_of(4, 2, r) for r in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert arrival.groups(4, [2, 4]) == [(0, 1), (0, 1, 2, 3), (2, 3)]
     assert arrival.sizes_for(6, [2, 4, 6]) == [2, 6] and arrival.sizes_for(2, [2]) == [2]
 
 

@@ -43,6 +43,17 @@ def groups_of(world: int, n: int) -> List[Tuple[int, ...]]:
     return [tuple(range(k, k + n)) for k in range(0, world, n)]
 
 
+def group_of(world: int, n: int, rank: int) -> Tuple[int, ...]:
+    """The group of ``groups_of(world, n)`` that holds ``rank``."""
+    k = rank - rank % n
+    return tuple(range(k, k + n))
+
+
+def groups(world: int, sizes: Sequence[int]) -> List[Tuple[int, ...]]:
+    """Every group the loops communicate in (to create up front, on every rank)."""
+    return sorted({g for n in sizes for g in groups_of(world, n)})
+
+
 def sizes_for(world: int, sizes: Sequence[int]) -> List[int]:
     """The group sizes among ``sizes`` that cut the world into whole groups."""
     return sorted({n for n in sizes if 2 <= n <= world and world % n == 0})
@@ -68,7 +79,7 @@ def measure(rank: int, world: int, sizes: Sequence[int], all_reduce: Callable, r
     """Times the loops (see the module docstring) on this rank of a gloo job.
 
     Args:
-        all_reduce: ``all_reduce(x, ranks)`` over a group created beforehand (``groups_of``).
+        all_reduce: ``all_reduce(x, ranks)`` over a group created beforehand (``groups``).
         sizes: the group sizes to time collectives in (``sizes_for``).
 
     Returns:
@@ -88,8 +99,7 @@ def measure(rank: int, world: int, sizes: Sequence[int], all_reduce: Callable, r
 
     loops: Dict[str, Callable[[], None]] = {"none": lambda: None}
     for n in sizes:
-        mine = next(g for g in groups_of(world, n) if rank in g)
-        loops[f"coll{n}"] = lambda mine=mine: all_reduce(x, mine)
+        loops[f"coll{n}"] = lambda mine=group_of(world, n, rank): all_reduce(x, mine)
     if partner is not None:
         loops["p2p"] = exchange
     times: Dict[str, List[float]] = {k: [] for k in loops}
@@ -118,10 +128,10 @@ def _loop(world: int, burst: float, after: str, n: int = 0, dur: float = 0.0) ->
     programs = {}
     for r in range(world):
         ins: List[Ins] = []
+        g = group_of(world, n, r) if after == "coll" else ()
         for i in range(ITERS):
             ins.append(Ins("compute", burst, label="burst"))
             if after == "coll":
-                g = next(g for g in groups_of(world, n) if r in g)
                 ins.append(Ins("coll", dur, (g, i), g, "all_reduce", "comm", NBYTES))
             elif after == "p2p":
                 p = r ^ 1

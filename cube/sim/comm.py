@@ -201,7 +201,7 @@ def _worker(rank: int, world: int, init: str, out: str, sizes: Sequence[int], re
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
     groups = sorted({2, world}) if world > 2 else [2]
     waits = arrival.sizes_for(world, groups) if backend == "gloo" else []
-    C.create_groups(sorted({tuple(range(n)) for n in groups} | {g for n in waits for g in arrival.groups_of(world, n)}))
+    C.create_groups(sorted({tuple(range(n)) for n in groups} | set(arrival.groups(world, waits))))
     samples = []
 
     def timed(fn, n):
