@@ -72,3 +72,19 @@ def test_linears_example_partitioned_prints_the_single_device_losses(one, policy
     env = {"CUBE_CACHE_DIR": str(tmp_path)}
     two = _losses(torchrun(SCRIPT, 2, ARGS + ["--policy", policy], env).stdout)
     assert len(two) == 4 and two == one
+
+
+@pytest.mark.multirank
+def test_shutdown_leaves_no_communication_thread(tmp_path):
+    """Exit takes the process groups down with their threads: a gloo thread left running while the
+    interpreter finalizes aborts the process when it drops a tensor ("terminate called without an
+    active exception", in about one run of fifty)."""
+    import json
+    from pathlib import Path
+    if not Path("/proc/self/task").is_dir():
+        pytest.skip("lists threads through /proc/self/task (Linux)")
+    torchrun(ROOT / "tests" / "workers" / "shutdown_worker.py", 2, [tmp_path])
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert any("gloo" in t for t in got["before"]), got   # the groups had threads to take down
+        assert not [t for t in got["after"] if "gloo" in t], got

@@ -5,6 +5,8 @@ import atexit
 import gc
 import logging
 import os
+import sys
+import types
 from datetime import timedelta
 from dataclasses import dataclass
 from typing import Optional
@@ -116,4 +118,29 @@ def _shutdown() -> None:
         p2p.forget(state.p2p)
     del states
     failfast.forget()
+    _release_default_groups()
     gc.collect()
+
+
+def _release_default_groups() -> None:
+    """Drops the process groups torch's own functions hold as default arguments.
+
+    ``torch.distributed.nn.functional`` declares ``group=group.WORLD``, evaluated when the module is
+    imported; an optimizer's first construction imports it (through ``torch._dynamo``), so after
+    ``init_process_group`` each of its functions holds the world group for good. The group then
+    outlives ``destroy_process_group`` with its gloo threads, and a thread that finishes a work
+    while the interpreter tears down (dropping a tensor needs the GIL, which a finalizing
+    interpreter refuses) aborts the process with "terminate called without an active exception".
+    None is what those defaults are before ``init_process_group``: the default group at call time.
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for f in list(vars(module).values()):
+            if not isinstance(f, types.FunctionType):
+                continue
+            if f.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in f.__defaults__):
+                f.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in f.__defaults__)
+            if f.__kwdefaults__ and any(isinstance(d, dist.ProcessGroup) for d in f.__kwdefaults__.values()):
+                f.__kwdefaults__ = {k: None if isinstance(d, dist.ProcessGroup) else d
+                                    for k, d in f.__kwdefaults__.items()}
