@@ -448,7 +448,27 @@ def repeated(runs: int, **kw) -> list:
             print(f"{r['plan']:<27}{r['predicted_ms']:>10.1f}{r['loaded_ms']:>10.1f}{r['measured_ms']:>10.1f}"
                   f"{r['error_pct']:>7.1f}%")
         _print_metrics(rows)
+        _print_reproducibility(results)
     return rows
+
+
+def reproducibility(runs) -> dict:
+    """How well one run's measurements rank the plans of another run (same plans): Spearman over
+    every pair of runs, of the measured times against each other, and of each run's as-loaded
+    prediction against the other run's measurement. Measured against measured is what the
+    benchmark can resolve on this host: a prediction cannot rank the plans more reliably than
+    measuring them again does."""
+    pairs = [(i, j) for i in range(len(runs)) for j in range(len(runs)) if i != j]
+    meas = lambda run: [r["measured_ms"] for r in run]   # noqa: E731
+    return {"measured": [spearman(meas(runs[i]), meas(runs[j])) for i, j in pairs if i < j],
+            "predicted": [spearman([r["loaded_ms"] for r in runs[i]], meas(runs[j])) for i, j in pairs]}
+
+
+def _print_reproducibility(runs) -> None:
+    rep = reproducibility(runs)
+    fmt = lambda v: f"{min(v):.3f}-{max(v):.3f} (median {statistics.median(v):.3f})"   # noqa: E731
+    print(f"run against run: Spearman of one run's measured times against another's {fmt(rep['measured'])}; "
+          f"of one run's prediction (as loaded) against another's measured times {fmt(rep['predicted'])}")
 
 
 def _cli() -> None:

@@ -72,3 +72,16 @@ def test_layouts_plans_move_the_optimal_bytes(n):
     full = 8 * n * 4 * n * lay.ELEM
     assert specs["V -> R"]["optimum"] == pytest.approx(2 * (n - 1) / n * full)
     assert specs["R/1 -> D/2"]["optimum"] == full // 2
+
+
+def test_sim_accuracy_reproducibility_ranks_runs_against_runs():
+    acc = importlib.import_module("benchmarks.sim_accuracy")
+    run = lambda meas, pred: [{"measured_ms": m, "loaded_ms": p} for m, p in zip(meas, pred)]   # noqa: E731
+    runs = [run([1, 2, 3, 4], [1, 2, 3, 4]), run([1, 2, 4, 3], [2, 1, 3, 4]), run([1, 2, 3, 4], [1, 2, 3, 4])]
+    rep = acc.reproducibility(runs)
+    # measured against measured: each unordered pair of runs once
+    assert rep["measured"] == pytest.approx([acc.spearman([1, 2, 3, 4], [1, 2, 4, 3]), 1.0,
+                                             acc.spearman([1, 2, 4, 3], [1, 2, 3, 4])])
+    # a prediction against every other run's measurement (ordered pairs)
+    assert len(rep["predicted"]) == 6 and rep["predicted"][1] == pytest.approx(1.0)
+    assert rep["predicted"][0] == pytest.approx(0.8)   # [1,2,3,4] against [1,2,4,3]
