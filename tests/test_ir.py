@@ -1,5 +1,6 @@
 """IR, annotations and rules: no processes needed."""
 import pytest
+import torch
 
 from cube.ir import IRDataOperation, IRFwOperation, parse_annotation
 from cube.trace import build_graph, export
@@ -59,12 +60,31 @@ def test_view_keeps_a_split_head_dim_through_merges():
     assert (0, 2) in legal and (0, 3) not in legal                     # inner factor never splits
 
 
-def test_no_grad_region_is_inlined_from_hf_llama():
-    pytest.importorskip("transformers")
-    graph = _graph("hf_llama")
+class _Rotary(torch.nn.Module):
+    """A rotary table computed under ``torch.no_grad()``, as Hugging Face's Llama computed it before
+    transformers 5.2x (whose rotary forward no longer turns gradients off)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.rand(4), persistent=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            freqs = torch.arange(x.shape[1], dtype=torch.float)[:, None] * self.inv_freq
+            emb = torch.cat((freqs, freqs), -1)
+            cos, sin = emb.cos() * 2.0, emb.sin() * 2.0
+        return (self.proj(x) * cos + x * sin).sum()
+
+
+def test_no_grad_region_is_inlined():
+    model, sample = _Rotary(), (torch.randn(2, 6, 8),)
+    graph, _ = build_graph(export(model, sample), model, "tuple")
     frozen = [op for op in graph.select(ntype=IRFwOperation) if not op.grad_enabled]
     assert frozen and {op.name for op in frozen} >= {"cos", "sin", "mul"}
     assert all(not o.requires_grad for op in frozen for o in op.outputs)
+    # the ops after the region take gradients again
+    assert any(op.grad_enabled and op.name == "linear" for op in graph.select(ntype=IRFwOperation))
 
 
 def test_metadata_asserts_are_dropped():

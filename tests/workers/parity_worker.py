@@ -20,6 +20,7 @@ sys.path.insert(0, ROOT)
 
 import cube  # noqa: E402
 from cube.runtime import piece  # noqa: E402
+from tests.inprocess import ADAMW  # noqa: E402
 from tests.models import build  # noqa: E402
 from tests.parity import compile_step, global_batches, rel  # noqa: E402
 
@@ -47,7 +48,7 @@ def main():
         if precision else contextlib.nullcontext
     # CUBE_PARITY_OPT=sgd: plain SGD, to tell AdamW's sensitivity near zero gradients from real errors
     cls, kw = (torch.optim.SGD, {"lr": 1e-2}) if os.environ.get("CUBE_PARITY_OPT") == "sgd" \
-        else (torch.optim.AdamW, {"lr": 1e-3})
+        else (torch.optim.AdamW, {"lr": 1e-3, **ADAMW})   # eps: see tests.inprocess.ADAMW
     opt = cube.build_optimizer(cmodel, cls, zero=zero, **kw)
     ref_opt = cls(ref.parameters(), **kw)
     ref_params = dict(ref.named_parameters())
