@@ -106,13 +106,13 @@ def _data_parallel(zero: int, steps: int, build_zero=None):
     import torch
 
     import cube.debug
-    from tests.inprocess import parity
+    from tests.inprocess import ADAMW, parity
     from tests.models import build
     stages = {}
     extra = {} if build_zero is None else {"zero": build_zero}
 
     def build_opt(gen_model):
-        opt = cube.build_optimizer(gen_model, torch.optim.AdamW, lr=1e-3, **extra)
+        opt = cube.build_optimizer(gen_model, torch.optim.AdamW, lr=1e-3, **ADAMW, **extra)   # as parity's
         stages[cube.debug.rank()] = getattr(opt, "stage", 0)
         return opt
     model, sample = build("mlp")
