@@ -134,9 +134,10 @@ def _release_default_groups() -> None:
     None is what those defaults are before ``init_process_group``: the default group at call time.
     """
     for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
+        namespace = getattr(module, "__dict__", None)
+        if not name.startswith("torch.distributed") or not isinstance(namespace, dict):
             continue
-        for f in list(vars(module).values()):
+        for f in list(namespace.values()):
             if not isinstance(f, types.FunctionType):
                 continue
             if f.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in f.__defaults__):
