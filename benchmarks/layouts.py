@@ -34,7 +34,8 @@ R/1 -> D/2      point-to-point exchange     isend / irecv
    barriers (repeated so one timing lasts about 200 ms: tiny calls would drown in a barrier's
    jitter, and on a shared 2-core VM the same all-reduce timed against itself read 0.91-1.27 in
    windows of 30 ms, 0.96 in windows of 200 ms), in turns; the median over ``--rounds`` after
-   ``--warmup`` untimed ones.
+   ``--warmup`` untimed ones. Torch's call is timed twice in each round; the second over the
+   first (``A/A``) is how far two identical calls read apart on the host.
    Target: cube / torch <= 1.10.
 """
 from __future__ import annotations
@@ -325,9 +326,11 @@ def worker(args):
             # cube's own copy of the input: its all-reduce sums in place, as torch's does
             calls = {"cube": _cube_call(kind, planned, spec["where"], rank, None if x is None else x.clone()),
                      "torch": _torch_call(name, kind, planned, rank, n, x),
-                     "fresh": _torch_call(name, kind, planned, rank, n, x, fresh=True)}
+                     "fresh": _torch_call(name, kind, planned, rank, n, x, fresh=True),
+                     # torch's call again: what the host reads between two identical calls
+                     "again": _torch_call(name, kind, planned, rank, n, x)}
             # the same result (sums may differ in rounding); the in-place all-reduce last
-            got = {who: calls[who]() for who in ("cube", "fresh", "torch")}
+            got = {who: calls[who]() for who in ("cube", "fresh", "torch")}   # "again" is "torch"
             if rank in spec["need"] and not all(torch.allclose(got["cube"], v, rtol=1e-5, atol=1e-5)
                                                 for v in got.values()):
                 raise AssertionError(f"{name}: cube's result differs from torch's on rank {rank}")
@@ -338,18 +341,19 @@ def worker(args):
             reps = _reps(calls["torch"])
             times = {who: [] for who in calls}
             for i in range(args.rounds):   # rotating which goes first, so drift hits all alike
-                order = list(calls)[i % 3:] + list(calls)[:i % 3]
+                order = list(calls)[i % len(calls):] + list(calls)[:i % len(calls)]
                 for who in order:
                     times[who].append(_timed(calls[who], reps))
             local = torch.tensor([statistics.median(times[who]) for who in calls], dtype=torch.float64)
             dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            c, t, tf = local.tolist()
+            c, t, tf, ta = local.tolist()
             rows_out.append({"benchmark": "layouts", "name": f"{name} {mib:g} MiB", "pair": name, "mib": mib,
                              "plan": describe(kind, planned), "basis": spec["basis"],
                              "cube_bytes": cube_bytes, "optimum_bytes": spec["optimum"],
                              "bytes_ratio": cube_bytes / spec["optimum"] if spec["optimum"] else 1.0,
                              "cube_ms": c * 1e3, "torch_ms": t * 1e3, "torch_fresh_ms": tf * 1e3,
-                             "time_ratio": c / t, "fresh_time_ratio": c / tf,
+                             "time_ratio": c / t, "fresh_time_ratio": c / tf, "torch_again_ms": ta * 1e3,
+                             "control_ratio": ta / t,
                              "target": f"<= {TARGET:.2f}"})
     if rank == 0:
         _print(rows_out, n, args)
@@ -364,18 +368,23 @@ def _print(rows: List[dict], n: int, args) -> None:
     print(f"layout conversions of a float32 tensor over {n} gloo ranks (CPU), median of {args.rounds} rounds "
           f"after {args.warmup}; bytes: ring algorithms (per rank) or the regions sent (in all)")
     head = (f"{'pair':<14}{'MiB':>5}  {'plan':<22}{'basis':<10}{'cube MiB':>10}{'opt MiB':>10}"
-            f"{'cube ms':>10}{'torch ms':>10}{'ratio':>8}{'+alloc ms':>11}{'ratio':>8}")
+            f"{'cube ms':>10}{'torch ms':>10}{'ratio':>8}{'+alloc ms':>11}{'ratio':>8}{'A/A':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
         flag = "" if r["time_ratio"] <= TARGET else "  > target"
         print(f"{r['pair']:<14}{r['mib']:>5g}  {r['plan']:<22}{r['basis']:<10}{r['cube_bytes'] / 2**20:>10.3f}"
               f"{r['optimum_bytes'] / 2**20:>10.3f}{r['cube_ms']:>10.2f}{r['torch_ms']:>10.2f}"
-              f"{r['time_ratio']:>8.3f}{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}{flag}")
+              f"{r['time_ratio']:>8.3f}{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}"
+              f"{r['control_ratio']:>7.3f}{flag}")
     worst = max(r["time_ratio"] for r in rows)
     exact = all(abs(r["cube_bytes"] - r["optimum_bytes"]) < 1e-6 for r in rows)
     print("torch ms: into buffers made once (all_reduce in place); +alloc ms: into a new result each call, "
-          "as cube's call returns one")
+          "as cube's call returns one; A/A: torch's call timed again against itself, the resolution of "
+          "this host (a ratio within A/A's distance of 1 cannot be told from torch)")
+    spread = max(abs(r["control_ratio"] - 1) for r in rows)
+    print(f"A/A ranged {min(r['control_ratio'] for r in rows):.3f}-{max(r['control_ratio'] for r in rows):.3f} "
+          f"(at most {spread:.1%} off)")
     print(f"bytes equal the optimum: {'yes' if exact else 'NO'}; worst time ratio {worst:.3f} "
           f"(target <= {TARGET:.2f})")
 

@@ -71,3 +71,27 @@ def test_all_to_all_over_a_subgroup_in_the_in_process_world():
     # ranks order (2, 0): rank 2 keeps row 0 of each, rank 0 row 1, concatenated along dim 1 in that order
     assert torch.equal(out[2], torch.cat([x2[:1], x0[:1]], dim=1))
     assert torch.equal(out[0], torch.cat([x2[1:], x0[1:]], dim=1))
+
+
+def test_p2p_calls_the_default_group_directly_unless_torch_distributed_is_replaced(tmp_path, monkeypatch):
+    """Messages skip ``dist.isend``'s argument checks (the group's own ``send``); the in-process
+    world, which replaces ``dist.isend``, and a test's stand-in still get every message."""
+    import cube.debug
+    from cube.runtime import p2p
+
+    assert p2p._world() is None   # no group: torch's functions raise their own error
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert p2p._world() is dist.GroupMember.WORLD
+        sent = []
+        with monkeypatch.context() as m:
+            m.setattr(dist, "isend", lambda x, dst, tag=0: sent.append((x, dst, tag)))
+            assert p2p._world() is None
+            x = torch.arange(6.0).reshape(2, 3).t()   # not contiguous: sent as a contiguous copy
+            p2p._send_work(p2p.to_wire(x), 1, 7)
+        assert len(sent) == 1 and sent[0][1:] == (1, 7) and sent[0][0].is_contiguous()
+        assert torch.equal(sent[0][0], x)
+        assert cube.debug.run(lambda: p2p._world() is None, 2) == [True, True]
+    finally:
+        dist.destroy_process_group()
+    assert p2p._world() is None

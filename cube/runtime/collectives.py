@@ -72,6 +72,15 @@ def wire(device: torch.device) -> torch.device:
     return device
 
 
+def to_wire(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a message's buffer: contiguous, in :func:`wire` memory; ``x`` itself when it already
+    is one (no call into the dispatcher: on ranks that share cores, each microsecond a message
+    spends in Python delays the other ranks too)."""
+    if x.is_cuda:
+        x = x.to(wire(x.device))
+    return x if x.is_contiguous() else x.contiguous()
+
+
 def _split(x: torch.Tensor, n: int, dim: int) -> Tuple[torch.Tensor, ...]:
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split into {n} equal pieces")
@@ -156,7 +165,7 @@ def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) 
     # gloo's all_to_all (where it has one) copies through one buffer: non-blocking sends and
     # receives with every peer instead, received into their place in the result (through the
     # host for CUDA memory, which gloo's send and receive do not take)
-    chunks = [c.to(wire(x.device)) for c in chunks]
+    chunks = [to_wire(c) for c in chunks]
     shape = list(chunks[me].shape)
     shape[concat_dim] *= n
     out = chunks[me].new_empty(shape)
@@ -475,7 +484,7 @@ class SendForward(Function):
     @staticmethod
     def forward(ctx, x, dst):
         ctx.dst, ctx.shape, ctx.dtype, ctx.device = dst, x.shape, x.dtype, x.device
-        dist.send(x.contiguous().to(wire(x.device)), dst)
+        dist.send(to_wire(x), dst)
         return x.new_empty(0)
 
     @staticmethod
@@ -497,7 +506,7 @@ class RecvForward(Function):
 
     @staticmethod
     def backward(ctx, grad):
-        dist.send(grad.contiguous().to(wire(grad.device)), ctx.src)
+        dist.send(to_wire(grad), ctx.src)
         return None, None, None, None
 
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from cube.runtime.collectives import wire
+from cube.runtime.collectives import to_wire, wire
 from cube.runtime.compiled import outside_graph
 
 # one tag for every halo message: each exchange completes before the next starts, and a pair of
@@ -73,7 +73,7 @@ class HaloExchange(Function):
         ctx.args = (x.shape, dim, ranks, pos, wins)
         block = x.shape[dim]
         a, b = wins[pos]
-        sends = [(ranks[q], x.narrow(dim, lo - pos * block, hi - lo).contiguous().to(wire(x.device)))
+        sends = [(ranks[q], to_wire(x.narrow(dim, lo - pos * block, hi - lo)))
                  for q, lo, hi in out]
         recvs = [(ranks[q], _buffer(x, dim, hi - lo)) for q, lo, hi in inn]
         _exchange(sends, recvs)
@@ -93,7 +93,7 @@ class HaloExchange(Function):
         mine, out, inn = _parts(shape, dim, ranks, pos, wins)
         block = shape[dim]
         a = wins[pos][0]
-        sends = [(ranks[q], grad.narrow(dim, lo - a, hi - lo).contiguous().to(wire(grad.device)))
+        sends = [(ranks[q], to_wire(grad.narrow(dim, lo - a, hi - lo)))
                  for q, lo, hi in inn]
         recvs = [(ranks[q], _buffer(grad, dim, hi - lo)) for q, lo, hi in out]
         _exchange(sends, recvs)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from cube.ir import ring as geometry
-from cube.runtime.collectives import wire
+from cube.runtime.collectives import to_wire, wire
 from cube.runtime.compiled import outside_graph
 
 # key/value blocks, their gradients and re-chunked blocks travel under their own tags, so messages
@@ -54,7 +54,7 @@ def _wait(pending: tuple) -> None:
 
 
 def _out(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().to(wire(t.device))
+    return to_wire(t)
 
 
 def _in(like: torch.Tensor) -> torch.Tensor:

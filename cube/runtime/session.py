@@ -180,14 +180,23 @@ class RuntimeState:
 
 
 _STATES: "weakref.WeakSet[RuntimeState]" = weakref.WeakSet()   # every live state, for the shutdown
-_local = threading.local()   # .active: the state activated in this thread; .own: its state outside any
+
+
+class _Local(threading.local):
+    """Per thread: ``active``, the state activated in this thread; ``own``, its state outside any.
+    (Class defaults: a missing attribute would raise and catch an AttributeError on every message.)"""
+    active: Optional[RuntimeState] = None
+    own: Optional[RuntimeState] = None
+
+
+_local = _Local()
 
 
 def current() -> RuntimeState:
     """The calling thread's active state (its own state when none is active)."""
-    state = getattr(_local, "active", None)
+    state = _local.active
     if state is None:
-        state = getattr(_local, "own", None)
+        state = _local.own
         if state is None:
             state = _local.own = RuntimeState()
     return state
@@ -196,7 +205,7 @@ def current() -> RuntimeState:
 @contextmanager
 def activate(state: RuntimeState) -> Iterator[RuntimeState]:
     """Makes ``state`` the calling thread's active state inside the block (blocks nest)."""
-    previous = getattr(_local, "active", None)
+    previous = _local.active
     _local.active = state
     try:
         yield state
