@@ -10,8 +10,10 @@ logical tensor, in MiB; ``n`` ranks):
 pair            cube's plan                 torch (gloo on CPU)
 ==============  ==========================  =================================
 D -> R          all_gather                  all_gather_into_tensor
+                                            (all_gather_single in torch 2.13+)
 V -> R          all_reduce (in place)       all_reduce
 V -> D          reduce_scatter              reduce_scatter_tensor
+                                            (reduce_scatter_single)
 D(0) -> D(1)    all_to_all                  all_to_all_single (after the one
                                             copy that lays the chunks out)
 D/2 -> D/4      point-to-point exchange     isend / irecv of the same regions
@@ -231,12 +233,14 @@ def _torch_call(name: str, kind: str, planned, rank: int, n: int, x, fresh: bool
         (lambda shape: (lambda t: lambda: t)(torch.empty(shape)))
     if name == "D -> R":
         out = buffer((n * x.shape[0],) + tuple(x.shape[1:]))
-        return lambda: (dist.all_gather_into_tensor(o := out(), x), o)[1]
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the old name warns
+        return lambda: (gather(o := out(), x), o)[1]
     if name == "V -> R":   # in place: x (or its copy) is the sum afterwards
         return (lambda: (dist.all_reduce(y := x.clone()), y)[1]) if fresh else (lambda: (dist.all_reduce(x), x)[1])
     if name == "V -> D":
         out = buffer((x.shape[0] // n,) + tuple(x.shape[1:]))
-        return lambda: (dist.reduce_scatter_tensor(o := out(), x), o)[1]
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: (scatter(o := out(), x), o)[1]
     if name == "D(0) -> D(1)":
         rows, cols = x.shape
         out = buffer((n, rows, cols // n))

@@ -16,7 +16,7 @@ SUITES = {2: ("world", "rev"), 4: ("world", "rev", "pair", "lazy")}
 
 def expected_checks(nproc: int) -> set:
     return {f"{suite}.{prim}.{kind}" for suite in SUITES[nproc] for prim in PRIMITIVES
-            for kind in ("fwd", "bwd", "adj")}
+            for kind in ("fwd", "bwd", "adj", "nograd")}
 
 
 @pytest.mark.multirank

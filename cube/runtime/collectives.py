@@ -98,21 +98,36 @@ def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     return y
 
 
-# (backend, op) found missing: all_gather_into_tensor, reduce_scatter_tensor. A fact about this
+def all_gather_single(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """torch's ``all_gather_into_tensor``: named ``all_gather_single`` since torch 2.13, where the
+    old name warns (FutureWarning) and forwards; looked up at each call (the in-process world
+    replaces it)."""
+    op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return op(out, x, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, x: torch.Tensor, group=None, async_op: bool = False):
+    """torch's ``reduce_scatter_tensor`` (a sum): ``reduce_scatter_single`` since torch 2.13 (see
+    :func:`all_gather_single`)."""
+    op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return op(out, x, group=group, async_op=async_op)
+
+
+# (backend, op) found missing: all_gather_single, reduce_scatter_single. A fact about this
 # process's torch build, the same for every compile, so it is not runtime state.
 _NO_TENSOR_OPS: set = set()
 
 
 def _tensor_op(op, out: torch.Tensor, x: torch.Tensor, grp) -> bool:
-    """``op`` (``dist.all_gather_into_tensor`` or ``dist.reduce_scatter_tensor``) where the
-    backend has it (NCCL; gloo in recent torch): one buffer, no list of pieces. False (nothing
-    sent) where it is missing."""
-    key = (str(dist.get_backend(grp)), op.__name__)
-    if key in _NO_TENSOR_OPS:
+    """``op`` (:func:`all_gather_single` or :func:`reduce_scatter_single`) where the backend has
+    it (NCCL; gloo in recent torch): one buffer, no list of pieces. False (nothing sent) where it
+    is missing."""
+    if _NO_TENSOR_OPS and (str(dist.get_backend(grp)), op.__name__) in _NO_TENSOR_OPS:
         return False
     try:
         op(out, x, group=grp)
     except (RuntimeError, NotImplementedError) as e:   # refused before anything was sent
+        key = (str(dist.get_backend(grp)), op.__name__)
         if "nccl" in key[0] or not any(w in str(e).lower() for w in ("support", "implement")):
             raise
         _NO_TENSOR_OPS.add(key)
@@ -126,7 +141,7 @@ def _all_gather(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
     order = sorted(ranks)   # the group's own rank order
     if x.dim() > 0 and (nccl(x, grp) or x.device.type == "cpu"):
         buf = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        if _tensor_op(dist.all_gather_into_tensor, buf, x, grp):
+        if _tensor_op(all_gather_single, buf, x, grp):
             if dim % x.dim() == 0 and list(ranks) == order:
                 return buf   # the pieces lie in place already
             parts = buf.chunk(n)
@@ -145,11 +160,18 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
         return out
     if x.device.type == "cpu" and x.dim() > 0:   # chunks laid out along dim 0 in the group's order
         order = sorted(ranks)
-        chunks = _split(x, n, dim)
-        src = x.contiguous() if dim % x.dim() == 0 and list(ranks) == order else \
-            torch.cat([chunks[ranks.index(r)] for r in order], dim=0)
-        out = torch.empty(chunks[me].shape, dtype=x.dtype, device=x.device)
-        if _tensor_op(dist.reduce_scatter_tensor, out.view((-1,) + tuple(src.shape[1:])), src, grp):
+        d = dim % x.dim()
+        if d == 0 and list(ranks) == order:   # laid out so already (no views of the chunks made)
+            if x.shape[0] % n:
+                _split(x, n, 0)   # raises the error
+            src = x.contiguous()
+        else:
+            chunks = _split(x, n, dim)
+            src = torch.cat([chunks[ranks.index(r)] for r in order], dim=0)
+        shape = list(x.shape)
+        shape[d] //= n
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)   # the shape of src's chunks too
+        if _tensor_op(reduce_scatter_single, out, src, grp):
             return out
     return _own(_split(_all_reduce(x, ranks), n, dim)[me])
 
@@ -288,11 +310,26 @@ class Chunk(Function):
         return _all_gather(grad, *ctx.args), None, None
 
 
+_CHECKED: dict = {}   # rank tuples as generated code passes them -> checked (a literal per call site)
+
+
 def _ranks(ranks: Sequence[int]) -> Ranks:
-    ranks = tuple(int(r) for r in ranks)
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"duplicate ranks in {ranks}")
-    return ranks
+    got = _CHECKED.get(ranks) if type(ranks) is tuple else None
+    if got is not None:
+        return got
+    checked = tuple(int(r) for r in ranks)
+    if len(set(checked)) != len(checked):
+        raise ValueError(f"duplicate ranks in {checked}")
+    if type(ranks) is tuple and len(_CHECKED) < 65536:
+        _CHECKED[ranks] = checked
+    return checked
+
+
+def _recorded(x: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``x``; where it does not, the primitives call the
+    collective itself (the same result, without an autograd node's cost: a forward under
+    ``torch.no_grad()``, a value nothing differentiates)."""
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 @outside_graph
@@ -312,8 +349,11 @@ def all_reduce(x: torch.Tensor, ranks: Sequence[int], inplace: bool = False) -> 
     if len(ranks) == 1:
         return x
     if inplace and x.is_contiguous() and not x._is_view():
+        if not _recorded(x):
+            dist.all_reduce(x, group=group(ranks))
+            return x
         return AllReduceInPlace.apply(x, ranks)
-    return AllReduce.apply(x, ranks)
+    return AllReduce.apply(x, ranks) if _recorded(x) else _all_reduce(x, ranks)
 
 
 class PendingSum:
@@ -352,7 +392,7 @@ def identity_fw_all_reduce_bw(x: torch.Tensor, ranks: Sequence[int]) -> torch.Te
         ``x``, as a new autograd node.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else IdentityAllReduce.apply(x, ranks)
+    return x if len(ranks) == 1 or not _recorded(x) else IdentityAllReduce.apply(x, ranks)
 
 
 @outside_graph
@@ -375,6 +415,8 @@ def all_gather(x: torch.Tensor, ranks: Sequence[int], dim: int, grad: str = "V")
         raise ValueError(f"all_gather: grad must be 'V' or 'R', got {grad!r}")
     if len(ranks) == 1:
         return x
+    if not _recorded(x):
+        return _all_gather(x, ranks, dim)
     return (AllGather if grad == "V" else AllGatherKeep).apply(x, ranks, dim)
 
 
@@ -391,7 +433,9 @@ def reduce_scatter(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Ten
         This rank's chunk of the sum; the backward all-gathers the gradient.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else ReduceScatter.apply(x, ranks, dim)
+    if len(ranks) == 1:
+        return x
+    return ReduceScatter.apply(x, ranks, dim) if _recorded(x) else _reduce_scatter(x, ranks, dim)
 
 
 @outside_graph
@@ -410,7 +454,10 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int], split_dim: int, concat_dim
         This rank's piece along ``split_dim``; the backward is the reverse all-to-all.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else AllToAll.apply(x, ranks, split_dim, concat_dim)
+    if len(ranks) == 1:
+        return x
+    return AllToAll.apply(x, ranks, split_dim, concat_dim) if _recorded(x) else \
+        _all_to_all(x, ranks, split_dim, concat_dim)
 
 
 @outside_graph
@@ -426,7 +473,9 @@ def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
         Chunk ``ranks.index(rank)``; the backward all-gathers the gradient.
     """
     ranks = _ranks(ranks)
-    return x if len(ranks) == 1 else Chunk.apply(x, ranks, dim)
+    if len(ranks) == 1:
+        return x
+    return Chunk.apply(x, ranks, dim) if _recorded(x) else _own(_split(x, len(ranks), dim)[_index(ranks)])
 
 
 # ---------------------------------------------------------------- regions (point-to-point exchange)

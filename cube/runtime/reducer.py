@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from cube import config
-from cube.runtime.collectives import group, nccl
+from cube.runtime.collectives import group, nccl, reduce_scatter_single
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 FIRST_BUCKET_BYTES = 1024 * 1024   # a small first bucket starts communication early (as DDP does)
@@ -41,7 +41,7 @@ class _Bucket:
             padded = torch.zeros(self.shard.padded, dtype=self.flat.dtype, device=self.flat.device)
             padded[:self.flat.numel()].copy_(self.flat)
             self.flat = torch.empty(self.shard.chunk, dtype=self.flat.dtype, device=self.flat.device)
-            self.work = dist.reduce_scatter_tensor(self.flat, padded, group=grp, async_op=True)
+            self.work = reduce_scatter_single(self.flat, padded, group=grp, async_op=True)
             return
         self.work = dist.all_reduce(self.flat, group=grp, async_op=True)
 

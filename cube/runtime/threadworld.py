@@ -181,6 +181,10 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
     return reduce_scatter(output, list(input.chunk(len(_ranks_of(group)))), op, group, async_op)
 
 
+all_gather_single = all_gather_into_tensor    # torch 2.13's names for the two above
+reduce_scatter_single = reduce_scatter_tensor
+
+
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     def finish(parts):
         me = _ranks_of(group).index(_me())
@@ -281,6 +285,7 @@ def destroy_process_group(group=None):
 
 
 _REPLACED = ["all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "all_gather_single", "reduce_scatter_single",
              "all_to_all", "broadcast", "barrier", "all_gather_object", "isend", "send", "recv", "irecv",
              "batch_isend_irecv", "P2POp", "new_group", "get_rank", "get_world_size", "get_backend", "is_initialized",
              "destroy_process_group"]

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cube.runtime.amp import SkipOnOverflow
-from cube.runtime.collectives import group, nccl
+from cube.runtime.collectives import all_gather_single, group, nccl
 
 
 class _Shard:
@@ -90,7 +90,7 @@ class _Shard:
         own = self.param.detach().clone()
         grp = group(self.ranks)
         if nccl(flat, grp):
-            self.work = dist.all_gather_into_tensor(flat, own, group=grp, async_op=True)
+            self.work = all_gather_single(flat, own, group=grp, async_op=True)
         else:
             self.work = dist.all_gather(list(flat.split(self.chunk)), own, group=grp, async_op=True)
         self._pending = (flat, own)

@@ -5,8 +5,10 @@
 Every rank builds the same full tensors from fixed seeds and takes its pieces.
 For each primitive and rank group it checks the forward against the result
 computed locally from the full tensors ("fwd"), the backward against the
-local reference ("bwd"), and the adjoint identity <A x, g> = <x, A^T g> with
-both sides summed over the group ("adj"); replicated tensors whose gradient is
+local reference ("bwd"), the adjoint identity <A x, g> = <x, A^T g> with
+both sides summed over the group ("adj"), and the forward of an input that
+needs no gradient and of one under ``torch.no_grad()`` (the primitives then
+skip their autograd node: "nograd"); replicated tensors whose gradient is
 replicated count once in the pairing. Writes the largest absolute errors to
 OUTDIR/rank{r}.json and raises if one is above the tolerance.
 """
@@ -57,12 +59,17 @@ def pair_sum(ranks, lhs: torch.Tensor, rhs: torch.Tensor) -> float:
 
 
 def check(ranks, op, x, ref_y, g, ref_gx, in_weight=1.0, out_weight=1.0):
-    """Forward, backward and adjoint errors of ``op`` on this rank's input ``x``."""
+    """Forward, backward, adjoint and no-gradient forward errors of ``op`` on this rank's input ``x``."""
+    plain = op(x.clone())
+    assert not plain.requires_grad
+    with torch.no_grad():
+        quiet = op(x.clone().requires_grad_(True))
+    nograd = max(err(plain, ref_y), err(quiet, ref_y))
     x = x.clone().requires_grad_(True)
     y = op(x)
     (gx,) = torch.autograd.grad(y, x, g)
     adj = pair_sum(ranks, out_weight * (y * g).sum(), in_weight * (x * gx).sum())
-    return err(y, ref_y), err(gx, ref_gx), adj
+    return err(y, ref_y), err(gx, ref_gx), adj, nograd
 
 
 def run_suite(ranks, dim, a2a) -> dict:
@@ -116,17 +123,20 @@ def run_suite(ranks, dim, a2a) -> dict:
     # p2p: positions 0->1, 2->3, ... of ranks
     src, dst = ranks[me - me % 2], ranks[me - me % 2 + 1]
     x, g = randn(130 + me // 2, base), randn(140 + me // 2, base)
+    with torch.no_grad():   # a forward that needs no gradient
+        y = C.p2p_shift(x.clone().requires_grad_(True) if ranks[me] == src else None, src, dst, base, DTYPE)
+    nograd = 0.0 if ranks[me] == src else err(y, x)
     if ranks[me] == src:
         xr = x.clone().requires_grad_(True)
         marker = C.p2p_shift(xr, src, dst, base, DTYPE)
         assert marker.numel() == 0 and marker.requires_grad
         (gx,) = torch.autograd.grad(marker.sum(), xr)
-        results["p2p"] = (0.0, err(gx, g), pair_sum(ranks, torch.zeros(()), (xr * gx).sum()))
+        results["p2p"] = (0.0, err(gx, g), pair_sum(ranks, torch.zeros(()), (xr * gx).sum()), nograd)
     else:
         y = C.p2p_shift(None, src, dst, base, DTYPE)
         assert y.requires_grad
         torch.autograd.backward(y, g)
-        results["p2p"] = (err(y, x), 0.0, pair_sum(ranks, (y * g).sum(), torch.zeros(())))
+        results["p2p"] = (err(y, x), 0.0, pair_sum(ranks, (y * g).sum(), torch.zeros(())), nograd)
     return results
 
 
@@ -146,7 +156,7 @@ def main():
         results = run_suite(ranks, dim, a2a)
         assert tuple(results) == PRIMITIVES, tuple(results)
         for prim, errs in results.items():
-            for kind, e in zip(("fwd", "bwd", "adj"), errs):
+            for kind, e in zip(("fwd", "bwd", "adj", "nograd"), errs):
                 checks[f"{name}.{prim}.{kind}"] = e
     if world == 4:   # the lazily made group is cached too
         lazy = suites(world)["lazy"]
