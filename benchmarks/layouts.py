@@ -32,7 +32,8 @@ R/1 -> D/2      point-to-point exchange     isend / irecv
    exchange, the part of each reader's box its own piece lacks).
 2. Time: under torchrun, ``--nproc`` gloo ranks on the CPU. Each round runs
    cube's call (``cube.runtime.collectives`` / ``cube.runtime.p2p`` as the
-   generated code calls them, forward only) and torch's, each between two
+   generated code calls them, forward only, on a value that needs no gradient:
+   no autograd node, as under ``torch.no_grad()``) and torch's, each between two
    barriers (repeated so one timing lasts about 200 ms: tiny calls would drown in a barrier's
    jitter, and on a shared 2-core VM the same all-reduce timed against itself read 0.91-1.27 in
    windows of 30 ms, 0.96 in windows of 200 ms), in turns; the median over ``--rounds`` after
