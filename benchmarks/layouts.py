@@ -230,18 +230,18 @@ def _torch_call(name: str, kind: str, planned, rank: int, n: int, x, fresh: bool
     (and, for the in-place all-reduce, a copy of the input: what cube's call makes)."""
     import torch
     import torch.distributed as dist
+    from cube.runtime import collectives as C
     buffer = (lambda shape: lambda: torch.empty(shape)) if fresh else \
         (lambda shape: (lambda t: lambda: t)(torch.empty(shape)))
     if name == "D -> R":
         out = buffer((n * x.shape[0],) + tuple(x.shape[1:]))
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # the old name warns
-        return lambda: (gather(o := out(), x), o)[1]
+        # torch's all_gather_single (all_gather_into_tensor before 2.13), as cube resolves the name
+        return lambda: (C.all_gather_single(o := out(), x), o)[1]
     if name == "V -> R":   # in place: x (or its copy) is the sum afterwards
         return (lambda: (dist.all_reduce(y := x.clone()), y)[1]) if fresh else (lambda: (dist.all_reduce(x), x)[1])
     if name == "V -> D":
         out = buffer((x.shape[0] // n,) + tuple(x.shape[1:]))
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        return lambda: (scatter(o := out(), x), o)[1]
+        return lambda: (C.reduce_scatter_single(o := out(), x), o)[1]
     if name == "D(0) -> D(1)":
         rows, cols = x.shape
         out = buffer((n, rows, cols // n))

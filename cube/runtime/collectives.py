@@ -81,15 +81,24 @@ def to_wire(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
-def _split(x: torch.Tensor, n: int, dim: int) -> Tuple[torch.Tensor, ...]:
+def _divisible(x: torch.Tensor, n: int, dim: int) -> None:
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of shape {tuple(x.shape)} does not split into {n} equal pieces")
+
+
+def _split(x: torch.Tensor, n: int, dim: int) -> Tuple[torch.Tensor, ...]:
+    _divisible(x, n, dim)
     return x.chunk(n, dim)
 
 
 def _own(x: torch.Tensor) -> torch.Tensor:
     """A contiguous copy, safe to communicate into and to return."""
     return x.clone(memory_format=torch.contiguous_format)
+
+
+def _chunk(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
+    """A copy of this rank's chunk of ``x`` along ``dim`` (R -> D)."""
+    return _own(_split(x, len(ranks), dim)[_index(ranks)])
 
 
 def _all_reduce(x: torch.Tensor, ranks: Ranks) -> torch.Tensor:
@@ -162,8 +171,7 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
         order = sorted(ranks)
         d = dim % x.dim()
         if d == 0 and list(ranks) == order:   # laid out so already (no views of the chunks made)
-            if x.shape[0] % n:
-                _split(x, n, 0)   # raises the error
+            _divisible(x, n, 0)
             src = x.contiguous()
         else:
             chunks = _split(x, n, dim)
@@ -173,7 +181,7 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)   # the shape of src's chunks too
         if _tensor_op(reduce_scatter_single, out, src, grp):
             return out
-    return _own(_split(_all_reduce(x, ranks), n, dim)[me])
+    return _chunk(_all_reduce(x, ranks), ranks, dim)
 
 
 def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) -> torch.Tensor:
@@ -268,7 +276,7 @@ class AllGatherKeep(AllGather):
     @staticmethod
     def backward(ctx, grad):
         ranks, dim = ctx.args
-        return _own(_split(grad, len(ranks), dim)[_index(ranks)]), None, None
+        return _chunk(grad, ranks, dim), None, None
 
 
 class ReduceScatter(Function):
@@ -303,7 +311,7 @@ class Chunk(Function):
     @staticmethod
     def forward(ctx, x, ranks, dim):
         ctx.args = (ranks, dim)
-        return _own(_split(x, len(ranks), dim)[_index(ranks)])
+        return _chunk(x, ranks, dim)
 
     @staticmethod
     def backward(ctx, grad):
@@ -475,7 +483,7 @@ def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     ranks = _ranks(ranks)
     if len(ranks) == 1:
         return x
-    return Chunk.apply(x, ranks, dim) if _recorded(x) else _own(_split(x, len(ranks), dim)[_index(ranks)])
+    return Chunk.apply(x, ranks, dim) if _recorded(x) else _chunk(x, ranks, dim)
 
 
 # ---------------------------------------------------------------- regions (point-to-point exchange)
