@@ -1,7 +1,7 @@
 """Layout conversions: the bytes cube's plan moves against the textbook optimum, and the time of
 cube's primitive against the one torch call that does the same.
 
-    python -m benchmarks.layouts [--quick] [--nproc 4] [--rounds 15] [--warmup 3] [--sizes 1,64]
+    python -m benchmarks.layouts [--quick] [--nproc 4] [--repeats 5] [--rounds 7] [--warmup 3] [--sizes 1,64]
 
 For each classic pair of layouts of a 2-d float32 tensor (size = the whole
 logical tensor, in MiB; ``n`` ranks):
@@ -40,6 +40,13 @@ R/1 -> D/2      point-to-point exchange     isend / irecv
    ``--warmup`` untimed ones. Torch's call is timed twice in each round; the second over the
    first (``A/A``) is how far two identical calls read apart on the host.
    Target: cube / torch <= 1.10.
+3. Blocks: the rounds of one pair form a block, and the whole sweep of pairs runs ``--repeats``
+   times in one job; a row's ratio is the median of its blocks' ratios (the range is printed).
+   At 1 MiB an exchange's calls last about 0.4 ms, and ranks that share cores settle into one
+   order of posting sends and receives that holds for the whole block (gloo's send waits for the
+   receiver to say it is ready): the same code read 0.77 in one block and 1.61 in another, and
+   D/2 -> D/4 at 1 MiB gave 0.98, 1.22 and 0.92 in three blocks of one job. One block is one
+   draw of that order; the median of several is the call's cost.
 """
 from __future__ import annotations
 
@@ -56,8 +63,8 @@ if str(ROOT) not in sys.path:
 
 from benchmarks._torchrun import run_rows, worker_cli  # noqa: E402
 
-DEFAULTS = {"nproc": 4, "rounds": 15, "warmup": 3, "sizes": "1,64", "threads": 1}
-QUICK = {"rounds": 15, "warmup": 3, "sizes": "1,8"}
+DEFAULTS = {"nproc": 4, "repeats": 5, "rounds": 7, "warmup": 3, "sizes": "1,64", "threads": 1}
+QUICK = {"repeats": 2, "rounds": 5, "warmup": 2, "sizes": "1,8"}
 TARGET = 1.10
 ELEM = 4   # float32
 
@@ -205,16 +212,17 @@ def _cube_call(kind: str, planned, where, rank: int, x) -> Callable[[], object]:
             return out
         return gather
 
+    sizes = [tuple(e - s for s, e in t.region) for t in mine]   # literals in the generated code
+
     def run():
         for r, t in sends:
             p2p.send(C.region(x, t.part), r, tag=t.tag, grad=False)
         values = []
-        for t in mine:
+        for t, size in zip(mine, sizes):
             if t.src == rank:
                 values.append(C.region(x, t.part))
             else:
-                shape = tuple(e - s for s, e in t.region)
-                values.append(p2p.recv(t.src, tag=t.tag, shape=shape, dtype=torch.float32, device=cpu,
+                values.append(p2p.recv(t.src, tag=t.tag, shape=size, dtype=torch.float32, device=cpu,
                                        requires_grad=False))
         out = None
         if values:
@@ -309,6 +317,38 @@ def _reps(fn, budget_s: float = 0.2) -> int:
     return int(min(400, max(1, t.item())))
 
 
+def _block(name: str, spec: dict, kind: str, planned, rank: int, n: int, args) -> List[float]:
+    """One block of a pair: the calls made and checked against each other, ``--warmup`` untimed
+    rounds, then ``--rounds`` timed ones; each call's median seconds, the slowest rank's."""
+    import torch
+    import torch.distributed as dist
+    x = _input(spec, rank)
+    # cube's own copy of the input: its all-reduce sums in place, as torch's does
+    calls = {"cube": _cube_call(kind, planned, spec["where"], rank, None if x is None else x.clone()),
+             "torch": _torch_call(name, kind, planned, rank, n, x),
+             "fresh": _torch_call(name, kind, planned, rank, n, x, fresh=True),
+             # torch's call again: what the host reads between two identical calls
+             "again": _torch_call(name, kind, planned, rank, n, x)}
+    # the same result (sums may differ in rounding); the in-place all-reduce last
+    got = {who: calls[who]() for who in ("cube", "fresh", "torch")}   # "again" is "torch"
+    if rank in spec["need"] and not all(torch.allclose(got["cube"], v, rtol=1e-5, atol=1e-5)
+                                        for v in got.values()):
+        raise AssertionError(f"{name}: cube's result differs from torch's on rank {rank}")
+    del got
+    for _ in range(args.warmup):
+        for fn in calls.values():
+            fn()
+    reps = _reps(calls["torch"])
+    times = {who: [] for who in calls}
+    for i in range(args.rounds):   # rotating which goes first, so drift hits all alike
+        order = list(calls)[i % len(calls):] + list(calls)[:i % len(calls)]
+        for who in order:
+            times[who].append(_timed(calls[who], reps))
+    local = torch.tensor([statistics.median(times[who]) for who in calls], dtype=torch.float64)
+    dist.all_reduce(local, op=dist.ReduceOp.MAX)
+    return local.tolist()
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -318,48 +358,35 @@ def worker(args):
     keep_freed_memory()   # what cube.init() does on a CPU rank (torch's calls below share it)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, args.threads))
+    sizes = [float(s) for s in str(args.sizes).split(",")]
+    blocks: Dict[tuple, List[List[float]]] = {}   # (pair, MiB) -> per block: cube, torch, fresh, again (s)
+    about: Dict[tuple, dict] = {}
+    for block in range(args.repeats):   # every pair once per block: a block's state is drawn anew
+        for mib in sizes:
+            cols = 512 if mib <= 1 else 1024 if mib <= 16 else 4096
+            rows = int(mib * 2**20 / ELEM / cols)
+            rows -= rows % (4 * n)
+            for name, spec in pairs(rows, cols, n).items():
+                kind, planned = plan(spec)
+                if (name, mib) not in about:
+                    sent = bytes_sent(kind, planned)
+                    about[(name, mib)] = {"plan": describe(kind, planned), "basis": spec["basis"],
+                                          "cube_bytes": max(sent.values(), default=0.0) if spec["basis"] == "per rank"
+                                          else sum(sent.values()), "optimum_bytes": spec["optimum"]}
+                blocks.setdefault((name, mib), []).append(_block(name, spec, kind, planned, rank, n, args))
     rows_out = []
-    for mib in [float(s) for s in str(args.sizes).split(",")]:
-        cols = 512 if mib <= 1 else 1024 if mib <= 16 else 4096
-        rows = int(mib * 2**20 / ELEM / cols)
-        rows -= rows % (4 * n)
-        for name, spec in pairs(rows, cols, n).items():
-            kind, planned = plan(spec)
-            sent = bytes_sent(kind, planned)
-            cube_bytes = max(sent.values(), default=0.0) if spec["basis"] == "per rank" else sum(sent.values())
-            x = _input(spec, rank)
-            # cube's own copy of the input: its all-reduce sums in place, as torch's does
-            calls = {"cube": _cube_call(kind, planned, spec["where"], rank, None if x is None else x.clone()),
-                     "torch": _torch_call(name, kind, planned, rank, n, x),
-                     "fresh": _torch_call(name, kind, planned, rank, n, x, fresh=True),
-                     # torch's call again: what the host reads between two identical calls
-                     "again": _torch_call(name, kind, planned, rank, n, x)}
-            # the same result (sums may differ in rounding); the in-place all-reduce last
-            got = {who: calls[who]() for who in ("cube", "fresh", "torch")}   # "again" is "torch"
-            if rank in spec["need"] and not all(torch.allclose(got["cube"], v, rtol=1e-5, atol=1e-5)
-                                                for v in got.values()):
-                raise AssertionError(f"{name}: cube's result differs from torch's on rank {rank}")
-            del got
-            for _ in range(args.warmup):
-                for fn in calls.values():
-                    fn()
-            reps = _reps(calls["torch"])
-            times = {who: [] for who in calls}
-            for i in range(args.rounds):   # rotating which goes first, so drift hits all alike
-                order = list(calls)[i % len(calls):] + list(calls)[:i % len(calls)]
-                for who in order:
-                    times[who].append(_timed(calls[who], reps))
-            local = torch.tensor([statistics.median(times[who]) for who in calls], dtype=torch.float64)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX)
-            c, t, tf, ta = local.tolist()
-            rows_out.append({"benchmark": "layouts", "name": f"{name} {mib:g} MiB", "pair": name, "mib": mib,
-                             "plan": describe(kind, planned), "basis": spec["basis"],
-                             "cube_bytes": cube_bytes, "optimum_bytes": spec["optimum"],
-                             "bytes_ratio": cube_bytes / spec["optimum"] if spec["optimum"] else 1.0,
-                             "cube_ms": c * 1e3, "torch_ms": t * 1e3, "torch_fresh_ms": tf * 1e3,
-                             "time_ratio": c / t, "fresh_time_ratio": c / tf, "torch_again_ms": ta * 1e3,
-                             "control_ratio": ta / t,
-                             "target": f"<= {TARGET:.2f}"})
+    for (name, mib), got in blocks.items():
+        c, t, tf, ta = (statistics.median(b[i] for b in got) for i in range(4))
+        ratios = [b[0] / b[1] for b in got]
+        info = about[(name, mib)]
+        rows_out.append({"benchmark": "layouts", "name": f"{name} {mib:g} MiB", "pair": name, "mib": mib, **info,
+                         "bytes_ratio": info["cube_bytes"] / info["optimum_bytes"] if info["optimum_bytes"] else 1.0,
+                         "cube_ms": c * 1e3, "torch_ms": t * 1e3, "torch_fresh_ms": tf * 1e3,
+                         "torch_again_ms": ta * 1e3, "blocks": len(got),
+                         "time_ratio": statistics.median(ratios), "block_ratios": ratios,
+                         "fresh_time_ratio": statistics.median(b[0] / b[2] for b in got),
+                         "control_ratio": statistics.median(b[3] / b[1] for b in got),
+                         "target": f"<= {TARGET:.2f}"})
     if rank == 0:
         _print(rows_out, n, args)
         if args.out:
@@ -369,24 +396,30 @@ def worker(args):
     dist.destroy_process_group()
 
 
+def _range(values: List[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
 def _print(rows: List[dict], n: int, args) -> None:
-    print(f"layout conversions of a float32 tensor over {n} gloo ranks (CPU), median of {args.rounds} rounds "
-          f"after {args.warmup}; bytes: ring algorithms (per rank) or the regions sent (in all)")
+    print(f"layout conversions of a float32 tensor over {n} gloo ranks (CPU): {args.repeats} blocks of each pair, "
+          f"each the median of {args.rounds} rounds after {args.warmup}; ratios: the median over blocks; "
+          f"bytes: ring algorithms (per rank) or the regions sent (in all)")
     head = (f"{'pair':<14}{'MiB':>5}  {'plan':<22}{'basis':<10}{'cube MiB':>10}{'opt MiB':>10}"
-            f"{'cube ms':>10}{'torch ms':>10}{'ratio':>8}{'+alloc ms':>11}{'ratio':>8}{'A/A':>7}")
+            f"{'cube ms':>10}{'torch ms':>10}{'ratio':>8}{'blocks':>13}{'+alloc ms':>11}{'ratio':>8}{'A/A':>7}")
     print(head)
     print("-" * len(head))
     for r in rows:
         flag = "" if r["time_ratio"] <= TARGET else "  > target"
         print(f"{r['pair']:<14}{r['mib']:>5g}  {r['plan']:<22}{r['basis']:<10}{r['cube_bytes'] / 2**20:>10.3f}"
               f"{r['optimum_bytes'] / 2**20:>10.3f}{r['cube_ms']:>10.2f}{r['torch_ms']:>10.2f}"
-              f"{r['time_ratio']:>8.3f}{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}"
+              f"{r['time_ratio']:>8.3f}{_range(r['block_ratios']):>13}{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}"
               f"{r['control_ratio']:>7.3f}{flag}")
     worst = max(r["time_ratio"] for r in rows)
     exact = all(abs(r["cube_bytes"] - r["optimum_bytes"]) < 1e-6 for r in rows)
-    print("torch ms: into buffers made once (all_reduce in place); +alloc ms: into a new result each call, "
-          "as cube's call returns one; A/A: torch's call timed again against itself, the resolution of "
-          "this host (a ratio within A/A's distance of 1 cannot be told from torch)")
+    print("torch ms: into buffers made once (all_reduce in place); blocks: the lowest and highest block's ratio; "
+          "+alloc ms: into a new result each call, as cube's call returns one; A/A: torch's call timed again "
+          "against itself, the resolution of this host (a ratio within A/A's distance of 1 cannot be told "
+          "from torch)")
     spread = max(abs(r["control_ratio"] - 1) for r in rows)
     print(f"A/A ranged {min(r['control_ratio'] for r in rows):.3f}-{max(r['control_ratio'] for r in rows):.3f} "
           f"(at most {spread:.1%} off)")
@@ -395,7 +428,8 @@ def _print(rows: List[dict], n: int, args) -> None:
 
 
 def main(quick: bool = False, **settings) -> List[dict]:
-    """Runs the conversions (``quick``: 1 and 8 MiB, 5 rounds) in a torchrun job; returns rank 0's rows."""
+    """Runs the conversions (``quick``: 1 and 8 MiB, 2 blocks of 5 rounds) in a torchrun job; returns
+    rank 0's rows."""
     cfg = {**DEFAULTS, **(QUICK if quick else {}), **settings}
     return run_rows(Path(__file__), cfg)
 

@@ -73,6 +73,23 @@ def test_all_to_all_over_a_subgroup_in_the_in_process_world():
     assert torch.equal(out[0], torch.cat([x2[1:], x0[1:]], dim=1))
 
 
+def test_region_indexes_each_box_once_and_reads_any_box(monkeypatch):
+    """A region is the box's view for tuples, lists and boxes over fewer dims; a box's index is
+    made once (not per message) and the remembered ones stay bounded."""
+    x = torch.arange(24.0).view(4, 6)
+    assert torch.equal(C.region(x, ((1, 3), (2, 4))), x[1:3, 2:4])
+    assert torch.equal(C.region(x, [[1, 3], [2, 4]]), x[1:3, 2:4])
+    assert torch.equal(C.region(x, ((1, 3),)), x[1:3])
+    assert C.region(x, ((0, 2), (0, 6))).data_ptr() == x.data_ptr()   # a view
+    assert C.box_index(((1, 3), (2, 4))) is C.box_index(((1, 3), (2, 4)))
+    monkeypatch.setattr(C, "_INDEX", {})
+    monkeypatch.setattr(C, "_INDEX_MAX", 3)
+    for i in range(10):
+        assert C.box_index(((i, i + 1),)) == (slice(i, i + 1),)
+    assert 0 < len(C._INDEX) <= 3
+    assert C.wire(torch.device("cpu")) == torch.device("cpu")
+
+
 def test_p2p_calls_the_default_group_directly_unless_torch_distributed_is_replaced(tmp_path, monkeypatch):
     """Messages skip ``dist.isend``'s argument checks (the group's own ``send``); the in-process
     world, which replaces ``dist.isend``, and a test's stand-in still get every message."""

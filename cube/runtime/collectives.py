@@ -63,12 +63,19 @@ def nccl(x: torch.Tensor, grp) -> bool:
     return x.is_cuda and "nccl" in str(dist.get_backend(grp))
 
 
+_CPU = torch.device("cpu")
+_INDEX: dict = {}   # a box -> its index (slices): made once, not on every message
+_INDEX_MAX = 4096
+
+
 def wire(device: torch.device) -> torch.device:
     """Where a point-to-point message to or from ``device`` is buffered: ``device`` itself,
     except CUDA memory under gloo, whose send and receive take host memory only (ranks
     sharing a GPU in tests, ``CUBE_BACKEND=gloo``), which goes through the CPU."""
+    if device == _CPU:   # no .type: it formats the device's name into a new string each call
+        return device
     if device.type == "cuda" and "nccl" not in str(dist.get_backend()):
-        return torch.device("cpu")
+        return _CPU
     return device
 
 
@@ -488,9 +495,22 @@ def chunk(x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- regions (point-to-point exchange)
 
+def box_index(part) -> Tuple[slice, ...]:
+    """The index (slices) of the box ``part`` (``((start, stop), ...)`` per dim)."""
+    try:
+        index = _INDEX.get(part)
+    except TypeError:   # lists: not kept
+        return tuple(slice(s, e) for s, e in part)
+    if index is None:   # a plan's parts are few and fixed: each made into an index once
+        if len(_INDEX) >= _INDEX_MAX:   # a process that compiles plan after plan (the fuzzer)
+            _INDEX.clear()
+        index = _INDEX[part] = tuple(slice(s, e) for s, e in part)
+    return index
+
+
 def region(x: torch.Tensor, part) -> torch.Tensor:
     """The box ``part`` (``((start, stop), ...)`` per dim, relative to ``x``) of ``x``: a view."""
-    return x[tuple(slice(s, e) for s, e in part)]
+    return x[box_index(part)]
 
 
 def assemble(values: Sequence[torch.Tensor], parts, shape: Sequence[int]) -> torch.Tensor:

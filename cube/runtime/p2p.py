@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from cube.runtime import session
-from cube.runtime.collectives import to_wire, wire
+from cube.runtime.collectives import box_index, to_wire, wire
 from cube.runtime.compiled import outside_graph
 from cube.runtime.session import P2PState
 
@@ -284,10 +284,6 @@ def recv(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device: t
     return y.requires_grad_() if requires_grad and dtype.is_floating_point and torch.is_grad_enabled() else y
 
 
-def _box(part) -> tuple:
-    return tuple(slice(s, e) for s, e in part)
-
-
 def _gather_forward(st: P2PState, x: Optional[torch.Tensor], remote, local, shape, dtype: torch.dtype,
                     device) -> torch.Tensor:
     """Every remote region received at once, straight into its place in the result where that
@@ -298,7 +294,7 @@ def _gather_forward(st: P2PState, x: Optional[torch.Tensor], remote, local, shap
     for src, tag, place, _, _ in remote:
         st.recvs.append((src, tag, tuple(e - s for s, e in place), dtype, device))
         tag = _tag(st, tag)
-        dst = out[_box(place)]
+        dst = out[box_index(place)]
         posted = st.posted.pop((src, tag), None)
         if posted is not None:
             landing.append((posted[0], posted[1], dst))
@@ -308,7 +304,7 @@ def _gather_forward(st: P2PState, x: Optional[torch.Tensor], remote, local, shap
             buf = torch.empty(dst.shape, dtype=dtype, device=wire(device))
             landing.append((_recv_work(buf, src, tag), buf, dst))
     for part, place, _, _ in local:
-        out[_box(place)] = x[_box(part)]
+        out[box_index(place)] = x[box_index(part)]
     for work, buf, dst in landing:
         work.wait()
         if buf is not None:
@@ -331,7 +327,7 @@ class _Gather(Function):
     def backward(ctx, grad):
         st = ctx.st
         for src, tag, place, back, links in ctx.remote:
-            g = grad[_box(place)]
+            g = grad[box_index(place)]
             if back:
                 _isend(st, g, src, tag)
             for q, t in links:
@@ -340,15 +336,15 @@ class _Gather(Function):
         if ctx.x_meta is not None and ctx.needs_input_grad[1]:
             gx = grad.new_zeros(ctx.x_meta[0], dtype=ctx.x_meta[1])
             for part, place, back, links in ctx.local:
-                g = grad[_box(place)]
+                g = grad[box_index(place)]
                 for q, t in links:
                     _isend(st, g, q, t)
                 if back:
-                    gx[_box(part)] += g
+                    gx[box_index(part)] += g
         else:
             for part, place, back, links in ctx.local:
                 for q, t in links:
-                    _isend(st, grad[_box(place)], q, t)
+                    _isend(st, grad[box_index(place)], q, t)
         return None, gx, None, None, None, None, None
 
 
