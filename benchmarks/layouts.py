@@ -358,27 +358,26 @@ def worker(args):
     keep_freed_memory()   # what cube.init() does on a CPU rank (torch's calls below share it)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(max(1, args.threads))
-    sizes = [float(s) for s in str(args.sizes).split(",")]
-    blocks: Dict[tuple, List[List[float]]] = {}   # (pair, MiB) -> per block: cube, torch, fresh, again (s)
-    about: Dict[tuple, dict] = {}
-    for block in range(args.repeats):   # every pair once per block: a block's state is drawn anew
-        for mib in sizes:
-            cols = 512 if mib <= 1 else 1024 if mib <= 16 else 4096
-            rows = int(mib * 2**20 / ELEM / cols)
-            rows -= rows % (4 * n)
-            for name, spec in pairs(rows, cols, n).items():
-                kind, planned = plan(spec)
-                if (name, mib) not in about:
-                    sent = bytes_sent(kind, planned)
-                    about[(name, mib)] = {"plan": describe(kind, planned), "basis": spec["basis"],
-                                          "cube_bytes": max(sent.values(), default=0.0) if spec["basis"] == "per rank"
-                                          else sum(sent.values()), "optimum_bytes": spec["optimum"]}
-                blocks.setdefault((name, mib), []).append(_block(name, spec, kind, planned, rank, n, args))
+    cases = []   # (pair, MiB, spec, kind, planned, what the row says of the plan)
+    for mib in [float(s) for s in str(args.sizes).split(",")]:
+        cols = 512 if mib <= 1 else 1024 if mib <= 16 else 4096
+        rows = int(mib * 2**20 / ELEM / cols)
+        rows -= rows % (4 * n)
+        for name, spec in pairs(rows, cols, n).items():
+            kind, planned = plan(spec)
+            sent = bytes_sent(kind, planned)
+            cases.append((name, mib, spec, kind, planned,
+                          {"plan": describe(kind, planned), "basis": spec["basis"], "optimum_bytes": spec["optimum"],
+                           "cube_bytes": max(sent.values(), default=0.0) if spec["basis"] == "per rank"
+                           else sum(sent.values())}))
+    blocks: List[List[List[float]]] = [[] for _ in cases]   # per case, per block: cube, torch, fresh, again (s)
+    for _ in range(args.repeats):   # every pair once per block: a block's state is drawn anew
+        for (name, _mib, spec, kind, planned, _info), got in zip(cases, blocks):
+            got.append(_block(name, spec, kind, planned, rank, n, args))
     rows_out = []
-    for (name, mib), got in blocks.items():
+    for (name, mib, _spec, _kind, _planned, info), got in zip(cases, blocks):
         c, t, tf, ta = (statistics.median(b[i] for b in got) for i in range(4))
         ratios = [b[0] / b[1] for b in got]
-        info = about[(name, mib)]
         rows_out.append({"benchmark": "layouts", "name": f"{name} {mib:g} MiB", "pair": name, "mib": mib, **info,
                          "bytes_ratio": info["cube_bytes"] / info["optimum_bytes"] if info["optimum_bytes"] else 1.0,
                          "cube_ms": c * 1e3, "torch_ms": t * 1e3, "torch_fresh_ms": tf * 1e3,
@@ -412,7 +411,8 @@ def _print(rows: List[dict], n: int, args) -> None:
         flag = "" if r["time_ratio"] <= TARGET else "  > target"
         print(f"{r['pair']:<14}{r['mib']:>5g}  {r['plan']:<22}{r['basis']:<10}{r['cube_bytes'] / 2**20:>10.3f}"
               f"{r['optimum_bytes'] / 2**20:>10.3f}{r['cube_ms']:>10.2f}{r['torch_ms']:>10.2f}"
-              f"{r['time_ratio']:>8.3f}{_range(r['block_ratios']):>13}{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}"
+              f"{r['time_ratio']:>8.3f}{_range(r['block_ratios']):>13}"
+              f"{r['torch_fresh_ms']:>11.2f}{r['fresh_time_ratio']:>8.3f}"
               f"{r['control_ratio']:>7.3f}{flag}")
     worst = max(r["time_ratio"] for r in rows)
     exact = all(abs(r["cube_bytes"] - r["optimum_bytes"]) < 1e-6 for r in rows)

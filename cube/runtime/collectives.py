@@ -521,7 +521,7 @@ def assemble(values: Sequence[torch.Tensor], parts, shape: Sequence[int]) -> tor
     the result's gradient (the adjoint).
     """
     shape = tuple(shape)
-    boxes = [tuple(slice(s, e) for s, e in part) for part in parts]
+    boxes = [box_index(part) for part in parts]
     # the first term's regions tile the result: written once (no zeros to add them to); the
     # other terms' regions are added to it
     first, volume, total = 0, 0, 1
