@@ -417,13 +417,21 @@ class Traced:
             raise ValueError(f"the global batch of {batch} samples does not cut into nmicros={nmicros} equal "
                              f"micro-batches: make the dataloader's batch size a multiple of {nmicros} (times the "
                              f"data parallel degree), or pass an nmicros that divides {batch}")
-        # the first micro-batch: only its shapes and dtypes matter to the trace
+        # the first micro-batch: only its shapes and dtypes matter to the trace. A micro-batch of one
+        # sample is traced with a dynamic batch dim (torch.export would take every op's size-1 path),
+        # and so is the global batch it is compared with, op for op
+        one = batch // nmicros == 1
         micro = trace_model(self.model, tuple(t[:batch // nmicros] for t in self.sample), zero=self.zero,
-                            precision=self.precision, structure=self.structure)
-        if timings is not None:   # the second trace counts in the compile's trace and ir phases
+                            precision=self.precision, structure=self.structure, dynamic_batch=one)
+        full = trace_model(self.model, self.sample, zero=self.zero, precision=self.precision,
+                           structure=self.structure, dynamic_batch=True) if one else self
+        if timings is not None:   # the other traces count in the compile's trace and ir phases
             for k, v in micro.timings.items():
                 timings[k] = timings.get(k, 0.0) + v
-        micro_shares(self.graph, micro.graph, nmicros, batch)
+            if one:
+                for k, v in full.timings.items():
+                    timings[k] = timings.get(k, 0.0) + v
+        micro_shares(full.graph, micro.graph, nmicros, batch)
         self._micro[nmicros] = micro
         return micro
 
@@ -463,7 +471,8 @@ def _nmicros(graph: IRGraph) -> int:
 
 
 def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Optional[str] = None,
-                timings: Optional[dict] = None, structure: Optional[str] = None) -> Traced:
+                timings: Optional[dict] = None, structure: Optional[str] = None,
+                dynamic_batch: bool = False) -> Traced:
     """Traces ``model`` on one batch into an IR graph (no policy yet).
 
     Args:
@@ -474,6 +483,8 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         precision: None, ``"bf16"`` or ``"fp16"``.
         timings: a dict that also gets the seconds of ``trace`` and ``ir``.
         structure: how ``batch`` is passed when it is already a tuple of tensors.
+        dynamic_batch: trace dim 0 of the batch as a size of any value (``cube.trace.export.export``),
+            so a batch of one sample runs the ops of any batch size; the graph's sizes are this batch's.
     """
     if structure is None:
         structure, sample = batch_structure(batch)
@@ -481,7 +492,7 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         sample = tuple(batch)
     timings = {} if timings is None else timings
     with _phase("trace", timings):
-        ep = export(model, sample)
+        ep = export(model, sample, dynamic_batch=dynamic_batch)
     with _phase("ir", timings):
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero

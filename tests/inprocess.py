@@ -48,7 +48,7 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
 
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
            opt: str = "sgd", build: Optional[Callable] = None, batches: Optional[list] = None,
-           **compile_kw) -> List[Tuple[float, float]]:
+           param_floor: float = 0.0, **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
     batch of ``nmicros`` times the sample's batch size (a pipeline plan cuts it into ``nmicros``
     micro-batches; the plain model trains on it whole).
@@ -58,6 +58,9 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         build: makes the compiled module's optimizer (e.g. with ``cube.build_optimizer``); it must
             step like ``opt`` (default: ``opt`` on the module's parameters).
         batches: the ``steps`` global batches to train on (default: random ones shaped like ``sample``).
+        param_floor: a parameter whose root-mean-square is below it is compared against it instead
+            of its own norm (a bias a model initializes to zero whose gradient is zero by
+            construction, e.g. a key projection's, holds only round-off after an SGD step).
         compile_kw: passed to ``cube.compile`` (``zero=``, ``precision=``, ...).
 
     Returns:
@@ -89,7 +92,10 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         with cube.runtime.zero.whole_parameters(gen):   # ZeRO-3 holds only chunks at rest
             for local, p in gen.named_parameters():
                 names, splits = gen.PARAMS[local]
-                err = rel(p, cube.runtime.piece(ref_params[names[0]], splits))
+                ref = cube.runtime.piece(ref_params[names[0]], splits)
+                err = rel(p, ref) if not param_floor else \
+                    (p.detach().double() - ref.detach().double()).norm().item() / \
+                    max(ref.detach().double().norm().item(), param_floor * ref.numel() ** 0.5)
                 if err > 1e-5 and os.environ.get("CUBE_DEBUG_PARITY"):
                     print(f"rank {cube.debug.rank()}: {names[0]} {splits} rel {err:.2e}", file=sys.stderr)
                 param_err = max(param_err, err)

@@ -357,8 +357,11 @@ class _Emitter:
                 res = ", ".join(self.value(o) for o in op.outputs) + ("," if len(op.outputs) == 1
                                                                       and _returns_tuple(op) else "")
                 lines.append(f"            {res} = {_target_str(op.target)}({', '.join(args)})")
-            lines.append(f"            {self.value(value)} = runtime.ops.valid_count({self.value(count.target)}, "
-                         f"{count.ignore_index!r}, weight={self.value(count.weight)}, dtype={count.dtype})")
+            if count.kind == "value":   # a loss normalized by hand: the value itself, on the global batch
+                lines.append(f"            {self.value(value)} = {self.value(count.target)}")
+            else:
+                lines.append(f"            {self.value(value)} = runtime.ops.valid_count({self.value(count.target)}, "
+                             f"{count.ignore_index!r}, weight={self.value(count.weight)}, dtype={count.dtype})")
             outs.append(self.value(value))
         self.subst = {}
         lines.append(f"        return ({', '.join(outs)},)")

@@ -111,7 +111,14 @@ def _micro_share(op: IRFwOperation, share: tuple, count, term_ranks) -> Tuple[Op
     global batch (``("targets", k)``: the value ``count``, passed in by the step), so the
     micro-batches' shares add up to the global mean whether or not the piece is also split."""
     names = _schema_args(op)
-    kind, n = share
+    kind, n = share[:2]
+    if kind == "value":   # loss_sum / count: the count of the global batch, passed in by the step
+        if count is None:
+            raise CubeInternalError(f"{op.name} ({op.where()}): a micro-batch's share divided by a count "
+                                    f"without the count of the global batch")
+        args = list(op.args)
+        args[share[2]] = count
+        return None, args, dict(op.kwargs)
     if op.name == "mean":
         dims = _get(op, names, "dim") if "dim" in names else None
         keepdim = bool(_get(op, names, "keepdim", False)) if "keepdim" in names else False

@@ -130,8 +130,14 @@ _add("stack", rule="stack")
 _add("pad constant_pad_nd", rule="pad")
 _add("arange zeros ones full empty rand randn randint scalar_tensor tensor", rule="creation")
 _add("diff", rule="diff")
-_add("""new_ones new_zeros new_full new_empty index index_put index_select gather scatter masked_select nonzero
+_add("""new_ones new_zeros new_full new_empty index_put scatter masked_select nonzero
 one_hot repeat repeat_interleave flip roll""", rule="opaque")
+_add("view_as_complex view_as_real", rule="view_as_complex")
+_add("index", rule="index")
+_add("index_select", rule="index_select")
+_add("gather", rule="gather")
+_add("topk sort argsort", rule="topk")
+_add("histc bincount", rule="count")
 
 # costs and memory
 _add("linear addmm matmul mm", cost="matmul")
@@ -139,7 +145,7 @@ _add("bmm baddbmm einsum", cost="matmul", batched=True)
 _add("conv1d conv2d conv3d convolution", cost="conv")
 _add("scaled_dot_product_attention", cost="attention")
 _add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze select slice alias detach
-unflatten flatten split chunk unbind narrow as_strided view_as expand_as""", alias=True)
+unflatten flatten split chunk unbind narrow as_strided view_as expand_as view_as_complex view_as_real""", alias=True)
 _add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
 _add("conv_transpose1d conv_transpose2d conv_transpose3d", saves_output=False)
 _add("""add add_ sub sub_ neg clone contiguous alias detach detach_ lift_fresh_copy to _to_copy cat concat stack

@@ -28,6 +28,11 @@ trace, before any policy sees it):
   of the valid targets of the *whole* batch, counted from the global batch before
   the schedule runs (``TargetCount``): the mean of micro-batch means would be
   wrong whenever ``-100`` labels are spread unevenly over the micro-batches.
+- A loss normalized by hand, ``loss_sum / count`` where ``count`` is computed from the batch alone
+  and reduces over it (``(labels != -100).sum()``, as torchtitan writes a mean over valid
+  targets), divides each micro-batch's sum by the *global* count, computed on the whole batch
+  before the schedule runs (``TargetCount`` of kind ``"value"``); such a count may be used only
+  as a divisor or factor of a share.
 - From there to the loss only linear ops may follow (sums of shares, products
   with values that do not depend on the batch, views): their constants are taken
   from the global trace (``loss.sum() / x.numel()`` divides by the global
@@ -76,6 +81,9 @@ class TargetCount:
         weight: the class weights (a parameter or buffer of the micro graph), or None.
         ignore_index: targets of this value are not counted.
         dtype: the loss's dtype (the count's).
+        kind: ``"targets"`` (the valid targets of ``target`` are counted), or ``"value"``: ``target``
+            is itself the value, a reduction over the batch computed from the batch alone (the
+            denominator of a loss normalized by hand, ``loss_sum / (labels != -100).sum()``).
     """
 
     index: int
@@ -84,6 +92,7 @@ class TargetCount:
     weight: Optional[IRTensor]
     ignore_index: int
     dtype: Any
+    kind: str = "targets"
 
 
 @dataclass
@@ -161,17 +170,8 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
         ValueError: the step on micro-batches cannot equal the step on the whole batch (the
             message names the op and the fix).
     """
-    fops, mops = full.ops, micro.ops
-    if len(fops) != len(mops) or any(type(a) is not type(b) or a.name != b.name for a, b in zip(fops, mops)):
-        first = next((i for i, (a, b) in enumerate(zip(fops, mops)) if a.name != b.name), min(len(fops), len(mops)))
-        what = (f"op {first}: {fops[first].name!r} on the whole batch, {mops[first].name!r} on a micro-batch"
-                if first < min(len(fops), len(mops)) else f"{len(fops)} ops against {len(mops)}")
-        hint = (" (torch.export specializes dims of size 1: use micro-batches of at least 2 samples, a global "
-                f"batch of at least {2 * nmicros})" if batch // nmicros == 1 else "")
-        raise ValueError(f"pipeline plan: the model runs other ops on a micro-batch of {batch // nmicros} samples "
-                         f"than on the global batch of {batch} ({what}): its forward depends on the batch "
-                         f"size{hint}, so cube cannot cut the global batch into {nmicros} micro-batches. Keep the "
-                         f"forward independent of the batch size, or plan the pipeline with nmicros=1.")
+    fops = full.ops
+    pairs = _pairs(fops, micro.ops, batch, nmicros)
     data = full.select(ntype=IRDataOperation)[0]
     flow = batch_flow(full, nmicros)
     carried = flow.tracked   # tensor id -> its batch dim
@@ -186,9 +186,26 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
     for op in fops:
         for t in op.inputs:
             readers.setdefault(id(t), []).append(op)
-    for fop, mop in zip(fops, mops):
+    dataonly = {id(t) for t in data.outputs}   # tensors computed from the batch alone, needing no gradient
+    countable: Set[int] = set()   # of those, the ones reduced over the batch (counted on the global batch)
+    for fop, mop in pairs:
         if not isinstance(fop, IRFwOperation):
             continue
+        if fop.inputs and all(id(t) in dataonly or id(t) in countable for t in fop.inputs) and \
+                not any(t.requires_grad for t in fop.outputs):
+            dataonly.update(id(t) for t in fop.outputs)
+            if id(fop) in reduced or any(id(t) in countable for t in fop.inputs):
+                countable.update(id(t) for t in fop.outputs)
+                continue
+        if any(id(t) in countable for t in fop.inputs):
+            if mop is not None and _scaled_by_count(fop, mop, shares, countable, info, makers, order):
+                shares.update(id(t) for t in fop.outputs)
+                batchy.update(id(t) for t in fop.outputs)
+                continue
+            raise ValueError(f"pipeline plan: {_where(fop)} reads a value reduced over the batch that is computed "
+                             f"from the batch alone (a count of valid targets, say) other than as the divisor or "
+                             f"factor of a loss summed over the batch; cube counts such values on the global "
+                             f"batch only for `loss_sum / count`. {_FIX}")
         # a new tensor like a batch tensor reads only its shape (the batch size: checked below)
         reads = [] if fop.name in _LIKE_OPS else [t for t in fop.inputs if id(t) in batchy]
         mixes = id(fop) in blocked and fop.name not in _LIKE_OPS
@@ -205,6 +222,12 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                 raise ValueError(f"pipeline plan: {_where(fop)} normalizes with statistics over the batch, which "
                                  f"micro-batches of {batch // nmicros} samples would change. Use a per-sample norm "
                                  f"(layer norm), or plan the pipeline with nmicros=1.")
+        if mop is None:   # a ``contiguous`` only the global trace has: its output is its input's value
+            if any(id(t) in shares for t in fop.inputs):
+                shares.update(id(t) for t in fop.outputs)
+            if reads or any(id(t) in shares for t in fop.inputs):
+                batchy.update(id(t) for t in fop.outputs)
+            continue
         if id(fop) in reduced:
             _reduction(fop, mop, info, shares, carried, makers, order)
             continue
@@ -230,6 +253,76 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                          f"losses of {nmicros} micro-batches do not add up to the loss of the global batch. {_FIX}")
     micro.micro = info
     return info
+
+
+def _scaled_by_count(fop: IRFwOperation, mop: IRFwOperation, shares: Set[int], countable: Set[int],
+                     info: MicroBatches, makers, order) -> bool:
+    """Whether ``fop`` divides (or multiplies) a share of a batch reduction by a value counted from the
+    batch alone (``loss_sum / (labels != -100).sum()``); if so, marks ``mop`` to take that value as
+    computed on the global batch (``("value", k, position)``)."""
+    if fop.name not in ("div", "mul") or len(fop.inputs) != 2:
+        return False
+    a, b = fop.inputs
+    if fop.name == "div":
+        if not (id(a) in shares and id(b) in countable):
+            return False
+        pos, value = 1, b
+    elif id(a) in shares and id(b) in countable:
+        pos, value = 1, b
+    elif id(b) in shares and id(a) in countable:
+        pos, value = 0, a
+    else:
+        return False
+    ops, seen, todo = [], set(), [value]
+    data = {id(t) for t in info.full_inputs}
+    while todo:   # the ops making the value from the batch tensors
+        t = todo.pop()
+        if id(t) in data or id(t) in seen:
+            continue
+        seen.add(id(t))
+        op = makers.get(id(t))
+        if not isinstance(op, IRFwOperation):
+            raise CubeInternalError(f"the count read by {_where(fop)} is not made from the batch")
+        ops.append(op)
+        todo.extend(op.inputs)
+    ops = sorted({id(o): o for o in ops}.values(), key=lambda o: order[id(o)])
+    k = len(info.counts)
+    info.counts.append(TargetCount(k, ops, value, None, -100, value.dtype, kind="value"))
+    mop.micro_share = ("value", k, pos)
+    return True
+
+
+def _pairs(fops: list, mops: list, batch: int, nmicros: int) -> list:
+    """The ops of the global trace paired with the micro-batch trace's, in order (``None``: a
+    ``contiguous`` of the global trace the micro-batch's lacks, or the reverse, skipped: whether a
+    tensor is already contiguous can depend on the batch size, as for a slice of one sample).
+
+    Raises:
+        ValueError: the traces run other ops (the forward depends on the batch size).
+    """
+    pairs, i, j = [], 0, 0
+    while i < len(fops) or j < len(mops):
+        a = fops[i] if i < len(fops) else None
+        b = mops[j] if j < len(mops) else None
+        if a is not None and b is not None and type(a) is type(b) and a.name == b.name:
+            pairs.append((a, b))
+            i, j = i + 1, j + 1
+        elif a is not None and a.name == "contiguous":
+            pairs.append((a, None))
+            i += 1
+        elif b is not None and b.name == "contiguous":
+            j += 1
+        else:
+            what = (f"op {i}: {a.name!r} on the whole batch, {b.name!r} on a micro-batch" if a is not None and
+                    b is not None else f"{len(fops)} ops against {len(mops)}")
+            hint = (" (micro-batches of one sample are traced with a dynamic batch dim; this model still takes "
+                    f"another path for one sample: use micro-batches of at least 2 samples, a global batch of at "
+                    f"least {2 * nmicros})" if batch // nmicros == 1 else "")
+            raise ValueError(f"pipeline plan: the model runs other ops on a micro-batch of {batch // nmicros} "
+                             f"samples than on the global batch of {batch} ({what}): its forward depends on the "
+                             f"batch size{hint}, so cube cannot cut the global batch into {nmicros} micro-batches. "
+                             f"Keep the forward independent of the batch size, or plan the pipeline with nmicros=1.")
+    return pairs
 
 
 def _reduction(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, shares: Set[int], carried,
@@ -307,7 +400,7 @@ def _linear(fop: IRFwOperation, share_in, batchy, shares, batch: int, nmicros: i
                          f"means is not the sum of those of the micro-batches). {_FIX}")
 
 
-_INDEX_PATH = frozenset("unsqueeze view reshape _unsafe_view expand to _to_copy alias clone contiguous".split())
+_INDEX_PATH = frozenset("unsqueeze view reshape _unsafe_view expand to _to_copy alias clone contiguous slice".split())
 
 
 def _row_index(op: IRFwOperation, readers, batch: int) -> bool:

@@ -272,7 +272,7 @@ def _target_counts(graph: IRGraph, plan: RankPlan, attrs: set) -> Dict[int, Tupl
     whole = {id(t) for t, b in plan.attrs if b == full_box(t.shape)}
     for call in plan.calls:
         share = getattr(call.op.root, "micro_share", None) if call.op is not None else None
-        if share is None or share[0] != "targets" or share[1] in out:
+        if share is None or share[0] not in ("targets", "value") or share[1] in out:
             continue
         count = micro.counts[share[1]]
         if count.weight is not None and id(count.weight) not in whole:
@@ -280,7 +280,8 @@ def _target_counts(graph: IRGraph, plan: RankPlan, attrs: set) -> Dict[int, Tupl
                              f"({call.op.where()}) but not the whole of its class weights, which it needs to "
                              f"count the valid targets of the global batch; keep the weights whole on the ranks "
                              f"of the loss, or plan the pipeline with nmicros=1")
-        value = IRTensor((), count.dtype, False, TensorKind.ACTIVATION, f"valid_targets{share[1]}")
+        value = IRTensor((), count.dtype, False, TensorKind.ACTIVATION,
+                         f"valid_targets{share[1]}" if count.kind == "targets" else f"batch_count{share[1]}")
         out[share[1]] = (count, value)
     return out
 
@@ -291,7 +292,7 @@ def _segment(stage: Optional[int], calls: List[Call], plan: RankPlan, attrs: set
     counts = []
     for call in calls:   # a micro-batch's mean loss over valid targets: counted on the global batch
         share = getattr(call.op.root, "micro_share", None) if call.op is not None else None
-        if share is not None and share[0] == "targets":
+        if share is not None and share[0] in ("targets", "value"):
             count, value = given[share[1]]
             counts.append(Count(call, value, count.weight, count.ignore_index, given=True))
     shared = {id(c.call) for c in counts}

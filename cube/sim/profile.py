@@ -220,6 +220,8 @@ class Profiler:
         if (call.term_ranks or (share is not None and share[0] == "targets")) and op_info(op.name).counts_targets:
             # a known global count: no communication here
             count = IRTensor((), op.inputs[0].dtype, False, TensorKind.ACTIVATION, "count")
+        elif share is not None and share[0] == "value":   # loss_sum / count: the count of the global batch
+            count = op.inputs[share[2]]
         fn, args, kwargs = local_call(op, call.layout, call.term_ranks, count)
         name = fn or str(op.target)
         if fn is None and not str(op.target).startswith(("aten.", "torch.ops")):

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.fx
 
+from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
@@ -60,11 +61,44 @@ def _module_path(node: torch.fx.Node) -> str:
     return path
 
 
+_SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _hint(v: Any):
+    """The value a symbolic size stands for in this trace (a dynamic batch dim's size), or None
+    when it has none: a value read from a tensor's data (``.item()``, ``.tolist()``)."""
+    if not isinstance(v, _SYM):
+        return v
+    node = v.node
+    has = getattr(node, "has_hint", None)
+    if has is not None and not has():
+        return None
+    hint = getattr(node, "hint", None)
+    return None if hint is None else type(hint)(hint)
+
+
 def _tensor_of(val: Any, hint: str) -> IRTensor:
     if not isinstance(val, torch.Tensor):
-        raise TypeError(f"value {hint!r} is a {type(val).__name__}, not a tensor")
-    return IRTensor(tuple(int(s) for s in val.shape), val.dtype, bool(val.requires_grad),
-                    TensorKind.ACTIVATION, hint)
+        raise CubeInternalError(f"value {hint!r} is a {type(val).__name__}, not a tensor")
+    shape = tuple(_hint(s) for s in val.shape)
+    if any(s is None for s in shape):
+        raise CubeInternalError(f"value {hint!r} has a data-dependent shape {tuple(val.shape)}")
+    return IRTensor(tuple(int(s) for s in shape), val.dtype, bool(val.requires_grad), TensorKind.ACTIVATION, hint)
+
+
+def _legacy_empty(val: Any) -> bool:
+    """A 1-D tensor of size 0, which ``torch.cat`` skips (a key/value cache before its first update)."""
+    return isinstance(val, torch.Tensor) and val.ndim == 1 and _hint(val.shape[0]) == 0
+
+
+def data_dependent(node: torch.fx.Node) -> ValueError:
+    """The error for a value computed from a tensor's data that the graph then depends on."""
+    return ValueError(
+        f"op {op_name(node.target)!r} at {_where(node)} makes a Python number from a tensor's values (a "
+        f"data-dependent shape or count, e.g. .item(), .tolist(), or tokens per expert under MoE routing). "
+        f"cube compiles a static graph: every shape must follow from the batch's shape. Fix: compute with "
+        f"fixed shapes (pad to a capacity, a dense dispatch over all experts, torch.where instead of "
+        f"boolean indexing), or wrap the code in a function registered with cube.register_op.")
 
 
 class _Builder:
@@ -125,6 +159,8 @@ class _Builder:
     def _map(self, a):
         if isinstance(a, torch.fx.Node):
             return self._value(a)
+        if isinstance(a, _SYM):
+            return _hint(a)
         if isinstance(a, (list, tuple)):
             return type(a)(self._map(x) for x in a)
         if isinstance(a, dict):
@@ -288,6 +324,16 @@ class _Builder:
             self.env[node] = self._map(node.args[0])
             self._alias(node, node.args[0])
             return
+        val = node.meta.get("val")
+        if isinstance(val, _SYM) or (not isinstance(target, torch._ops.OpOverload)
+                                     and isinstance(val, (int, float, bool)) and not isinstance(val, torch.Tensor)):
+            # a size computed while tracing with a dynamic batch dim (sym_size, arithmetic on it):
+            # the value it has in this trace; a number read from a tensor's data has none
+            value = _hint(val)
+            if value is None:
+                raise data_dependent(node)
+            self.env[node] = value
+            return
         if name == "wrap_with_set_grad_enabled":
             enabled, sub, *operands = node.args
             sub_module = self.env[sub]
@@ -300,7 +346,26 @@ class _Builder:
         args, kwargs = self._map(node.args), self._map(node.kwargs)
         if inplace.written(target) and self._functional(node, args, kwargs):
             return
-        val = node.meta.get("val")
+        if name == "type_as":   # reads only the other tensor's dtype: a cast of its first input, or itself
+            x, other = args[0], args[1]
+            if x.dtype == other.dtype:
+                self.env[node] = x
+                self._alias(node, node.args[0])
+            else:
+                self.env[node] = self._op(node, torch.ops.aten._to_copy.default, [x], {"dtype": other.dtype},
+                                          [_tensor_of(val, node.name)]).outputs[0]
+            return
+        if name in ("cat", "concat") and any(_legacy_empty(a.meta.get("val")) for a in node.args[0]
+                                             if isinstance(a, torch.fx.Node)):
+            # torch.cat skips 1-D empty tensors: a cache's first update (Hugging Face's DynamicCache,
+            # use_cache on, as models ship) concatenates onto one; drop them, an identity when one is left
+            keep = [a for a in node.args[0] if not (isinstance(a, torch.fx.Node) and _legacy_empty(a.meta.get("val")))]
+            vals = [a.meta.get("val") for a in keep]
+            if all(isinstance(v, torch.Tensor) and v.dtype == val.dtype for v in vals) and keep:
+                if len(keep) == 1:   # a new value, not a view: a write into it must not reach the input
+                    self.env[node] = self._map(keep[0])
+                    return
+                args = (self._map(keep),) + tuple(args[1:])
         if isinstance(val, (list, tuple)):
             outputs = [_tensor_of(v, f"{node.name}_{i}") for i, v in enumerate(val)]
             value = tuple(outputs)

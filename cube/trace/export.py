@@ -76,9 +76,35 @@ def _on_one_device(model: torch.nn.Module, args: tuple) -> Iterator[tuple]:
     yield args
 
 
-def export(model: torch.nn.Module, args: tuple) -> "torch.export.ExportedProgram":
+@contextmanager
+def _sizes_not_specialized() -> Iterator[None]:
+    """Tracing where a dynamic dim of size 1 is not specialized to 1 (torch.export otherwise
+    takes the size-1 path of every op: other views and broadcasts than at any other size)."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+    except ImportError:   # torch without the switch: specialized as before
+        yield
+        return
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        yield
+        return
+    with fx_config.patch(backed_size_oblivious=True):
+        yield
+
+
+def _batch_dims(args: tuple) -> tuple:
+    """``dynamic_shapes`` for ``args``: dim 0 of every tensor is the batch's, of any size."""
+    dim = getattr(torch.export.Dim, "DYNAMIC", None) or torch.export.Dim("batch", min=1)
+    return tuple({0: dim} if isinstance(a, torch.Tensor) and a.ndim else None for a in args)
+
+
+def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> "torch.export.ExportedProgram":
     """Exports ``model(*args)`` to ATen training IR (a long stack of identical blocks is
     exported once and repeated: ``cube.trace.repeat``).
+
+    With ``dynamic_batch``, dim 0 of every tensor of ``args`` is traced as a size of any value, so
+    a batch of one sample takes the same ops as any larger batch (a pipeline's micro-batches of
+    one sample, compared op for op with the global batch); the graph's sizes are this batch's.
 
     A model on the meta device is traced on it, whatever device ``args`` are on
     (``_on_one_device``); a batch on another device than a real model's is moved there.
@@ -89,6 +115,11 @@ def export(model: torch.nn.Module, args: tuple) -> "torch.export.ExportedProgram
     """
     try:
         with _on_one_device(model, tuple(args)) as traced_args:
+            if dynamic_batch:
+                with _sizes_not_specialized():
+                    return torch.export.export(model, traced_args, dynamic_shapes=_batch_dims(traced_args),
+                                               strict=False)
+
             def whole():
                 return torch.export.export(model, traced_args, strict=False)
             return export_repeated(model, whole) or whole()

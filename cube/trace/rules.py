@@ -8,11 +8,14 @@ runs, replicated; splitting it raises an error that explains how to add one.
 from __future__ import annotations
 
 import string
+
+import torch
 from typing import Callable, Dict, List, Sequence, Union
 
 from cube.ir import ops
 from cube.ir.annotation import OpAnno, parse
 from cube.ir.operator import IRFwOperation
+from cube.ir.tensor import IRTensor
 
 Rule = Union[str, Callable[[IRFwOperation], str]]
 
@@ -354,11 +357,40 @@ def reshape(op: IRFwOperation) -> str:
             for k, l in zip(gi, letters):
                 ins[k] = l
         else:
-            for k in gi:
-                ins[k] = names(True)
-            for k in gj:
-                outs[k] = names(True)
+            _refine(src, dst, gi, gj, ins, outs, names)
     return _anno([ins], [outs])
+
+
+def _refine(src, dst, gi: List[int], gj: List[int], ins: list, outs: list, names: "_Names") -> None:
+    """Dims ``gi`` of ``src`` reshaped into dims ``gj`` of ``dst`` (same product, neither one dim):
+    both written over their common factors, ``(l b e) -> (l b h) d`` style, where every dim's
+    extent is a product of consecutive factors (``(B, H*D) -> (B*H, D)``: factors ``b h d``, so the
+    batch split survives); dims that share no such factors are whole."""
+    def bounds(shape, dims):
+        out, p = [], 1
+        for k in reversed(dims):
+            p *= shape[k]
+            out.append(p)
+        return out
+    cuts = sorted(set(bounds(src, gi)) | set(bounds(dst, gj)))
+    if any(b % a for a, b in zip(cuts, cuts[1:])):
+        for k in gi:
+            ins[k] = names(True)
+        for k in gj:
+            outs[k] = names(True)
+        return
+    inner = [1] + cuts[:-1]
+    letters = {c: names() for c in cuts}   # the factor between a cut and the one below it
+
+    def write(shape, dims, group):
+        below = 1
+        for k in reversed(dims):
+            top = below * shape[k]
+            fs = [letters[c] for c, lo in zip(cuts, inner) if below < c <= top]
+            group[k] = fs[0] if len(fs) == 1 else "(" + " ".join(reversed(fs)) + ")"
+            below = top
+    write(src, gi, ins)
+    write(dst, gj, outs)
 
 
 def permute(op: IRFwOperation) -> str:
@@ -487,6 +519,100 @@ def diff(op: IRFwOperation) -> str:
     return _along(op, _dim(_arg(op, 2, "dim", -1), op.outputs[0].ndim))
 
 
+def view_as_complex(op: IRFwOperation) -> str:
+    """``(..., 2)`` real pairs -> ``(...)`` complex (and ``view_as_real`` back): every other dim
+    splits; the pair is whole."""
+    x, out = op.inputs[0], op.outputs[0]
+    names = _Names()
+    lead = ["1" if s == 1 else names() for s in (x.shape[:-1] if op.name == "view_as_complex" else x.shape)]
+    pair = names(True)
+    if op.name == "view_as_complex":
+        return _anno([lead + [pair]], [lead])
+    return _anno([lead], [lead + [pair]])
+
+
+def _whole(names: "_Names", t) -> List[str]:
+    return ["1" if s == 1 else names(True) for s in t.shape]
+
+
+def index(op: IRFwOperation) -> str:
+    """``x[..., idx, ...]`` (advanced indexing): the dims no tensor indexes split, the indexed dims
+    and the index tensors are whole. Indexed dims next to each other are replaced in place by the
+    indices' broadcast shape; apart, the indices' dims come first (torch's rule)."""
+    x, out = op.inputs[0], op.outputs[0]
+    idx = list(op.args[1])
+    if any(isinstance(i, IRTensor) and i.dtype == torch.bool for i in idx):
+        raise ValueError("boolean masks index a data-dependent number of elements")
+    pos = [k for k, i in enumerate(idx) if i is not None]
+    names = _Names()
+    xg = ["1" if s == 1 else names(k in pos) for k, s in enumerate(x.shape)]
+    keep = [xg[k] for k in range(x.ndim) if k not in pos]
+    nidx = out.ndim - len(keep)
+    adjacent = pos == list(range(pos[0], pos[-1] + 1))
+    mid = [names(True) for _ in range(nidx)]
+    if adjacent:
+        before = [xg[k] for k in range(pos[0])]
+        og = before + mid + [xg[k] for k in range(pos[-1] + 1, x.ndim)]
+    else:
+        og = mid + keep
+    og = ["1" if s == 1 else g for g, s in zip(og, out.shape)]
+    return _anno([xg] + [_whole(names, t) for t in op.inputs[1:]], [og])
+
+
+def index_select(op: IRFwOperation) -> str:
+    """``index_select(x, dim, idx)``: the other dims split; ``dim`` and the indices are whole."""
+    x = op.inputs[0]
+    d = _dim(op.args[1], x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    og = list(g)
+    og[d] = "1" if op.outputs[0].shape[d] == 1 else names(True)
+    return _anno([g, _whole(names, op.inputs[1])], [og])
+
+
+def gather(op: IRFwOperation) -> str:
+    """``gather(x, dim, idx)``: the output has the indices' shape; a dim other than ``dim`` where x
+    and the indices have one size splits all three alike; ``dim`` is whole."""
+    x, i = op.inputs[:2]
+    d = _dim(op.args[1], x.ndim)
+    names = _Names()
+    xg, ig = [], []
+    for k, (a, b) in enumerate(zip(x.shape, i.shape)):
+        if k != d and a == b and a != 1:
+            letter = names()
+            xg.append(letter)
+            ig.append(letter)
+        else:
+            xg.append("1" if a == 1 else names(True))
+            ig.append("1" if b == 1 else names(True))
+    return _anno([xg, ig], [ig])
+
+
+def topk(op: IRFwOperation) -> str:
+    """``topk``/``sort``/``argsort``: the dim it ranks along is whole, the others split."""
+    x = op.inputs[0]
+    d = _arg(op, 2, "dim", -1) if op.name == "topk" else _arg(op, 1, "dim", -1)
+    d = _dim(d if isinstance(d, int) else -1, x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    outs = []
+    for o in op.outputs:
+        og = list(g)
+        og[d] = "1" if o.shape[d] == 1 else names(True)
+        outs.append(og)
+    return _anno([g], outs)
+
+
+def count(op: IRFwOperation) -> str:
+    """``histc``/``bincount``: counts (or summed weights) of the values of every element; a piece's
+    counts are a partial sum of the whole's."""
+    x = op.inputs[0]
+    names = _Names()
+    g = ["1" if s == 1 else names() + "+" for s in x.shape]
+    ins = [g] + [g if tuple(t.shape) == tuple(x.shape) else _whole(names, t) for t in op.inputs[1:]]
+    return _anno(ins, [_whole(names, o) for o in op.outputs])
+
+
 def opaque(op: IRFwOperation) -> str:
     """Nothing of this op may be split (gathers, scatters, data-dependent indexing)."""
     names = _Names()
@@ -512,7 +638,8 @@ RULES: Dict[str, Rule] = {
     "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
     "split": split, "unbind": unbind, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
-    "creation": creation, "diff": diff, "opaque": opaque,
+    "creation": creation, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex, "index": index,
+    "index_select": index_select, "gather": gather, "topk": topk, "count": count,
 }
 _BUILTIN: Dict[str, Rule] = {name: RULES[info.rule] for name, info in ops.rows().items() if info.rule}
 
