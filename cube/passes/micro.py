@@ -222,7 +222,7 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                 raise ValueError(f"pipeline plan: {_where(fop)} normalizes with statistics over the batch, which "
                                  f"micro-batches of {batch // nmicros} samples would change. Use a per-sample norm "
                                  f"(layer norm), or plan the pipeline with nmicros=1.")
-        if mop is None:   # a ``contiguous`` only the global trace has: its output is its input's value
+        if mop is None:   # an identity only the global trace has (``_pairs``): its output is its input's value
             if any(id(t) in shares for t in fop.inputs):
                 shares.update(id(t) for t in fop.outputs)
             if reads or any(id(t) in shares for t in fop.inputs):
@@ -292,10 +292,17 @@ def _scaled_by_count(fop: IRFwOperation, mop: IRFwOperation, shares: Set[int], c
     return True
 
 
+def _identity(op) -> bool:
+    """An op whose output holds its input's value (``contiguous``; a slice of a whole dim is no op at all,
+    ``cube.trace.builder``)."""
+    return isinstance(op, IRFwOperation) and op.name == "contiguous" and len(op.inputs) == 1
+
+
 def _pairs(fops: list, mops: list, batch: int, nmicros: int) -> list:
     """The ops of the global trace paired with the micro-batch trace's, in order (``None``: a
-    ``contiguous`` of the global trace the micro-batch's lacks, or the reverse, skipped: whether a
-    tensor is already contiguous can depend on the batch size, as for a slice of one sample).
+    ``contiguous`` that the global trace has and the micro-batch's lacks, or the reverse, skipped:
+    whether a tensor is already contiguous can depend on the batch size, as for a slice of one
+    sample).
 
     Raises:
         ValueError: the traces run other ops (the forward depends on the batch size).
@@ -307,10 +314,10 @@ def _pairs(fops: list, mops: list, batch: int, nmicros: int) -> list:
         if a is not None and b is not None and type(a) is type(b) and a.name == b.name:
             pairs.append((a, b))
             i, j = i + 1, j + 1
-        elif a is not None and a.name == "contiguous":
+        elif a is not None and _identity(a):
             pairs.append((a, None))
             i += 1
-        elif b is not None and b.name == "contiguous":
+        elif b is not None and _identity(b):
             j += 1
         else:
             what = (f"op {i}: {a.name!r} on the whole batch, {b.name!r} on a micro-batch" if a is not None and

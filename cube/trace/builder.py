@@ -86,6 +86,15 @@ def _tensor_of(val: Any, hint: str) -> IRTensor:
     return IRTensor(tuple(int(s) for s in shape), val.dtype, bool(val.requires_grad), TensorKind.ACTIVATION, hint)
 
 
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """``x[a:b]`` that keeps every element of the dim (``x[:, 0] = v`` slices dim 0 whole): an alias.
+    Whether export traces it can depend on the size (not for a dim of size 1), so it is never an op."""
+    src, val = node.args[0].meta.get("val"), node.meta.get("val")
+    step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+    return isinstance(src, torch.Tensor) and isinstance(val, torch.Tensor) and _hint(step) == 1 and \
+        tuple(_hint(s) for s in src.shape) == tuple(_hint(s) for s in val.shape)
+
+
 def _legacy_empty(val: Any) -> bool:
     """A 1-D tensor of size 0, which ``torch.cat`` skips (a key/value cache before its first update)."""
     return isinstance(val, torch.Tensor) and val.ndim == 1 and _hint(val.shape[0]) == 0
@@ -320,7 +329,8 @@ class _Builder:
         if name in _DROPPED:
             self.env[node] = None
             return
-        if name in _IDENTITY:  # a view of its input that changes nothing: not an IR op
+        if name in _IDENTITY or (name == "slice" and _whole_slice(node)):
+            # a view of its input that changes nothing (an alias, x[:, :]): not an IR op
             self.env[node] = self._map(node.args[0])
             self._alias(node, node.args[0])
             return

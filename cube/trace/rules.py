@@ -536,9 +536,11 @@ def _whole(names: "_Names", t) -> List[str]:
 
 
 def index(op: IRFwOperation) -> str:
-    """``x[..., idx, ...]`` (advanced indexing): the dims no tensor indexes split, the indexed dims
-    and the index tensors are whole. Indexed dims next to each other are replaced in place by the
-    indices' broadcast shape; apart, the indices' dims come first (torch's rule)."""
+    """``x[..., idx, ...]`` (advanced indexing): the dims no tensor indexes split, and so do the
+    index tensors' dims (a split of the indices picks a split of the output; an index tensor of size
+    1 there is broadcast); the indexed dims of ``x`` are whole. Indexed dims next to each other are
+    replaced in place by the indices' broadcast shape; apart, the indices' dims come first (torch's
+    rule)."""
     x, out = op.inputs[0], op.outputs[0]
     idx = list(op.args[1])
     if any(isinstance(i, IRTensor) and i.dtype == torch.bool for i in idx):
@@ -549,30 +551,37 @@ def index(op: IRFwOperation) -> str:
     keep = [xg[k] for k in range(x.ndim) if k not in pos]
     nidx = out.ndim - len(keep)
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
-    mid = [names(True) for _ in range(nidx)]
-    if adjacent:
-        before = [xg[k] for k in range(pos[0])]
-        og = before + mid + [xg[k] for k in range(pos[-1] + 1, x.ndim)]
-    else:
-        og = mid + keep
+    start = pos[0] if adjacent else 0
+    mid_shape = out.shape[start:start + nidx]
+    # the index tensors broadcast to the output's middle dims: each has a dim there at full size or 1
+    mid = ["1" if size == 1 else names() for size in mid_shape]
+    og = ([xg[k] for k in range(pos[0])] + mid + [xg[k] for k in range(pos[-1] + 1, x.ndim)]) if adjacent \
+        else mid + keep
     og = ["1" if s == 1 else g for g, s in zip(og, out.shape)]
-    return _anno([xg] + [_whole(names, t) for t in op.inputs[1:]], [og])
+
+    def index_group(t):
+        off = nidx - t.ndim
+        return ["1" if s == 1 else (mid[off + j] if s == mid_shape[off + j] else names(True))
+                for j, s in enumerate(t.shape)]
+    return _anno([xg] + [index_group(t) for t in op.inputs[1:]], [og])
 
 
 def index_select(op: IRFwOperation) -> str:
-    """``index_select(x, dim, idx)``: the other dims split; ``dim`` and the indices are whole."""
-    x = op.inputs[0]
+    """``index_select(x, dim, idx)``: the other dims split; ``dim`` of ``x`` is whole, and the indices
+    split with the output's ``dim`` (each piece picks its own rows: a token's expert weights)."""
+    x, i = op.inputs[:2]
     d = _dim(op.args[1], x.ndim)
     names = _Names()
     g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
     og = list(g)
-    og[d] = "1" if op.outputs[0].shape[d] == 1 else names(True)
-    return _anno([g, _whole(names, op.inputs[1])], [og])
+    og[d] = "1" if op.outputs[0].shape[d] == 1 else names()
+    return _anno([g, [og[d]] if i.ndim == 1 else _whole(names, i)], [og])
 
 
 def gather(op: IRFwOperation) -> str:
     """``gather(x, dim, idx)``: the output has the indices' shape; a dim other than ``dim`` where x
-    and the indices have one size splits all three alike; ``dim`` is whole."""
+    and the indices have one size splits all three alike; the indices' ``dim`` splits with the
+    output's (``x`` is then whole along it)."""
     x, i = op.inputs[:2]
     d = _dim(op.args[1], x.ndim)
     names = _Names()
@@ -584,8 +593,25 @@ def gather(op: IRFwOperation) -> str:
             ig.append(letter)
         else:
             xg.append("1" if a == 1 else names(True))
-            ig.append("1" if b == 1 else names(True))
+            ig.append("1" if b == 1 else names(k != d))
     return _anno([xg, ig], [ig])
+
+
+def repeat_interleave(op: IRFwOperation) -> str:
+    """``repeat_interleave(x, k, dim)`` with a number ``k``: each element of ``dim`` repeated ``k``
+    times in place, so ``dim`` becomes ``(d r)``, a split of ``d`` the outer factor (each token's
+    copies for its top-k experts stay with the token); otherwise (repeats given by a tensor, no
+    ``dim``) nothing splits."""
+    x = op.inputs[0]
+    d = _arg(op, 2, "dim")
+    if len(op.inputs) != 1 or not isinstance(_arg(op, 1, "repeats"), int) or d is None:
+        return opaque(op)
+    d = _dim(d, x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in x.shape]
+    og = list(g)
+    og[d] = f"({g[d]} {names(True)})" if x.shape[d] != 1 else names(True)
+    return _anno([g], [og])
 
 
 def topk(op: IRFwOperation) -> str:
@@ -639,6 +665,7 @@ RULES: Dict[str, Rule] = {
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
     "split": split, "unbind": unbind, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
     "creation": creation, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex, "index": index,
+    "repeat_interleave": repeat_interleave,
     "index_select": index_select, "gather": gather, "topk": topk, "count": count,
 }
 _BUILTIN: Dict[str, Rule] = {name: RULES[info.rule] for name, info in ops.rows().items() if info.rule}

@@ -1,0 +1,34 @@
+"""Models nobody here wrote (``tests.zoo``: Hugging Face families with their shipped configurations)
+under every shipped plan: each trains exactly against the plain model, or is refused for a
+reason listed in ``tests.zoo.REFUSED``.
+
+The default tier runs every model under a pipeline of two micro-batches (the plan that asks the
+most of every op's rule: each must carry the batch split) and a few models under each other plan;
+``CUBE_SLOW=1`` runs the whole table (``python -m tests.zoo`` prints it).
+"""
+import pytest
+
+from tests import zoo
+from tests.tiers import tiered
+
+FAST = {("gpt2", "tensor"), ("llama", "tensor"), ("gpt_neox", "tensor"), ("phi3", "tensor"), ("t5", "tensor"),
+        ("qwen3", "data"), ("gemma2", "data"), ("mixtral", "data"), ("vit", "data"), ("swin", "data"),
+        ("resnet", "data"), ("llama", "pipeline_1"), ("qwen3", "pipeline_1"), ("bart", "pipeline_1"),
+        ("llama", "3d"), ("gpt2", "single"), ("convnext", "single")}
+FAST |= {(m, "pipeline") for m in zoo.MODELS}
+CASES = [(m, p) for m in zoo.MODELS for p in zoo.PLANS]
+
+
+@pytest.mark.parametrize("model,plan", tiered(CASES, [f"{m}-{p}" for m, p in CASES],
+                                              {f"{m}-{p}" for m, p in CASES if (m, p) not in FAST}))
+def test_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
+    outcome = zoo.run(model, plan)
+    if (model, plan) in zoo.REFUSED:
+        part, why = zoo.REFUSED[(model, plan)]
+        assert outcome.kind == "refused" and part in outcome.detail, (outcome, why)
+    else:
+        assert outcome.kind == "exact", outcome
+
+
+def test_every_listed_refusal_names_a_case_of_the_table():
+    assert set(zoo.REFUSED) <= set(CASES)

@@ -1,0 +1,248 @@
+"""Models nobody here wrote, as their users build them, under every shipped plan.
+
+Each model comes from an installed package (``transformers``) with its default configuration,
+shrunk only in size (hidden size, layers, vocabulary) so it trains in seconds on a CPU:
+``use_cache``, attention implementation, MoE routing, loss functions and normalizations are as
+shipped. Dropout is set to 0 (the one change of behaviour): with dropout on, a plan draws other
+masks than one process, so a run is not comparable with the plain model (``exact_rng``).
+
+``run(model, plan)`` trains two steps of one plan in the in-process world and compares the loss
+and every parameter piece with the plain model on the same global batches (SGD: an update linear
+in the gradient, so a gradient of the wrong scale shows). The outcome is ``exact``, ``refused``
+(a ``ValueError`` saying why), ``wrong`` or ``crash``; ``python -m tests.zoo`` runs the whole
+table, each case in its own process under a time limit (``hang``), and prints it as Markdown.
+
+``REFUSED`` lists the refusals that are justified, with the reason; any other refusal fails the
+tier's tests.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+V, S, B = 128, 16, 4   # vocabulary, sequence length, samples per micro-batch
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+PARAM_FLOOR = 1e-3   # see tests.inprocess.parity: biases a model initializes to zero and never moves
+
+
+class LM(nn.Module):
+    """A Hugging Face model whose forward returns its own loss (``labels=``), as users train it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, labels):
+        return self.model(x, labels=labels).loss
+
+
+def no_dropout(cfg):
+    """``cfg`` with every dropout probability 0 (see the module docstring)."""
+    for k, v in list(vars(cfg).items()):
+        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "drop_prob" in k or k.endswith("_drop")):
+            setattr(cfg, k, 0.0)
+    return cfg
+
+
+def _hf(config: str, model: str, **kw) -> nn.Module:
+    import transformers
+    return LM(getattr(transformers, model)(no_dropout(getattr(transformers, config)(**kw))))
+
+
+def _batched_mm(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if getattr(m, "config", None) is not None:
+            m.config._experts_implementation = "batched_mm"
+    return model
+
+
+_TEXT = {
+    "gpt2": lambda: _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=4),
+    "llama": lambda: _hf("LlamaConfig", "LlamaForCausalLM", **SMALL),
+    "mistral": lambda: _hf("MistralConfig", "MistralForCausalLM", **SMALL),
+    "qwen2": lambda: _hf("Qwen2Config", "Qwen2ForCausalLM", **SMALL),
+    "qwen3": lambda: _hf("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **SMALL),
+    "gemma": lambda: _hf("GemmaConfig", "GemmaForCausalLM", head_dim=8, **SMALL),
+    "gemma2": lambda: _hf("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, **SMALL),
+    "phi3": lambda: _hf("Phi3Config", "Phi3ForCausalLM", pad_token_id=0, **SMALL),
+    "gpt_neox": lambda: _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=V, hidden_size=32,
+                            intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            max_position_embeddings=64),
+    "opt": lambda: _hf("OPTConfig", "OPTForCausalLM", vocab_size=V, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32),
+    "falcon": lambda: _hf("FalconConfig", "FalconForCausalLM", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4),
+    "mixtral": lambda: _hf("MixtralConfig", "MixtralForCausalLM", num_local_experts=4, num_experts_per_tok=2,
+                           **SMALL),
+    "mixtral_bmm": lambda: _batched_mm(_TEXT["mixtral"]()),
+    "qwen2_moe": lambda: _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=64, **SMALL),
+    "qwen2_moe_bmm": lambda: _batched_mm(_TEXT["qwen2_moe"]()),
+    "bert": lambda: _hf("BertConfig", "BertForMaskedLM", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
+    "roberta": lambda: _hf("RobertaConfig", "RobertaForMaskedLM", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
+}
+_SEQ2SEQ = {
+    "t5": lambda: _hf("T5Config", "T5ForConditionalGeneration", vocab_size=V, d_model=32, d_kv=8, d_ff=64,
+                      num_layers=2, num_heads=4, decoder_start_token_id=0),
+    "bart": lambda: _hf("BartConfig", "BartForConditionalGeneration", vocab_size=V, d_model=32, encoder_layers=2,
+                        decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                        decoder_ffn_dim=64, max_position_embeddings=64),
+}
+_IMAGE = {
+    "vit": lambda: _hf("ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8, hidden_size=32,
+                       num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=10),
+    "swin": lambda: _hf("SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4, embed_dim=16,
+                        depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
+    "convnext": lambda: _hf("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16], depths=[1, 1],
+                            num_labels=10, image_size=32),
+    "resnet": lambda: _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16],
+                          depths=[1, 1], num_labels=10),
+}
+MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_IMAGE)
+
+
+def build(name: str, batch: int = B) -> Tuple[nn.Module, tuple]:
+    """(model, one batch of ``batch`` samples) for a model of the tier."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    if name in _IMAGE:
+        return _IMAGE[name](), (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+    ids = torch.randint(0, V, (batch, S), generator=gen)
+    if name in _SEQ2SEQ:
+        return _SEQ2SEQ[name](), (ids, torch.randint(0, V, (batch, S), generator=gen))
+    return _TEXT[name](), (ids, ids.clone())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A shipped policy with its options, on ``world`` ranks; a step takes ``nmicros`` micro-batches of
+    ``micro`` samples."""
+
+    policy: str
+    world: int
+    options: Tuple[Tuple[str, object], ...] = ()
+    nmicros: int = 1
+    micro: int = B
+
+    def make(self) -> Callable:
+        module, name = self.policy.split(":")
+        return functools.partial(getattr(importlib.import_module(module), name), **dict(self.options))
+
+
+PLANS: Dict[str, Plan] = {
+    "single": Plan("policies.single:PASSingle", 1),
+    "data": Plan("policies.data:PASData", 2),
+    "tensor": Plan("policies.megatron:PASMegatronTP", 2),
+    "pipeline": Plan("policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=2),
+    "pipeline_1": Plan("policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=1),
+    "3d": Plan("policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 2), ("nmicros", 2)), nmicros=2, micro=2),
+}
+
+_BN = "batch norm's statistics over a micro-batch are not the global batch's"
+_SORT = ("the default MoE kernel (grouped_mm) sorts every token of the batch by expert, which cube cannot yet "
+         "cut into micro-batches; the batched_mm kernel (mixtral_bmm, qwen2_moe_bmm) trains")
+# (model, plan) -> (a part of the refusal's message, why the refusal is justified)
+REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
+    **{("resnet", p): ("normalizes with statistics over the batch", _BN) for p in ("pipeline", "pipeline_1", "3d")},
+    **{(m, p): ("op 'sort'", _SORT) for m in ("mixtral", "qwen2_moe") for p in ("pipeline", "pipeline_1", "3d")},
+}
+
+
+@dataclass
+class Outcome:
+    kind: str            # exact, refused, wrong, crash, hang
+    detail: str = ""
+    error: float = 0.0
+    seconds: float = 0.0
+
+    def cell(self) -> str:
+        return {"exact": "exact", "wrong": f"**WRONG** ({self.error:.1e})"}.get(self.kind, self.kind)
+
+
+def run(name: str, plan: str, steps: int = 2) -> Outcome:
+    """Trains ``steps`` steps of ``plan`` on model ``name`` and the plain model; compares them."""
+    from tests.inprocess import parity
+    p = PLANS[plan]
+    start = time.time()
+    model, sample = build(name, p.micro)
+    try:
+        errors = parity(model, sample, p.make(), p.world, steps=steps, nmicros=p.nmicros, opt="sgd",
+                        param_floor=PARAM_FLOOR)
+    except Exception as e:   # noqa: BLE001 - every failure is an outcome of the table
+        cause = e
+        while isinstance(cause, RuntimeError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        text = str(cause).replace("\n", " ")
+        kind = "refused" if isinstance(cause, ValueError) or "ValueError" in text[:80] else "crash"
+        return Outcome(kind, f"{type(cause).__name__}: {text}", seconds=time.time() - start)
+    worst = max(max(e) for e in errors)
+    return Outcome("exact" if worst <= 1e-5 else "wrong", error=worst, seconds=time.time() - start)
+
+
+def _subprocess(name: str, plan: str, timeout: float) -> Outcome:
+    cmd = [sys.executable, "-m", "tests.zoo", "--one", name, plan]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return Outcome("hang", f"no result in {timeout:.0f} s")
+    for line in out.stdout.splitlines():
+        if line.startswith("OUTCOME "):
+            kind, error, seconds, detail = line[len("OUTCOME "):].split("\t", 3)
+            return Outcome(kind, detail, float(error), float(seconds))
+    return Outcome("crash", (out.stderr or out.stdout).strip().splitlines()[-1:][0] if (out.stderr or out.stdout)
+                   else f"exit {out.returncode}")
+
+
+def table(results: Dict[Tuple[str, str], Outcome], plans) -> str:
+    """The Markdown table of the outcomes, then one line per refusal with its reason."""
+    models = sorted({m for m, _ in results}, key=MODELS.index)
+    lines = ["| model | " + " | ".join(plans) + " |", "|---" * (len(plans) + 1) + "|"]
+    for m in models:
+        lines.append(f"| {m} | " + " | ".join(results[(m, p)].cell() if (m, p) in results else "" for p in plans) + " |")
+    notes = [f"- {m} / {p}: {REFUSED.get((m, p), ('', 'NOT JUSTIFIED: ' + o.detail[:200]))[1]}"
+             for (m, p), o in sorted(results.items()) if o.kind == "refused"]
+    return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--plans", default=",".join(PLANS))
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "PLAN"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        o = run(*args.one)
+        print(f"OUTCOME {o.kind}\t{o.error}\t{o.seconds}\t{o.detail}", flush=True)
+        return 0
+    from concurrent.futures import ThreadPoolExecutor
+    models, plans = args.models.split(","), args.plans.split(",")
+    cases = [(m, p) for m in models for p in plans]
+    results: Dict[Tuple[str, str], Outcome] = {}
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for (m, p), o in zip(cases, pool.map(lambda c: _subprocess(*c, args.timeout), cases)):
+            results[(m, p)] = o
+            print(f"{m:14s} {p:11s} {o.kind:8s} {o.seconds:6.1f}s {o.detail[:150]}", file=sys.stderr, flush=True)
+    print(table(results, plans))
+    bad = [c for c, o in results.items() if o.kind in ("wrong", "crash", "hang") or
+           (o.kind == "refused" and c not in REFUSED)]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
