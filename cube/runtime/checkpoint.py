@@ -23,6 +23,11 @@ files, reading each piece from its file at its offset, so a checkpoint can be
 merged (also into Hugging Face sharded safetensors) or loaded under another plan
 (other world size, other policy) without holding the whole model. Checkpoints
 of format 1 (every tensor inside ``rank{r}.pt``, no layout) are still read.
+
+Complex tensors (a complex parameter, its AdamW state, a persistent complex
+buffer) are stored as their real views, listed in their file's metadata
+(``cube.runtime.safetensors_file``); every reader here gives them back complex,
+so a merged state dict loads into the single-device model as it is.
 """
 from __future__ import annotations
 
