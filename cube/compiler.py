@@ -138,6 +138,10 @@ def _model_fingerprint(model: torch.nn.Module) -> str:
     seen = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False)):
         parts.append(f"{name}:{tuple(t.shape)}:{t.dtype}:{t.requires_grad}:{seen.setdefault(id(t), name)}")
+    # the generated module registers these with persistent=False too (code cached before it did not)
+    transient = sorted(f"{path}.{n}" if path else n for path, m in model.named_modules(remove_duplicate=False)
+                       for n in m._non_persistent_buffers_set)
+    parts.append("non-persistent buffers: " + ",".join(transient))
     return "\n".join(parts)
 
 

@@ -232,7 +232,7 @@ class _Emitter:
                 lines.append(f"        self.register_parameter({name!r}, "
                              f"torch.nn.Parameter({make}, requires_grad={t.requires_grad}))")
             else:
-                persistent = t.kind is TensorKind.BUFFER
+                persistent = t.kind is TensorKind.BUFFER and t.persistent   # as in the user's state_dict()
                 lines.append(f"        self.register_buffer({name!r}, {make}, persistent={persistent})")
         lines.append("        self.setup_communication()")
         lines.append("")

@@ -33,6 +33,9 @@ class IRTensor:
         hint: a readable name hint (the fx node name); printing may uniquify it.
         names: for parameters and buffers, the user's dotted names (tied weights
             have several, the first is canonical).
+        persistent: for buffers, whether the user's ``state_dict()`` holds it
+            (False: registered with ``persistent=False``; the generated module
+            registers it so too, and checkpoints leave it out).
         part_of: for a rank's local value made by communication (a received box, a gathered
             or summed copy), the logical tensor it holds a part of; None for a logical tensor.
     """
@@ -43,6 +46,7 @@ class IRTensor:
     kind: TensorKind = TensorKind.ACTIVATION
     hint: str = "t"
     names: Tuple[str, ...] = field(default=())
+    persistent: bool = True
     part_of: Optional["IRTensor"] = field(default=None, repr=False)
 
     @property

@@ -9,9 +9,11 @@ size, files and a sha256 per file). Every file is written atomically (temporary
 file, fsync, rename). A directory without ``meta.json``, or whose files do not
 match it, is incomplete or corrupt, and every reader refuses it.
 
-Each rank's record holds, per local parameter and buffer, the user's names for
-it and its piece of the full tensor (``[(dim, start, stop)]``, as in
-``PARAMS``); per parameter, the optimizer state: tensors shaped like the
+Each rank's record holds, per local parameter and persistent buffer (what the
+user's ``state_dict()`` holds: buffers registered with ``persistent=False`` are
+neither saved nor expected, as torch leaves them out), the user's names for it
+and its piece of the full tensor (``[(dim, start, stop)]``, as in ``PARAMS``);
+per parameter, the optimizer state: tensors shaped like the
 parameter's piece are pieces with the same splits, anything else (AdamW's
 ``step``) is kept as is; and the layout of the user's model (its ``state_dict()``
 names, which leave out non-persistent buffers, and its ``parameters()`` order),
@@ -21,6 +23,11 @@ files, reading each piece from its file at its offset, so a checkpoint can be
 merged (also into Hugging Face sharded safetensors) or loaded under another plan
 (other world size, other policy) without holding the whole model. Checkpoints
 of format 1 (every tensor inside ``rank{r}.pt``, no layout) are still read.
+
+Complex tensors (a complex parameter, its AdamW state, a persistent complex
+buffer) are stored as their real views, listed in their file's metadata
+(``cube.runtime.safetensors_file``); every reader here gives them back complex,
+so a merged state dict loads into the single-device model as it is.
 """
 from __future__ import annotations
 
@@ -111,13 +118,14 @@ def _entry(key: str, t: torch.Tensor) -> sfile.Entry:
 
 
 def _tensor_records(model: CubeModule) -> Tuple[Dict[str, dict], List[sfile.Entry]]:
-    """Each local tensor's kind, names and piece; its data goes to the rank's safetensors under its local name."""
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    """Each local tensor's kind, names and piece; its data goes to the rank's safetensors under its local name.
+    Non-persistent buffers are left out (``CubeModule.state_tensors``)."""
+    held = dict(model.named_parameters())
+    held.update(dict(model.named_buffers()))
     out, entries = {}, []
-    for kind, table, held in (("param", model.PARAMS, params), ("buffer", model.BUFFERS, buffers)):
-        for local, (names, splits) in table.items():
-            out[local] = {"kind": kind, "names": list(names), "splits": [tuple(s) for s in splits]}
-            entries.append(_entry(local, held[local]))
+    for kind, local, names, splits in model.state_tensors():
+        out[local] = {"kind": kind, "names": list(names), "splits": [tuple(s) for s in splits]}
+        entries.append(_entry(local, held[local]))
     return out, entries
 
 
@@ -568,37 +576,40 @@ def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None) -> Any:
             groups that differ from the saved ones.
     """
     _check_model(model, "load_checkpoint")
-    target = _target_tables(model)
+    target, transient = _target_tables(model)
     ckpt = _Checkpoint(path)
-    _check_same_model(ckpt, target, type(model))
+    _check_same_model(ckpt, target, transient, type(model))
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     with torch.no_grad(), whole_parameters(model, write=True):
-        for table in (model.PARAMS, model.BUFFERS):
-            for local, (names, splits) in table.items():
-                tensors[local].copy_(piece(ckpt.full(ckpt.alias[names[0]]), splits))
+        for _, local, names, splits in model.state_tensors():
+            tensors[local].copy_(piece(ckpt.full(ckpt.alias[names[0]]), splits))
     if optimizer is not None:
         _load_optimizer(ckpt, model, optimizer)
     rank, world = _rank_world()
     return ckpt.records[rank if world == ckpt.world_size else 0]["extra"]
 
 
-def _target_tables(model: CubeModule) -> List[Tuple[str, List[str], list, tuple]]:
-    """``(kind, names, splits, local shape)`` of every tensor of every rank of the plan."""
+def _target_tables(model: CubeModule) -> Tuple[List[Tuple[str, List[str], list, tuple]], set]:
+    """``(kind, names, splits, local shape)`` of every tensor of every rank of the plan that a checkpoint
+    holds, and the names of the plan's non-persistent buffers (which it does not hold)."""
     tensors = dict(model.named_parameters())
     tensors.update(dict(model.named_buffers()))
     mine = [(kind, list(names), [tuple(s) for s in splits], tuple(tensors[local].shape))
-            for kind, table in (("param", model.PARAMS), ("buffer", model.BUFFERS))
-            for local, (names, splits) in table.items()]
+            for kind, local, names, splits in model.state_tensors()]
+    transient = sorted(n for local, (names, _) in model.BUFFERS.items()
+                       if local in model._non_persistent_buffers_set for n in names)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return mine
+        return mine, set(transient)
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return [t for rank in every for t in rank]
+    dist.all_gather_object(every, (mine, transient))
+    return [t for rank, _ in every for t in rank], {n for _, names in every for n in names}
 
 
-def _check_same_model(ckpt: _Checkpoint, target: list, cls: type) -> None:
-    """Names, kinds and full shapes of the plan's tensors must be the checkpoint's."""
+def _check_same_model(ckpt: _Checkpoint, target: list, transient: set, cls: type) -> None:
+    """Names, kinds and full shapes of the plan's tensors must be the checkpoint's. Non-persistent
+    buffers (``transient``) a checkpoint of an older cube holds are not loaded, as torch does not
+    load a buffer ``state_dict()`` leaves out."""
     where = f"checkpoint {str(ckpt.folder)!r} (model {ckpt.model})"
     ours = f"this model ({_model_name(cls)})"
     boxes: Dict[str, list] = {}
@@ -611,7 +622,7 @@ def _check_same_model(ckpt: _Checkpoint, target: list, cls: type) -> None:
         boxes.setdefault(names[0], []).append((splits, shape))
     held = {n for _, names, _, _ in target for n in names}
     for n in ckpt.alias:
-        if n not in held:
+        if n not in held and n not in transient:
             raise ValueError(f"{where} holds {n!r}, which {ours} does not have: it was saved from another model")
     given = getattr(cls, "FULL_SHAPES", None) or {}
     for name, pieces in boxes.items():

@@ -4,8 +4,9 @@ The user's model may live on the meta device (shapes only). Each tensor of the
 generated module gets its values from one source, decided for the whole model
 before anything is read, the same way on every rank:
 
-- ``file``: the weights file holds it (``cube.runtime.weights``); the rank reads
-  only its pieces;
+- ``file``: the weights file holds it (``cube.runtime.weights``), or it is in
+  ``state_dict()`` and the weights are a cube checkpoint (which holds every such
+  tensor; non-persistent buffers are never in one); the rank reads only its pieces;
 - ``init``: ``init(module)`` on its owning module; cube visits the modules in
   ``model.apply`` order (children before parents), gives each one fresh CPU
   tensors at full size for its own (``recurse=False``) parameters and buffers
@@ -14,7 +15,7 @@ before anything is read, the same way on every rank:
   file every module is visited on every rank, held or not, from the random
   state ``load_model`` was called with, so the random numbers are the ones
   ``model.to_empty(device="cpu"); model.apply(init)`` draws on one device;
-  with a weights file only modules holding a tensor the file lacks are visited;
+  with weights (a file or a checkpoint) only modules holding a tensor they lack are visited;
 - ``model``: the user's tensor is real (not meta) and neither of the above applies;
 - ``reset``: a meta tensor nothing else gives a value, whose module has
   ``reset_parameters()``.
@@ -110,7 +111,7 @@ def _decide(tensors: Dict[int, _Tensor], files: Optional[WeightFiles], ckpt: boo
     """Sets each tensor's source; a meta tensor without one is a ``ValueError`` naming it."""
     lacking = []
     for t in tensors.values():
-        if ckpt or (files is not None and any(n in files.shapes for n in t.names)):
+        if (ckpt and t.persistent) or (files is not None and any(n in files.shapes for n in t.names)):
             t.source = "file"
         elif init is not None:
             t.source = "init"
@@ -287,11 +288,12 @@ def load(build: Callable[[], torch.nn.Module], model: torch.nn.Module, consts: D
     gen = build()
     _check_consts(gen, consts)
     _hold(tensors, gen)
+    partial = files is not None or ckpt   # only modules holding a tensor the weights lack are visited
     with torch.no_grad():
-        if init is not None and not ckpt and (files is None or any(t.source == "init" for t in tensors.values())):
+        if init is not None and (not partial or any(t.source == "init" for t in tensors.values())):
             needs = {id(m) for t in tensors.values() if t.source == "init" for _, m in t.owners}
             torch.set_rng_state(rng)
-            _visit(model, tensors, init, lambda m: files is None or id(m) in needs)
+            _visit(model, tensors, init, lambda m: not partial or id(m) in needs)
         if any(t.source == "reset" for t in tensors.values()):
             needs = {id(m) for t in tensors.values() if t.source == "reset" for _, m in t.owners}
             torch.set_rng_state(rng)

@@ -15,7 +15,9 @@ class CubeModule(torch.nn.Module):
     """Base of a generated per-rank module.
 
     Subclasses declare ``PARAMS``/``BUFFERS``/``CONSTS``: local attribute name ->
-    (names in the user's model, this rank's piece as ``[(dim, start, stop)]``);
+    (names in the user's model, this rank's piece as ``[(dim, start, stop)]``;
+    buffers are registered persistent or not as in the user's model, constants
+    as non-persistent buffers);
     ``REDUCE``: ``(local parameter name, ranks)`` whose gradients are summed over
     ``ranks`` after backward; ``GROUPS``: every process group of the plan.
 
@@ -108,6 +110,18 @@ class CubeModule(torch.nn.Module):
                                      f"the cached plan is stale: clear the cube cache directory")
                 full = source[names[0]]
                 getattr(self, local).copy_(piece(full, splits))
+
+    def state_tensors(self) -> List[Tuple[str, str, List[str], list]]:
+        """``(kind, local name, the user's names, piece)`` of what the user's ``state_dict()`` holds.
+
+        ``kind`` is ``"param"`` or ``"buffer"``. Buffers the user registered with
+        ``persistent=False`` are registered so here too and left out, as
+        ``state_dict()`` leaves them out: checkpoints neither save nor expect them.
+        """
+        out = [("param", local, names, splits) for local, (names, splits) in self.PARAMS.items()]
+        out += [("buffer", local, names, splits) for local, (names, splits) in self.BUFFERS.items()
+                if local not in self._non_persistent_buffers_set]
+        return out
 
     def full_names(self) -> Dict[str, List[str]]:
         """Local parameter/buffer name -> the user's names for it."""

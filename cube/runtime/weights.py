@@ -25,26 +25,40 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from cube.runtime import safetensors_file as sfile
+
 PathLike = Union[str, os.PathLike]
 Splits = Sequence[Tuple[int, int, int]]
 
 
 class _SafetensorsFile:
-    """One safetensors file, opened lazily."""
+    """One safetensors file, opened lazily. Complex tensors stored as their real views (listed in the
+    file's metadata, ``cube.runtime.safetensors_file``: cube's merged checkpoints) read as complex."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
         self.path = path
         self.handle = safe_open(str(path), framework="pt", device="cpu")
+        self.complex = sfile.complex_names(self.handle.metadata() or {}, path)
 
     def shapes(self) -> Dict[str, tuple]:
-        return {k: tuple(self.handle.get_slice(k).get_shape()) for k in self.handle.keys()}
+        out = {}
+        for k in self.handle.keys():
+            sl = self.handle.get_slice(k)
+            shape = tuple(sl.get_shape())
+            if k in self.complex:
+                dtype = sfile.TORCH_DTYPES.get(sl.get_dtype())
+                shape = sfile.as_complex(k, dtype, shape, self.complex[k], self.path)[1]
+            out[k] = shape
+        return out
 
     def read(self, key: str, splits: Splits, ndim: int) -> torch.Tensor:
         index = [slice(None)] * ndim
         for dim, start, stop in splits:
             index[dim] = slice(start, stop)
         sl = self.handle.get_slice(key)
+        if key in self.complex:   # the real view has one more dim: (real, imaginary)
+            return torch.view_as_complex(sl[tuple(index) + (slice(None),)].contiguous())
         return sl[tuple(index)] if ndim else sl[:]
 
 

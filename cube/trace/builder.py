@@ -61,6 +61,12 @@ def _module_path(node: torch.fx.Node) -> str:
     return path
 
 
+def _persistent(model: torch.nn.Module, target: str) -> bool:
+    """Whether buffer ``target`` is in ``model.state_dict()``: not registered with ``persistent=False``."""
+    owner, _, leaf = target.rpartition(".")
+    return leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+
+
 _SYM = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
@@ -145,14 +151,16 @@ class _Builder:
                 obj = (self.model.get_parameter(spec.target) if kind == "PARAMETER"
                        else self.model.get_buffer(spec.target))
                 t = by_id.get(id(obj))
+                persistent = kind == "PARAMETER" or _persistent(self.model, spec.target)
                 if t is None:
                     t = IRTensor(tuple(obj.shape), obj.dtype, bool(obj.requires_grad),
                                  TensorKind.PARAM if kind == "PARAMETER" else TensorKind.BUFFER,
-                                 spec.target, (spec.target,))
+                                 spec.target, (spec.target,), persistent=persistent)
                     by_id[id(obj)] = t
                     self.attrs.append(t)
                 elif spec.target not in t.names:  # tied weights: one tensor, several names
                     t.names = t.names + (spec.target,)
+                    t.persistent = t.persistent or persistent   # saved under the name state_dict() has
             elif kind == "CONSTANT_TENSOR":
                 value = self.ep.constants[spec.target]
                 t = IRTensor(tuple(value.shape), value.dtype, False, TensorKind.CONST,
