@@ -19,13 +19,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterator, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
 from cube import config
 from cube.codegen import emit_all
 from cube.codegen.report import write_report
+from cube.ir import lost
 from cube.ir.graph import IRGraph
 from cube.passes import check_graph
 from cube.passes.micro import micro_shares
@@ -154,13 +155,18 @@ class CompiledStep:
         timings: seconds per compile phase.
         graph: the IR after the policy (None when the code came from the cache).
         backend: the ``torch.compile`` backend the loaded module's compute runs under (None: eager).
+        lost: the splits the policy asked for that the plan does not keep (``cube.ir.lost``),
+            read back from the cache with the code when reused.
+        strict: whether such splits are an error.
     """
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
                  use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
-                 options: Optional[dict] = None, backend: Optional[str] = None):
+                 options: Optional[dict] = None, backend: Optional[str] = None, strict: bool = False):
         rt_compiled.check_backend(backend)
         self.fn = fn
+        # not in the cache key: it changes no code; the plan's lost splits are cached with it
+        self.strict = strict
         self.options = dict(options or {})
         # not in the cache key: the generated code is the same, load_model wraps it in torch.compile
         self.backend = backend
@@ -178,12 +184,17 @@ class CompiledStep:
         folder = self.cache_dir / self.key
         self.path = folder / f"rank{self.env.rank}.py"
         self.consts_path = folder / f"rank{self.env.rank}.consts.pt"
+        self.lost_path = folder / f"rank{self.env.rank}.lost.json"
         self.graph = None
         self.consts = {}
         if use_cache and self.path.exists():
             self.cache_hit = True
             if self.consts_path.exists():
                 self.consts = torch.load(self.consts_path)
+            self.lost = lost.loads(self.lost_path.read_text(), str(self.lost_path)) \
+                if self.lost_path.exists() else []
+            if self.strict and self.lost:   # the plan was made without strict: refuse it as planning would
+                raise lost.error(self.lost, _policy_label(self.policy))
         else:
             self.cache_hit = False
             self._compile(sample)
@@ -196,6 +207,7 @@ class CompiledStep:
             log.info("cube: %s plan %s for %s (world %d): %s", "reused" if self.cache_hit else "compiled",
                      self.key[:12], type(model).__name__, self.env.world_size, _format_phases(self.timings))
             log.info("cube: %s", _plan_summary(self.module.GenModel, self.path))
+            _warn_lost(self.lost, _policy_label(self.policy))
 
     def _key(self, sample) -> str:
         h = hashlib.sha256()
@@ -207,7 +219,9 @@ class CompiledStep:
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
-                     "step=global-batch"):
+                     "step=global-batch",
+                     # the plan's lost splits are cached with its code (entries before them lack the file)
+                     "lost-splits=cached"):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]
@@ -216,14 +230,18 @@ class CompiledStep:
         with _gc_paused():
             traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision,
                                  timings=self.timings, structure=self.structure)
-            planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank])
+            planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank],
+                                  strict=self.strict)
             source = planned.source(self.env.rank)
         self.timings.update(planned.timings)
         self.graph = planned.graph
         self.consts = planned.consts
+        self.lost = planned.lost
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.consts:
             atomic_write(self.consts_path, lambda f: torch.save(self.consts, f))
+        # before the code: a cache entry with code has its lost splits
+        atomic_write(self.lost_path, lambda f: f.write(lost.dumps(self.lost).encode()))
         atomic_write(self.path, lambda f: f.write(source.encode()))
 
     # ------------------------------------------------------------------ public
@@ -302,6 +320,11 @@ class Plan:
     def world(self) -> int:
         return self.program.world
 
+    @property
+    def lost(self) -> List[lost.LostSplit]:
+        """The splits the policy asked for that the plan does not keep (``cube.ir.lost``)."""
+        return list(self.graph.lost)
+
     def sources(self) -> Dict[int, str]:
         """The generated Python module of every rank the plan holds."""
         return emit_all(self.program, self.policy, self.timings)
@@ -340,10 +363,15 @@ class Traced:
 
     def place(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
               zero: Optional[int] = None, timings: Optional[dict] = None,
-              nmicros: Optional[int] = None) -> IRGraph:
+              nmicros: Optional[int] = None, strict: bool = False) -> IRGraph:
         """The placed graph: the policy run on a copy of the trace for ``world`` ranks (no passes).
 
         ``zero``: the ZeRO stage of this plan (default: the one traced with).
+
+        ``graph.lost`` lists the splits the policy asked for that the plan does not keep (an op
+        run whole on gathered inputs, a linear kept whole, a flow that splits nothing:
+        ``cube.ir.lost``); with ``strict`` they are a ``ValueError`` naming each op, its model
+        line and the fix.
 
         A pipeline plan (a schedule of ``nmicros > 1`` micro-batches) takes the global batch this
         was traced on and cuts it into ``nmicros`` micro-batches along dim 0, so its graph must have
@@ -357,7 +385,8 @@ class Traced:
 
         Raises:
             ValueError, TypeError: the policy failed or left ops unplaced, or a pipeline plan cannot
-                cut the global batch into its micro-batches exactly (the message says how to fix it).
+                cut the global batch into its micro-batches exactly (the message says how to fix it);
+                with ``strict``, the plan does not keep a split the policy asked for.
 
         ``nmicros``: the micro-batch count the policy will choose, when the caller knows it (the
         simulator, which sets the option): the policy then runs once, on the micro-batch's trace.
@@ -368,7 +397,7 @@ class Traced:
             graph = self.micro(nmicros, timings)._place(policy, world, options, zero, timings)
             if _nmicros(graph) != nmicros:
                 raise ValueError(f"place(nmicros={nmicros}): the policy chose {_nmicros(graph)} micro-batches")
-            return graph
+            return _kept(graph, policy, strict)
         graph = self._place(policy, world, options, zero, timings)
         nmicros = _nmicros(graph)
         if nmicros > 1 and self.graph.micro is None:
@@ -385,7 +414,7 @@ class Traced:
                                  f"{_nmicros(graph)} for its micro-batch of "
                                  f"{micro.graph.micro.batch // nmicros} samples: a pipeline plan's policy must "
                                  f"choose nmicros from its options, not from the batch's shape (pass nmicros=)")
-        return graph
+        return _kept(graph, policy, strict)
 
     def _place(self, policy: Callable, world: int, options: Optional[dict], zero: Optional[int],
                timings: dict) -> IRGraph:
@@ -440,7 +469,7 @@ class Traced:
         return micro
 
     def plan(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
-             zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None) -> Plan:
+             zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None, strict: bool = False) -> Plan:
         """Runs the policy on a copy of the graph for ``world`` ranks, then the passes.
 
         Args:
@@ -449,13 +478,15 @@ class Traced:
             options: keyword options for the policy (``tp``, ``pp``, ``nmicros``, ...).
             zero: the ZeRO stage of this plan (default: the one traced with).
             ranks: the ranks whose programs to lay out (default all; every rank is planned).
+            strict: a split the policy asked for that the plan cannot keep is an error (see
+                ``place``); without it ``Plan.lost`` lists them.
 
         Raises:
             ValueError, TypeError: the policy's plan cannot run (the message says why and how to fix it).
         """
         policy = load_policy(PAS)
         timings = dict(self.timings)
-        graph = self.place(policy, world, options=options, zero=zero, timings=timings)
+        graph = self.place(policy, world, options=options, zero=zero, timings=timings, strict=strict)
         with _phase("plan", timings):
             program = build_program(graph, world, ranks)
         return Plan(graph, program, self.consts_of(graph), policy_name(policy), timings)
@@ -467,6 +498,30 @@ class Traced:
             else self.consts
         used = {n for t in graph.attrs if t.kind.value == "const" for n in t.names}
         return {k: v for k, v in consts.items() if k in used}
+
+
+def _kept(graph: IRGraph, policy: Callable, strict: bool) -> IRGraph:
+    """``graph`` with its lost splits counted per step (a pipeline step runs its graph once per
+    micro-batch).
+
+    Raises:
+        ValueError: ``strict`` and the policy asked for splits the plan does not keep.
+    """
+    graph.lost = lost.per_step(graph.lost, _nmicros(graph))
+    if strict and graph.lost:
+        raise lost.error(graph.lost, _policy_label(policy))
+    return graph
+
+
+def _policy_label(policy: Callable) -> str:
+    """The policy's name (a ``functools.partial``'s function's)."""
+    return policy_name(getattr(policy, "func", policy))
+
+
+def _warn_lost(records: Sequence[lost.LostSplit], policy: str) -> None:
+    """One warning on the ``cube`` logger per split the plan does not keep."""
+    for line in lost.lines(records, policy):
+        log.warning("cube: %s", line)
 
 
 def _nmicros(graph: IRGraph) -> int:
@@ -507,14 +562,20 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
 
 def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 1, *,
          options: Optional[dict] = None, zero: int = 0, precision: Optional[str] = None,
-         ranks: Optional[Sequence[int]] = None) -> Plan:
+         ranks: Optional[Sequence[int]] = None, strict: bool = False) -> Plan:
     """Compiles ``model`` for ``world`` ranks in this process, as a value: trace, policy, passes.
 
     Nothing is launched, read or written (no process group, no cache); ``Plan.sources()``
     gives every rank's generated code. ``cube.trace_model(...).plan(...)`` does the same in
-    two steps, so one trace serves many plans.
+    two steps, so one trace serves many plans (without logging).
+
+    Each split the policy asked for that the plan does not keep is logged as a warning on the
+    ``cube`` logger (``Plan.lost`` lists them); with ``strict`` they are a ``ValueError``.
     """
-    return trace_model(model, batch, zero=zero, precision=precision).plan(PAS, world, options=options, ranks=ranks)
+    planned = trace_model(model, batch, zero=zero, precision=precision).plan(PAS, world, options=options,
+                                                                            ranks=ranks, strict=strict)
+    _warn_lost(planned.lost, _policy_label(PAS) if callable(PAS) else planned.policy)
+    return planned
 
 
 def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy: Callable,
@@ -571,17 +632,19 @@ def generate(graph: IRGraph, rank: int, world: int, policy: str, timings: Option
 
 
 def explain(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int, folder, zero: int = 0,
-            precision: Optional[str] = None, options: Optional[dict] = None) -> list:
+            precision: Optional[str] = None, options: Optional[dict] = None, strict: bool = False) -> list:
     """Plans ``model`` for ``world_size`` ranks in this process and writes the report into ``folder``.
 
     Nothing is launched: this traces, applies the policy and plans every rank,
     as ``cube.compile`` would, then writes ``plan.txt``, ``placement.svg`` and
-    (for pipeline plans) ``schedule.svg`` (``cube.codegen.report``).
+    (for pipeline plans) ``schedule.svg`` (``cube.codegen.report``). ``plan.txt``
+    lists the splits the policy asked for that the plan does not keep; with
+    ``strict`` they are a ``ValueError`` instead, and nothing is written.
 
     Returns:
         The paths written.
     """
-    planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision)
+    planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision, strict=strict)
     return write_report(planned.program, folder)
 
 
@@ -599,7 +662,7 @@ def _load_source(path: Path, name: str):
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
             zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None,
-            backend: Optional[str] = None) -> Callable:
+            backend: Optional[str] = None, strict: bool = False) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -631,6 +694,12 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             send, receive and ZeRO-3 wait stays eager between the compiled pieces
             (``cube.runtime.compiled``). The generated code and its cache entry are
             the same as without it. Meant for GPUs; on a CPU it gains little.
+        strict: a split the policy asked for that the plan cannot keep (an op run whole on
+            gathered inputs, a linear kept whole, a flow that splits nothing, e.g.
+            ``PASMegatronTP`` on a model without linear pairs) is a ``ValueError`` naming each
+            op, its model line and the fix (``cube.register_op``, or another policy), also
+            when the code comes from the cache. Without it, rank 0 logs one warning per such
+            op on the ``cube`` logger (``cube.ir.lost``).
 
     Returns:
         A decorator turning the step into a ``CompiledStep``.
@@ -645,7 +714,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
 
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
-                            precision=precision, options=options, backend=backend)
+                            precision=precision, options=options, backend=backend, strict=strict)
         rt_session.register(step)
         return step
 

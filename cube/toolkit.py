@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence, Tuple, Union
 
 from cube import schedule
+from cube.ir import lost
 from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import Flow, batch_flow, context_flow, cut, expert_flow, megatron_flow, sequence_flow
 from cube.ir.graph import IRGraph
@@ -100,6 +101,10 @@ def place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, /, **splits: Split
     Args:
         splits: mesh dimension name -> ``(idx, dim)``, a letter of ``node.anno``, a ``Flow``, or None.
 
+    A ``Flow`` that reaches ``node`` but cannot split it (``Flow.losses``), or that splits nothing at
+    all, is recorded on ``graph.lost`` (``cube.ir.lost``): cube.compile reports it, and refuses it
+    under ``strict=True``.
+
     Returns:
         The pieces in the mesh's device order.
 
@@ -109,7 +114,22 @@ def place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, /, **splits: Split
     unknown = [k for k in splits if k not in mesh]
     if unknown:
         raise ValueError(f"place({node!r}): the mesh has dimensions {list(mesh.names)}, not {unknown}")
+    _note_lost(graph, node, mesh, splits)
     return _place(graph, node, mesh, splits)
+
+
+def _note_lost(graph: IRGraph, node: IROperator, mesh: DeviceMesh, splits: dict) -> None:
+    """Records on ``graph`` the splits the flows among ``splits`` ask of ``node`` but cannot keep."""
+    for name, split in splits.items():
+        n = mesh[name].size
+        if not isinstance(split, Flow) or n == 1:
+            continue
+        if split.empty and not split.splits and not split.batch:
+            alone = all(size == 1 for other, size in mesh.dims if other != name)
+            lost.note_nothing(graph, split.empty, name, n, alone)
+        loss = split.losses.get(id(node.root))
+        if loss is not None and split.split_of(node) is None:
+            lost.note(graph, loss, name, n)
 
 
 def _place(graph: IRGraph, node: IROperator, mesh: DeviceMesh, splits: dict) -> List[IROperator]:

@@ -6,6 +6,9 @@ that sums it away: the row-split linear after it (MLP pairs, attention output
 projection) or a reduction. Attention is then split by heads. Everything else
 (norms, embeddings, the LM head and loss) runs whole on every device. No
 module names are used, so it plans the shipped GPT, HF GPT-2 and HF Llama alike.
+A linear whose split stops at an op without a usable rule (a KV-cache ``cat``),
+and a model with no pair at all (a convolutional one), are reported by compile
+(``cube.ir.lost``) and refused under ``strict=True``.
 """
 from cube.ir import IRGraph
 from cube.mesh import DeviceMesh

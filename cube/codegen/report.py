@@ -1,6 +1,7 @@
 """A plan, for people: a text dump per rank and pictures (SVG, no dependencies).
 
-- ``plan.txt``: per rank, its pieces of the parameters, each forward statement
+- ``plan.txt``: the splits the policy asked for that the plan does not keep (``cube.ir.lost``),
+  then per rank, its pieces of the parameters, each forward statement
   (op piece with the boxes it reads and makes, or a communication step with its
   ranks), the gradient sums left to the reducer and the pipeline actions.
 - ``placement.svg``: which rank holds which piece of each parameter: one row per
@@ -153,6 +154,9 @@ def plan_text(program: Program) -> str:
     graph, plans, actions = program.graph, program.plans, program.actions
     out = [f"plan of {graph.name}: {len(plans)} ranks" + (f", ZeRO-{graph.zero}" if getattr(graph, "zero", 0) else "")
            + (f", {graph.precision}" if getattr(graph, "precision", None) else "")]
+    lost = getattr(graph, "lost", [])
+    out.append(f"splits the policy asked for that the plan does not keep: {len(lost) or 'none'}")
+    out += [f"  - {r.describe()}" for r in lost]
     for r in sorted(plans):
         p = plans[r]
         out.append("")

@@ -15,7 +15,25 @@ from typing import Callable, Dict, List, Optional, Tuple
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
-from cube.ir.tensor import TensorKind
+from cube.ir.tensor import IRTensor, TensorKind
+
+
+@dataclass(frozen=True)
+class Loss:
+    """An op a split reaches but cannot go through, so it runs whole (``cube.ir.lost`` reports it).
+
+    Attributes:
+        op: the op (of the graph the flow was found on).
+        why: why it runs whole: what its rule refuses, or where a linear's column split stops.
+        what: the split lost (``"data parallel"``, ``"tensor parallel"``, ...).
+        gathered: its inputs the flow splits, gathered whole for it; none when nothing is
+            gathered (a linear kept whole reads a whole input).
+    """
+
+    op: IRFwOperation
+    why: str
+    what: str
+    gathered: Tuple[IRTensor, ...] = ()
 
 
 @dataclass
@@ -28,6 +46,10 @@ class Flow:
         blocked: ops that read a split tensor but cannot be split along it.
         reduced: ops where the split ends in a partial sum (e.g. a row linear).
         batch: the split is the batch's, so the data operation splits too (dim 0 of its tensors).
+        losses: op id -> ``Loss``: the ops that run whole although the split reaches them (a
+            blocked op reading a tensor the flow does split: the plan gathers it; a linear
+            whose column split stops at an op that cannot carry it).
+        empty: what to say when the flow splits nothing (``"no linear pairs found to split"``).
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
@@ -35,6 +57,8 @@ class Flow:
     blocked: List[IRFwOperation] = field(default_factory=list)
     reduced: List[IRFwOperation] = field(default_factory=list)
     batch: bool = False
+    losses: Dict[int, Loss] = field(default_factory=dict)
+    empty: str = ""
 
     def split_of(self, op) -> Optional[Tuple[int, int]]:
         """The (idx, dim) to split ``op`` (or a piece of it) on, or None: replicate it."""
@@ -42,6 +66,13 @@ class Flow:
             return (0, 0) if self.batch else None
         e = self.splits.get(id(op.root))
         return None if e is None else e[1:]
+
+    def copy(self, **changes) -> "Flow":
+        """A copy with its own containers (``changes`` replace fields)."""
+        fields = dict(splits=dict(self.splits), tracked=dict(self.tracked), blocked=list(self.blocked),
+                      reduced=list(self.reduced), batch=self.batch, losses=dict(self.losses), empty=self.empty)
+        fields.update(changes)
+        return Flow(**fields)
 
 
 def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
@@ -57,8 +88,7 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             dim is still followed through them when they could carry it, so a later op may run
             on a piece of their output.
     """
-    out = Flow(dict(flow.splits), dict(flow.tracked), list(flow.blocked), list(flow.reduced),
-               flow.batch) if flow else Flow()
+    out = flow.copy() if flow else Flow()
     out.tracked.update(seeds)
     start = start or {}
     for op in graph.ops:
@@ -126,11 +156,66 @@ def _choose(op: IRFwOperation, flow: Flow, num: int) -> Optional[Tuple[int, int]
     return choice
 
 
+def refusal(op: IRFwOperation, tracked, num: int) -> str:
+    """Why ``op`` cannot be split ``num`` ways along the tracked dims of its inputs (what
+    ``_choose`` refused), in a few words: no rule, a dim its rule keeps whole, a size ``num``
+    does not divide, or inputs split along dims its rule does not split together."""
+    if op.anno is None:
+        return op.anno_error or "cube has no partition rule for it"
+    algo = op.algorithms("dim")
+    first = None
+    for idx, t in enumerate(op.inputs):
+        if id(t) not in tracked:
+            continue
+        dim = tracked[id(t)]
+        if (idx, dim) not in algo.legal():
+            return f"its rule '{op.anno}' does not split dim {dim} of input {idx} ('{op.anno.inputs[idx][dim]}')"
+        try:
+            algo.check(idx, dim, num)
+        except ValueError as e:
+            ident = algo.ident(idx, dim)
+            size = algo.size(ident)
+            return f"'{ident.name}' (dim {dim} of input {idx}) has size {size}, which {num} does not divide" \
+                if size % num else str(e)
+        name = op.anno.inputs[idx][dim].head.name
+        if first is None:
+            first = (idx, dim, name)
+        elif name != first[2]:
+            return (f"input {first[0]} is split along dim {first[1]} and input {idx} along dim {dim}, which its "
+                    f"rule '{op.anno}' does not split together")
+    return "it cannot carry the split"
+
+
+def _gathers(graph: IRGraph, flow: Flow, num: int, what: str,
+             skip: Optional[Callable[[IRFwOperation], bool]] = None) -> None:
+    """Adds to ``flow.losses`` every op of ``flow.blocked`` that reads a tensor the flow splits (a
+    batch tensor under a batch split, or an output of an op it splits): the plan gathers that
+    tensor whole for it. A blocked op that reads only tensors the flow follows but leaves whole
+    (through ops it keeps whole, or a split it dropped) costs no gather and is not one, nor is an
+    op ``skip`` says is whole by the flow's design."""
+    if not flow.blocked:
+        return
+    made = {id(t): op for op in graph.ops for t in op.outputs}
+
+    def split(t) -> bool:
+        maker = made.get(id(t))
+        return id(t) in flow.tracked and (flow.batch if isinstance(maker, IRDataOperation)
+                                          else maker is not None and id(maker) in flow.splits)
+    for op in flow.blocked:
+        if id(op) in flow.losses or id(op) in flow.splits or (skip is not None and skip(op)):
+            continue
+        reads = tuple(t for t in op.inputs if split(t))
+        if reads:
+            flow.losses[id(op)] = Loss(op, refusal(op, flow.tracked, num), what, reads)
+
+
 def batch_flow(graph: IRGraph, num: int) -> Flow:
-    """Follows the batch (dim 0 of every batch tensor) split ``num`` ways."""
+    """Follows the batch (dim 0 of every batch tensor) split ``num`` ways; ``losses``: the ops
+    that read a batch-split tensor but cannot split along the batch (their inputs are gathered)."""
     data = graph.select(ntype=IRDataOperation)[0]
     flow = follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num)
     flow.batch = True
+    _gathers(graph, flow, num, "data parallel")
     return flow
 
 
@@ -156,9 +241,11 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
         tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1]
         if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
             start[id(op)] = (tracked[0], 0)
-    if not start:
-        return flow
-    return follow(graph, seeds, num, start=start)
+    if start:
+        flow = follow(graph, seeds, num, start=start)
+    flow.empty = "no sequence dim found to split"
+    _gathers(graph, flow, num, "context parallel")
+    return flow
 
 
 def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
@@ -176,9 +263,18 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
 
     Each linear's trial follows its split only through the ops that read what it
     splits (what ``follow`` from that linear would change), so the whole search
-    is linear in the graph's size."""
-    flow = Flow()
+    is linear in the graph's size.
+
+    ``losses`` lists the linears kept whole because their split stops at an op that
+    could carry a split but not this one (no rule, a dim its rule keeps whole, a size
+    the pieces do not divide: a KV-cache ``cat``, a fused q/k/v ``split``). A split
+    that reaches a norm, softmax or loss (a row linear before a residual norm, a
+    router, an LM head without ``vocab``) or no sum at all is whole by design and not
+    listed, nor is a linear that a listed one keeps whole with it (the output
+    projection after a lost q projection)."""
+    flow = Flow(empty="no linear pairs found to split")
     readers = _Readers(graph)
+    behind = set()   # linears a lost one keeps whole too (the output projection after a q projection)
     for op in readers.ops:
         info = op_info(op.name)   # a matmul of an input and a weight
         if info.cost != "matmul" or info.batched or id(op) in flow.splits or op.anno is None:
@@ -187,14 +283,29 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
         if col is None or not op.algorithms("dim").satisfy(*col, num):
             continue
         trial = _trial(readers, flow, op, col, num, inside_ends=vocab)
-        if trial is not None:
-            splits, tracked, reduced = trial
-            flow.splits.update(splits)
-            flow.tracked.update(tracked)
-            flow.reduced.extend(reduced)
+        if trial.stop is None:
+            flow.splits.update(trial.splits)
+            flow.tracked.update(trial.tracked)
+            flow.reduced.extend(trial.reduced)
+        elif trial.lost and id(op) not in behind:
+            stop = trial.stop
+            flow.losses[id(op)] = Loss(op, f"its column split ({num} pieces of its output features) stops at "
+                                           f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel")
+            behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow
+
+
+# rules of ops that need every element along the dims they keep whole (a norm, softmax, a loss, a
+# max): a linear's column split that reaches one is no Megatron pair (a row linear before a
+# residual norm, a router before its softmax), so the linear is whole by design, not lost
+_NORMALIZING = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "along_dim", "loss",
+                          "pointwise_loss", "max_rule"})
+
+
+def _normalizes(op: IRFwOperation) -> bool:
+    return op_info(op.name).rule in _NORMALIZING
 
 
 def _vocab_embeddings(ops: List[IRFwOperation], flow: Flow, num: int) -> None:
@@ -244,8 +355,19 @@ def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
     feeds = {id(t) for op, _, _ in tensor.splits.values() for t in op.inputs}
     meets = {root(k) for k, (op, _, _) in seq.items()
              if any(id(t) in partial for t in op.inputs) or any(id(t) in feeds for t in op.outputs)}
-    out = Flow(dict(tensor.splits), dict(flow.tracked), list(flow.blocked), list(tensor.reduced), tensor.batch)
+    out = tensor.copy(tracked=dict(flow.tracked), blocked=list(flow.blocked))
     out.splits.update({k: e for k, e in seq.items() if root(k) in meets})
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.select(ntype=IRFwOperation):
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+
+    def designed(op: IRFwOperation) -> bool:
+        # a reshape read only by ops whole in the sequence (a flatten before a linear): its gather is
+        # the one the plan makes before that op anyway
+        return op_info(op.name).alias and all(_whole_in_sequence(r) for t in op.outputs
+                                              for r in readers.get(id(t), ()))
+    _gathers(graph, out, num, "sequence parallel", skip=designed)
     return out
 
 
@@ -275,7 +397,7 @@ def expert_flow(graph: IRGraph, data: Flow, num: int) -> Flow:
         return data
     experts = follow(graph, weights, num)
     ends = {id(op) for op in experts.reduced}
-    out = Flow(dict(data.splits), dict(data.tracked), list(data.blocked), list(data.reduced), data.batch)
+    out = data.copy()
     out.splits.update({k: v for k, v in experts.splits.items() if k not in ends})
     return out
 
@@ -309,20 +431,44 @@ def _ends_inside(op: IRFwOperation, idx: int, dim: int) -> bool:
                                      for g in op.anno.outputs for d in g)
 
 
+@dataclass
+class _Trial:
+    """What a linear's column split adds to a flow, or where it stops.
+
+    Attributes:
+        splits, tracked, reduced: what it adds (when ``stop`` is None).
+        stop: the op it stops at (None: the split is kept); the linear itself when it goes nowhere.
+        why: why it stops there.
+        lost: it stops at an op that could carry a split but not this one (no rule, a dim the
+            rule keeps whole, a size the pieces do not divide), not at one that needs every
+            feature (a norm, softmax or loss: there the linear is whole by design).
+    """
+
+    splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
+    tracked: Dict[int, int] = field(default_factory=dict)
+    reduced: List[IRFwOperation] = field(default_factory=list)
+    stop: Optional[IRFwOperation] = None
+    why: str = ""
+    lost: bool = False
+
+
 def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, int], num: int,
-           inside_ends: bool = False):
+           inside_ends: bool = False, past: bool = False) -> _Trial:
     """Follows a column split of ``start`` through the ops that read the tensors it splits.
 
     Gives what ``follow(graph, {}, num, flow, start={id(start): col})`` would add
-    to ``flow``, visiting only the ops it can change: ``(splits, tracked,
-    reduced)`` when the split ends in a sum (with ``inside_ends``, also one made
-    inside an op's call) or joins one of ``flow``'s splits, None when it would
-    stop at an op that cannot carry it (or goes nowhere).
+    to ``flow``, visiting only the ops it can change, when the split ends in a sum
+    (with ``inside_ends``, also one made inside an op's call) or joins one of
+    ``flow``'s splits; else where it stops: at an op that cannot carry it, or
+    nowhere.
+
+    With ``past``, an op that cannot carry the split does not stop it: the op is left whole and
+    the split goes on along the other paths, so ``splits`` holds every op the split would reach
+    with that op whole (the ops a lost column split keeps whole with it: the attention and
+    output projection after a q projection whose rotary embedding has no rule).
     """
-    splits: Dict[int, Tuple[IRFwOperation, int, int]] = {}
-    tracked: Dict[int, int] = {}
-    reduced: List[IRFwOperation] = []
-    view = _Overlay(flow, tracked)
+    trial = _Trial()
+    view = _Overlay(flow, trial.tracked)
     first = readers.pos[id(start)]
     heap, queued, joins = [first], {first}, False
     while heap:
@@ -335,23 +481,29 @@ def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, 
             continue
         else:
             choice = _choose(op, view, num)
+            if choice is None and past:
+                continue
             if choice is None:        # reads the split but cannot carry it
-                return None
+                return _Trial(stop=op, why=refusal(op, view.tracked, num), lost=not _normalizes(op))
         if op is not start and _ends_inside(op, *choice) and not inside_ends:
-            return None
-        splits[id(op)] = (op, *choice)
+            if past:
+                continue
+            return _Trial(stop=op, why="it sums the split away inside its call (a loss over the classes)")
+        trial.splits[id(op)] = (op, *choice)
         made: Dict[int, int] = {}
         if _carry(op, *choice, made):
-            reduced.append(op)
+            trial.reduced.append(op)
         elif op is not start and _ends_inside(op, *choice):
             joins = True
-        tracked.update(made)
+        trial.tracked.update(made)
         for t in made:
             for j in readers.of.get(t, ()):
                 if j not in queued:
                     queued.add(j)
                     heapq.heappush(heap, j)
-    return (splits, tracked, reduced) if reduced or joins else None
+    if trial.reduced or joins or past:
+        return trial
+    return _Trial(stop=start, why="its split reaches no op that sums it away")
 
 
 def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:

@@ -1,6 +1,7 @@
 """The IR graph and the primitives a policy uses on it."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 from cube.ir.blocks import rerun_hazard
@@ -35,6 +36,9 @@ class IRGraph:
         # a pipeline plan's graph traced on one micro-batch of the global batch: how a step cuts the
         # batch and what each micro-batch's loss is a share of (cube.passes.micro.MicroBatches)
         self.micro = None
+        # splits the policy asked for that the plan does not keep (cube.ir.lost.LostSplit), recorded
+        # by cube.toolkit.place
+        self.lost: list = []
         self._pos: Dict[int, int] = {}   # op id -> position in ops (checked on use, see _find)
         self._next = 0                    # where the op after the latest replaced one is
 
@@ -264,6 +268,7 @@ class IRGraph:
         out.stages = [[twin.get(id(o), o) for o in st] for st in self.stages]
         out.schedule, out.zero, out.precision = self.schedule, self.zero, self.precision
         out.micro = getattr(self, "micro", None)
+        out.lost = [replace(r, node=twin.get(id(r.node), r.node)) for r in self.lost]
         return out
 
     def __repr__(self) -> str:
