@@ -16,7 +16,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     near zero turns round-off from a different summation order into an update
     of size lr; that is the optimizer's sensitivity, not a wrong result.)
     """
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.is_complex() or b.is_complex():   # both parts
+        a, b = torch.view_as_real(a.to(torch.complex128)), torch.view_as_real(b.to(torch.complex128))
+    a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 

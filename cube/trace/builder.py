@@ -448,5 +448,30 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
         raise TypeError(f"{type(model).__qualname__}.forward must return a scalar floating-point "
                         f"loss; it returned a tensor of shape {list(loss.shape)} and dtype {loss.dtype}. "
                         f"Reduce it (e.g. loss.mean()) inside forward.")
-    graph = IRGraph([data_op] + b.ops, b.attrs, loss, name=type(model).__name__)
-    return graph, b.consts
+    ops = _live(b.ops, outs)
+    read = {id(t) for op in ops for t in op.inputs}
+    attrs = [t for t in b.attrs if t.kind is not TensorKind.CONST or id(t) in read]
+    graph = IRGraph([data_op] + ops, attrs, loss, name=type(model).__name__)
+    return graph, {k: v for k, v in b.consts.items() if any(k in t.names for t in attrs)}
+
+
+def _effect(op: IRFwOperation) -> bool:
+    """Whether ``op`` does more than make its outputs: writes a tensor, or draws random numbers
+    (dropping it would shift every later draw)."""
+    target = op.target
+    if not op.outputs or not isinstance(target, torch._ops.OpOverload) or inplace.written(target):
+        return True
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or any(w in op.name for w in ("dropout", "rand", "bernoulli"))
+
+
+def _live(ops: List[IRFwOperation], outs: list) -> List[IRFwOperation]:
+    """``ops`` without those whose values nothing reads (dead code a model's forward leaves: the
+    empty tensor a key/value cache starts from, a mask built and not used), keeping ops with effects."""
+    needed = {id(t) for t in _flatten(outs) if isinstance(t, IRTensor)}
+    keep = []
+    for op in reversed(ops):
+        if _effect(op) or any(id(t) in needed for t in op.outputs):
+            keep.append(op)
+            needed.update(id(t) for t in op.inputs)
+    return keep[::-1]

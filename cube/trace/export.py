@@ -127,10 +127,28 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> 
         where = _user_frame(e)
         first = str(e).strip().splitlines()
         msg = "\n".join(first[:12])
+        fix = _DATA_DEPENDENT_FIX if _data_dependent(e) else (
+            "Fix: make forward traceable for the sample batch (no data-dependent Python control "
+            "flow on tensor values, no unsupported ops), or wrap the offending part in a function "
+            "registered with cube.register_op.")
         raise TraceError(
             f"cube could not trace {_model_location(model)} with torch.export (non-strict).\n"
             + (f"It failed at {where}\n" if where else "")
-            + f"{type(e).__name__}: {msg}\n"
-            "Fix: make forward traceable for the sample batch (no data-dependent Python control "
-            "flow on tensor values, no unsupported ops), or wrap the offending part in a function "
-            "registered with cube.register_op.") from e
+            + f"{type(e).__name__}: {msg}\n" + fix) from e
+
+
+_DATA_DEPENDENT_FIX = (
+    "The shape of a tensor there depends on the values of another (a data-dependent shape: .tolist() or "
+    ".item() feeding a size, boolean indexing, nonzero, tokens split per expert by their counts). cube "
+    "compiles a static graph whose every shape follows from the batch's shape. Fix: compute with fixed "
+    "shapes (pad to a capacity, a dense dispatch over all experts, torch.where instead of boolean "
+    "indexing), or wrap the code in a function registered with cube.register_op.")
+
+
+def _data_dependent(e: BaseException) -> bool:
+    """Whether export failed on a size computed from a tensor's values (an unbacked symbol)."""
+    while e is not None:
+        if "DataDependent" in type(e).__name__ or "data-dependent" in str(e)[:300]:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
