@@ -32,3 +32,10 @@ def test_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
 
 def test_every_listed_refusal_names_a_case_of_the_table():
     assert set(zoo.REFUSED) <= set(CASES)
+
+
+def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
+    from tests import op_coverage
+    used = op_coverage.model_ops(zoo.MODELS)
+    missing = sorted(op for op in used if op in op_coverage.dtensor_ops() and op not in op_coverage.cube_ops())
+    assert len(used) > 50 and not missing, missing

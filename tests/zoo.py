@@ -3,7 +3,7 @@
 Each model comes from an installed package (``transformers``) with its default configuration,
 shrunk only in size (hidden size, layers, vocabulary) so it trains in seconds on a CPU:
 ``use_cache``, attention implementation, MoE routing, loss functions and normalizations are as
-shipped. Dropout is set to 0 (the one change of behaviour): with dropout on, a plan draws other
+shipped. Dropout and stochastic depth are set to 0 (the one change of behaviour): on, a plan draws other
 masks than one process, so a run is not comparable with the plain model (``exact_rng``).
 
 ``run(model, plan)`` trains two steps of one plan in the in-process world and compares the loss
@@ -48,9 +48,10 @@ class LM(nn.Module):
 
 
 def no_dropout(cfg):
-    """``cfg`` with every dropout probability 0 (see the module docstring)."""
+    """``cfg`` with every dropout and drop-path (stochastic depth) probability 0 (module docstring)."""
     for k, v in list(vars(cfg).items()):
-        if isinstance(v, float) and ("dropout" in k or "pdrop" in k or "drop_prob" in k or k.endswith("_drop")):
+        named = any(w in k for w in ("dropout", "pdrop", "drop_prob", "drop_path")) or k.endswith("_drop")
+        if isinstance(v, float) and named:
             setattr(cfg, k, 0.0)
     return cfg
 
@@ -106,7 +107,7 @@ _IMAGE = {
                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=10),
     "swin": lambda: _hf("SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4, embed_dim=16,
                         depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
-    "convnext": lambda: _hf("ConvNextConfig", "ConvNextForImageClassification", hidden_sizes=[8, 16], depths=[1, 1],
+    "convnext": lambda: _hf("ConvNextConfig", "ConvNextForImageClassification", num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
                             num_labels=10, image_size=32),
     "resnet": lambda: _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16],
                           depths=[1, 1], num_labels=10),

@@ -94,7 +94,8 @@ relu relu_ gelu gelu_ silu silu_ hardtanh leaky_relu elu mish softplus erf clamp
 maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and logical_or bitwise_not
 bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
-zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors""", rule="elementwise")
+zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors floor_divide remainder fmod
+trunc isnan isinf bitwise_xor __xor__ xlogy""", rule="elementwise")
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
@@ -118,7 +119,7 @@ _add("mse_loss l1_loss smooth_l1_loss", rule="pointwise_loss")
 _add("softmax _softmax log_softmax _log_softmax cumsum", rule="along_dim")
 _add("triu tril", rule="along_last_two")
 _add("view reshape _unsafe_view flatten unflatten unsqueeze squeeze view_as", rule="reshape")
-_add("transpose swapaxes permute t", rule="permute")
+_add("transpose swapaxes permute t numpy_T", rule="permute")
 _add("expand expand_as", rule="expand")
 _add("select", rule="select")
 _add("slice", rule="slice_rule")

@@ -362,6 +362,10 @@ class _Builder:
             raise TypeError(f"cube cannot handle the traced call {node.format_node()} "
                             f"(from {_source(node)}); only ATen and registered ops are supported")
         args, kwargs = self._map(node.args), self._map(node.kwargs)
+        if name == "detach_" and isinstance(args[0], IRTensor) and not args[0].requires_grad:
+            self.env[node] = args[0]   # changes nothing of a tensor that needs no gradient (a cache's empty start)
+            self._alias(node, node.args[0])
+            return
         if inplace.written(target) and self._functional(node, args, kwargs):
             return
         if name == "type_as":   # reads only the other tensor's dtype: a cast of its first input, or itself
