@@ -22,6 +22,9 @@ _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
 
 _IDENTITY = {"alias"}
 
+# x.new_X(...) -> torch.X(...) with x's dtype and device
+_NEW = {"new_zeros": "zeros", "new_ones": "ones", "new_empty": "empty", "new_full": "full"}
+
 _FILE_LINE = re.compile(r'File "(.+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
@@ -376,6 +379,18 @@ class _Builder:
             else:
                 self.env[node] = self._op(node, torch.ops.aten._to_copy.default, [x], {"dtype": other.dtype},
                                           [_tensor_of(val, node.name)]).outputs[0]
+            return
+        if name in _NEW and isinstance(args[0], IRTensor):
+            # x.new_zeros(size): reads only x's dtype and device: a creation, so a split x is not gathered
+            names = [a.name for a in target._schema.arguments]
+            given = dict(zip(names, args), **kwargs)
+            src = node.args[0].meta.get("val")
+            made = {"dtype": given.get("dtype") or args[0].dtype, "layout": given.get("layout"),
+                    "device": given.get("device") or src.device, "pin_memory": given.get("pin_memory")}
+            fn = getattr(torch.ops.aten, _NEW[name]).default
+            pos = [given["size"]] + ([given["fill_value"]] if name == "new_full" else [])
+            self.env[node] = self._op(node, fn, pos, {k: v for k, v in made.items() if v is not None},
+                                      [_tensor_of(val, node.name)]).outputs[0]
             return
         if name in ("cat", "concat") and any(_legacy_empty(a.meta.get("val")) for a in node.args[0]
                                              if isinstance(a, torch.fx.Node)):
