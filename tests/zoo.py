@@ -193,6 +193,28 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
     return Outcome("exact" if worst <= 1e-5 else "wrong", error=worst, seconds=time.time() - start)
 
 
+TRANSFORMERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "opt", "falcon",
+                "mixtral", "qwen2_moe", "bert", "roberta", "t5", "bart", "vit", "swin"]
+
+
+def tp_shares(name: str, tp: int) -> Dict[str, float]:
+    """The share of each of block 0's linear weights that rank 0 holds under ``PASMegatronTP`` on
+    ``tp`` ranks (1.0: whole on every rank)."""
+    import math
+
+    import cube
+    from policies.megatron import PASMegatronTP
+    model, batch = build(name)
+    held: Dict[str, int] = {}
+    for t, box in cube.plan(model, batch, PASMegatronTP, tp, ranks=[0]).program[0].plan.attrs:
+        if t.kind.value == "param":
+            for n in t.names:
+                held[n] = held.get(n, 0) + math.prod(e - b for b, e in box)
+    block = [n for n, p in model.named_parameters() if p.ndim == 2 and ".0." in n and "embed" not in n
+             and "rel" not in n and "position" not in n]
+    return {n: held.get(n, 0) / model.get_parameter(n).numel() for n in block}
+
+
 def _subprocess(name: str, plan: str, timeout: float) -> Outcome:
     cmd = [sys.executable, "-m", "tests.zoo", "--one", name, plan]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -292,9 +292,35 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
             flow.losses[id(op)] = Loss(op, f"its column split ({num} pieces of its output features) stops at "
                                            f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel")
             behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
+    _weight_views(readers, flow, num)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow
+
+
+_VIEWS = frozenset("t transpose permute numpy_T".split())
+
+
+def _weight_views(readers: _Readers, flow: Flow, num: int) -> None:
+    """Adds to ``flow`` the split of a transposed weight a split matmul reads (``x @ w.T``, as
+    Falcon's linear writes it): the transpose is cut along the split, so each rank holds its piece
+    of the weight itself, not the whole weight and a piece of its transpose."""
+    makers = {id(t): op for op in readers.ops for t in op.outputs}
+    for op, idx, dim in list(flow.splits.values()):
+        letter = op.anno.inputs[idx][dim].head
+        for j, t in enumerate(op.inputs):
+            view = makers.get(id(t))
+            if view is None or view.name not in _VIEWS or id(view) in flow.splits or \
+                    view.inputs[0].kind is not TensorKind.PARAM or len(readers.of.get(id(t), ())) != 1:
+                continue
+            at = [d for d, g in enumerate(op.anno.inputs[j]) if g.head is not None and g.head.name == letter.name]
+            if len(at) != 1 or view.anno is None:
+                continue
+            out = view.anno.outputs[0][at[0]].head
+            src = [d for d, g in enumerate(view.anno.inputs[0]) if g.head is not None and out is not None
+                   and g.head.name == out.name]
+            if len(src) == 1 and view.algorithms("dim").satisfy(0, src[0], num):
+                flow.splits[id(view)] = (view, 0, src[0])
 
 
 # rules of ops that need every element along the dims they keep whole (a norm, softmax, a loss, a
