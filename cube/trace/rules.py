@@ -462,17 +462,20 @@ def slice_scatter(op: IRFwOperation) -> str:
     return _anno([g, sg], [g])
 
 
-def split(op: IRFwOperation) -> str:
-    x = op.inputs[0]
-    d = _dim(_arg(op, 2, "dim", 0), x.ndim)
+def _cut_along(op: IRFwOperation, d: int) -> str:
+    """One input whose dim ``d`` is whole, outputs like it with their own (whole) dim ``d``."""
     names = _Names()
-    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
+    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(op.inputs[0].shape)]
     outs = []
     for o in op.outputs:
         og = list(g)
         og[d] = "1" if o.shape[d] == 1 else names(True)
         outs.append(og)
     return _anno([g], outs)
+
+
+def split(op: IRFwOperation) -> str:
+    return _cut_along(op, _dim(_arg(op, 2, "dim", 0), op.inputs[0].ndim))
 
 
 def unbind(op: IRFwOperation) -> str:
@@ -616,17 +619,8 @@ def repeat_interleave(op: IRFwOperation) -> str:
 
 def topk(op: IRFwOperation) -> str:
     """``topk``/``sort``/``argsort``: the dim it ranks along is whole, the others split."""
-    x = op.inputs[0]
     d = _arg(op, 2, "dim", -1) if op.name == "topk" else _arg(op, 1, "dim", -1)
-    d = _dim(d if isinstance(d, int) else -1, x.ndim)
-    names = _Names()
-    g = ["1" if s == 1 else names(k == d) for k, s in enumerate(x.shape)]
-    outs = []
-    for o in op.outputs:
-        og = list(g)
-        og[d] = "1" if o.shape[d] == 1 else names(True)
-        outs.append(og)
-    return _anno([g], outs)
+    return _cut_along(op, _dim(d if isinstance(d, int) else -1, op.inputs[0].ndim))
 
 
 def count(op: IRFwOperation) -> str:
