@@ -35,6 +35,10 @@ class IRTensor:
             have several, the first is canonical).
         part_of: for a rank's local value made by communication (a received box, a gathered
             or summed copy), the logical tensor it holds a part of; None for a logical tensor.
+        region: for a sub-parameter (``cube.trace.fused``: one block of a fused projection's
+            weight), the box of the user's tensor ``names`` it stands for, ``(start, stop)`` per
+            dim; None when it stands for the whole tensor.
+        full: with ``region``, the shape of the user's tensor.
     """
 
     shape: Tuple[int, ...]
@@ -44,6 +48,8 @@ class IRTensor:
     hint: str = "t"
     names: Tuple[str, ...] = field(default=())
     part_of: Optional["IRTensor"] = field(default=None, repr=False)
+    region: Optional[Tuple[Tuple[int, int], ...]] = None
+    full: Optional[Tuple[int, ...]] = None
 
     @property
     def logical(self) -> "IRTensor":
@@ -58,6 +64,18 @@ class IRTensor:
     def name(self) -> Optional[str]:
         """The canonical user name of a parameter/buffer, else None."""
         return self.names[0] if self.names else None
+
+    @property
+    def user_shape(self) -> Tuple[int, ...]:
+        """The shape of the user's tensor this one stands for (all of it, or a region of it)."""
+        return self.full if self.region is not None else self.shape
+
+    def user_box(self, box: Tuple[Tuple[int, int], ...]) -> Tuple[Tuple[int, int], ...]:
+        """``box`` (a piece of this tensor) as a box of the user's tensor: the same box, or, for a
+        sub-parameter, the box moved by its region's offsets."""
+        if self.region is None:
+            return tuple(box)
+        return tuple((o + s, o + e) for (o, _), (s, e) in zip(self.region, box))
 
     def numel(self) -> int:
         n = 1
