@@ -14,6 +14,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
+from cube.trace.fused import split_fused
 from cube.trace.rules import REGISTRY, Registry
 
 # ops that only check metadata or do nothing at run time: not IR ops
@@ -403,7 +404,8 @@ def _flatten(x):
 
 def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                 registry: Registry = REGISTRY) -> Tuple[IRGraph, Dict[str, torch.Tensor]]:
-    """Turns an exported program into an ``IRGraph``.
+    """Turns an exported program into an ``IRGraph``, fused projections cut into one matmul per
+    block (``cube.trace.fused``).
 
     Returns:
         The graph and the values of lifted constant tensors (by name).
@@ -431,4 +433,4 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                         f"loss; it returned a tensor of shape {list(loss.shape)} and dtype {loss.dtype}. "
                         f"Reduce it (e.g. loss.mean()) inside forward.")
     graph = IRGraph([data_op] + b.ops, b.attrs, loss, name=type(model).__name__)
-    return graph, b.consts
+    return split_fused(graph, registry), b.consts
