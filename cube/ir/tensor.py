@@ -86,4 +86,7 @@ class IRTensor:
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
         label = self.name or self.hint
+        if self.region is not None:   # a sub-parameter: the box of the user's tensor, "c_attn.weight[:, 0:32]"
+            label += "[" + ", ".join(":" if (s, e) == (0, n) else f"{s}:{e}"
+                                     for (s, e), n in zip(self.region, self.full)) + "]"
         return f"{label}:{shape}:{str(self.dtype).replace('torch.', '')}"

@@ -159,7 +159,7 @@ def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
     if len(dim) != 1 or not dim <= dims:
         return None
     c = dim.pop()
-    blocks = sorted((b for _, b in blocks), key=lambda b: b.start)
+    blocks = sorted((blk for _, blk in blocks), key=lambda blk: blk.start)
     edge = 0
     for blk in blocks:
         if blk.start != edge or blk.stop <= blk.start or not readers.get(id(blk.out)) or blk.out is loss:
