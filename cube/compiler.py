@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import inspect
 import logging
+import math
 import os
 import time
 from contextlib import contextmanager
@@ -286,10 +287,18 @@ def _holds_meta(model: torch.nn.Module) -> bool:
 
 
 def _plan_summary(cls, path: Path) -> str:
-    """One line on what rank 0 holds and does (from its generated module's tables)."""
-    pieces = sum(1 for _, splits in cls.PARAMS.values() if splits)
+    """One line on what rank 0 holds and does (from its generated module's tables): the user's
+    parameters it holds, and how many of them only in part (a fused weight's blocks count as one)."""
+    held: Dict[str, int] = {}
+    shapes = getattr(cls, "FULL_SHAPES", {})
+    for names, splits in cls.PARAMS.values():
+        shape = list(shapes.get(names[0], ()))
+        for dim, start, stop in splits:
+            shape[dim] = stop - start
+        held[names[0]] = held.get(names[0], 0) + math.prod(shape)
+    pieces = sum(1 for n, k in held.items() if n in shapes and k < math.prod(shapes[n]))
     groups = len({tuple(r) for _, r in cls.REDUCE})
-    parts = [f"rank 0 holds {len(cls.PARAMS)} parameters ({pieces} split into pieces)",
+    parts = [f"rank 0 holds {len(held)} parameters ({pieces} split into pieces)",
              f"{len(cls.GROUPS)} process groups", f"gradients of {len(cls.REDUCE)} summed over {groups} group(s)"]
     if getattr(cls, "ZERO", 0):
         parts.append(f"ZeRO-{cls.ZERO}")

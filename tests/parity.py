@@ -39,9 +39,15 @@ def global_batches(sample, steps: int, nmicros: int = 1, seed: int = 1):
     return [tuple(torch.cat(ts) for ts in zip(*parts[i * nmicros:(i + 1) * nmicros])) for i in range(steps)]
 
 
-def eager_run(model, batches, steps, lr=1e-3):
-    """Plain single-device AdamW steps; returns (losses, parameters, buffers) by name."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def _optimizer(opt: str, params, lr: float):
+    if opt not in ("adamw", "sgd"):
+        raise ValueError(f"unknown optimizer {opt!r}: adamw or sgd")
+    return torch.optim.AdamW(params, lr=lr) if opt == "adamw" else torch.optim.SGD(params, lr=lr)
+
+
+def eager_run(model, batches, steps, lr=1e-3, opt="adamw"):
+    """Plain single-device steps (AdamW, or SGD); returns (losses, parameters, buffers) by name."""
+    opt = _optimizer(opt, model.parameters(), lr)
     losses = []
     for i in range(steps):
         loss = model(*batches[i])
@@ -65,12 +71,12 @@ def compile_step(model, loader, policy, cache_dir, tensor_batch: bool = False, z
     return train_iter
 
 
-def cube_run(model, batches, steps, policy, cache_dir, lr=1e-3):
+def cube_run(model, batches, steps, policy, cache_dir, lr=1e-3, opt="adamw"):
     """The same through ``cube.compile``; returns (losses, parameters, buffers, step)."""
     it = iter(batches)
     train_iter = compile_step(model, it, policy, cache_dir)
     gen = cube.load_model()
-    opt = torch.optim.AdamW(gen.parameters(), lr=lr)
+    opt = _optimizer(opt, gen.parameters(), lr)
     losses = []
     for _ in range(steps):
         loss = train_iter(gen, it)
@@ -78,7 +84,13 @@ def cube_run(model, batches, steps, policy, cache_dir, lr=1e-3):
         opt.zero_grad()
         losses.append(loss.detach())
     names = gen.full_names()
-    params = {names[k][0]: v for k, v in gen.named_parameters()}
+    # each user tensor put together from its pieces (a fused weight is held as one piece per block)
+    params = {}
+    for local, p in gen.named_parameters():
+        name, splits = gen.PARAMS[local][0][0], gen.PARAMS[local][1]
+        if name not in params:
+            params[name] = torch.full(gen.FULL_SHAPES[name], float("nan"), dtype=p.dtype)
+        cube.runtime.piece(params[name], splits).copy_(p.detach())
     buffers = {names[k][0]: v for k, v in gen.named_buffers() if k in names}
     return losses, params, buffers, train_iter
 
@@ -89,11 +101,12 @@ def assert_close(a, b, rtol, what):
     assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
 
 
-def check_parity(model, batches, steps, policy, cache_dir, rtol=1e-6):
-    """Asserts cube and eager give the same losses and parameters each run."""
+def check_parity(model, batches, steps, policy, cache_dir, rtol=1e-6, opt="adamw"):
+    """Asserts cube and eager give the same losses and parameters each run (``opt``: ``"adamw"`` or
+    ``"sgd"``, on both sides)."""
     ref = copy.deepcopy(model)
-    ref_losses, ref_params, ref_buffers = eager_run(ref, batches, steps)
-    losses, params, buffers, step = cube_run(model, batches, steps, policy, cache_dir)
+    ref_losses, ref_params, ref_buffers = eager_run(ref, batches, steps, opt=opt)
+    losses, params, buffers, step = cube_run(model, batches, steps, policy, cache_dir, opt=opt)
     assert len(losses) == steps
     for i, (a, b) in enumerate(zip(losses, ref_losses)):
         assert_close(a, b, rtol, f"loss at step {i}")

@@ -77,3 +77,29 @@ def test_check_stage_runs_only_when_asked(monkeypatch):
     monkeypatch.setenv("CUBE_CHECK_GRAPHS", "1")
     with pytest.raises(CubeInternalError, match=r"\(after plan\)"):
         check_stage(graph, "plan")
+
+
+class _Fused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).split(8, -1)
+        return (q * k + v).sum()
+
+
+def test_sub_parameters_that_do_not_tile_their_tensor_are_found():
+    model = _Fused()
+    graph, _ = build_graph(export(model, (torch.randn(4, 8),)), model, "tuple")
+    check_graph(graph)
+    subs = [t for t in graph.attrs if t.region is not None and t.names == ("qkv.weight",)]
+    assert [t.region for t in subs] == [((0, 8), (0, 8)), ((8, 16), (0, 8)), ((16, 24), (0, 8))]
+    subs[2].region = ((4, 12), (0, 8))
+    with pytest.raises(CubeInternalError, match=r"sub-parameters of 'qkv.weight' overlap"):
+        check_graph(graph)
+    subs[2].region = ((16, 24), (0, 8))
+    for t in subs:   # a tensor of 32 rows, of which the blocks hold 24
+        t.full = (32, 8)
+    with pytest.raises(CubeInternalError, match=r"the sub-parameters of 'qkv.weight' hold 192 of its 256 elements"):
+        check_graph(graph)

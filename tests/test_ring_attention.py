@@ -222,14 +222,16 @@ def test_hf_gpt2_with_its_mask_tensor_runs_the_ring():
     """Hugging Face GPT-2 calls sdpa with an explicit causal mask tensor: each rank keeps its rows of
     it, keys and values go around the ring (batch 1: its Conv1D flattens batch and sequence, which a
     larger batch would stop the sequence split at). SGD: its fused key bias has a zero gradient by
-    construction, which AdamW turns into round-off sized updates (see tests/models.py)."""
+    construction, which AdamW turns into round-off sized updates (see tests/models.py); c_attn is
+    three projections (cube.trace.fused), so the key bias is a piece of its own, holding round-off
+    only, compared against a floor (param_floor)."""
     from tests.models import hf_gpt2
     torch.manual_seed(0)
     model, ids = hf_gpt2(), torch.randint(0, 128, (1, 16))
     policy = functools.partial(PASContext, cp=2)
     src = cube.plan(model, (ids, ids.clone()), policy, 2).source(1)
     assert src.count("runtime.ring.attention(") == 2 and "all_gather(" not in src
-    assert_exact(parity(model, (ids, ids.clone()), policy, 2, steps=2), 1e-5)
+    assert_exact(parity(model, (ids, ids.clone()), policy, 2, steps=2, param_floor=1e-3), 1e-5)
 
 
 def test_cross_attention_keeps_the_gather():

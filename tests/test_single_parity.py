@@ -23,4 +23,9 @@ def test_single_device_parity(name, tmp_path):
                 hi = int(t.max()) + 1
                 batch.append(torch.randint(0, hi, t.shape, generator=gen))
         batches.append(tuple(batch))
-    check_parity(model, batches, 5, PASSingle, tmp_path, rtol=1e-6)
+    # GPT-2's fused c_attn bias holds the key bias, whose gradient is zero by construction (softmax
+    # ignores a shift): cube computes q, k and v as three projections (cube.trace.fused), whose
+    # round-off differs from the fused one's, and AdamW turns that round-off into updates of size lr
+    # (tests/models.py); SGD's update is linear in the gradient
+    opt = "sgd" if name == "hf_gpt2" else "adamw"
+    check_parity(model, batches, 5, PASSingle, tmp_path, rtol=1e-6, opt=opt)

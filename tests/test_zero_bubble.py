@@ -124,7 +124,9 @@ PARITY = [
 ]
 
 # GPT-2 under SGD: its fused c_attn bias holds the key bias, whose gradient is zero by construction, so
-# AdamW turns round-off into updates of size lr (tests/models.py), under 1F1B as much as under ZB-H1
+# AdamW turns round-off into updates of size lr (tests/models.py), under 1F1B as much as under ZB-H1;
+# c_attn is three projections (cube.trace.fused), so the key bias is a piece of its own holding
+# only round-off after SGD, compared against a floor (param_floor)
 HF = [("hf_gpt2", "runtime.zb.addmm", "sgd"), ("hf_llama", "runtime.zb.linear", "adamw")]
 
 
@@ -137,7 +139,7 @@ def test_zero_bubble_trains_hugging_face_models_like_eager(name, fn, opt):
     plan = functools.partial(PASZBH1, nmicros=4)
     src = generate_code(model, tuple(torch.cat([t] * 4) for t in sample), plan, world_size=2)
     assert any(fn + "(" in s for s in src.values())
-    assert_exact(parity(model, sample, plan, 2, steps=2, nmicros=4, opt=opt))
+    assert_exact(parity(model, sample, plan, 2, steps=2, nmicros=4, opt=opt, param_floor=1e-3))
 
 
 @pytest.mark.multirank

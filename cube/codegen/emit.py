@@ -181,8 +181,8 @@ class _Emitter:
     # ------------------------------------------------------------------ module
     def emit(self, policy: str) -> str:
         plan = self.plan
-        for t, _ in plan.attrs:
-            self.attr_names[id(t)] = self.namer(t, t.name)
+        for t, _ in plan.attrs:   # a sub-parameter's hint names its block: "<user name>.query_states"
+            self.attr_names[id(t)] = self.namer(t, t.hint if t.region is not None else t.name)
         lines = [HEADER.format(rank=plan.rank, world=plan.world, model=self.graph.name, policy=policy), "",
                  "class GenModel(runtime.CubeModule):"]
         lines.append(f'    """{self.graph.name}, rank {plan.rank}: its pieces of the parameters and its forward."""')
@@ -195,11 +195,12 @@ class _Emitter:
                 continue
             lines.append(f"    {label} = {{")
             for t, b in entries:
-                lines.append(f"        {self.attr_names[id(t)]!r}: ({list(t.names)!r}, {_splits(b, t.shape)!r}),")
+                lines.append(f"        {self.attr_names[id(t)]!r}: ({list(t.names)!r}, "
+                             f"{_splits(t.user_box(b), t.user_shape)!r}),")
             lines.append("    }")
         lines.append("    # full shape of each tensor in the user's model (checkpoints assemble pieces into these)")
-        full = [t for t, _ in plan.attrs if t.kind in (TensorKind.PARAM, TensorKind.BUFFER)]
-        lines.append("    FULL_SHAPES = {" + "".join(f"\n        {t.names[0]!r}: {tuple(t.shape)!r}," for t in full)
+        full = {t.names[0]: t.user_shape for t, _ in plan.attrs if t.kind in (TensorKind.PARAM, TensorKind.BUFFER)}
+        lines.append("    FULL_SHAPES = {" + "".join(f"\n        {n!r}: {tuple(s)!r}," for n, s in full.items())
                      + ("\n    }" if full else "}"))
         lines.append("    # gradients summed over ranks after backward, in bucket order")
         reduce = self.plan.reduce   # in bucket order (cube.passes.rank_plans)

@@ -165,7 +165,7 @@ def plan_text(program: Program) -> str:
         params = [(t, b) for t, b in p.attrs if t.kind is TensorKind.PARAM]
         held = sum(math.prod(e - s for s, e in b) for _, b in params)
         out.append(f"parameters ({held} elements):")
-        out += [f"  {t.names[0]}{_box(b, t.shape)}" for t, b in params]
+        out += [f"  {t.names[0]}{_box(t.user_box(b), t.user_shape)}" for t, b in params]
         out.append("forward:")
         out += [f"  {i:>4}  {_call_line(c)}" for i, c in enumerate(p.calls)]
         sends = step_bytes(p)
@@ -195,8 +195,8 @@ def placement_svg(plans: Dict[int, RankPlan]) -> str:
     for r, p in plans.items():
         for t, b in p.attrs:
             if t.kind is TensorKind.PARAM:
-                tensors.setdefault(t.names[0], tuple(t.shape))
-                held.setdefault((t.names[0], r), []).append(b)
+                tensors.setdefault(t.names[0], tuple(t.user_shape))
+                held.setdefault((t.names[0], r), []).append(t.user_box(b))
     cell, label, pad = 60, 260, 8
     ranks = sorted(plans)
     body = [f'<text x="{pad}" y="16">parameter (full shape)</text>']

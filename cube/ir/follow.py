@@ -293,6 +293,7 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
                                            f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel")
             behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
     _weight_views(readers, flow, num)
+    _gathered_columns(readers, flow, num)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow
@@ -332,6 +333,49 @@ _NORMALIZING = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", 
 
 def _normalizes(op: IRFwOperation) -> bool:
     return op_info(op.name).rule in _NORMALIZING
+
+
+def _gathered_columns(readers: "_Readers", flow: Flow, num: int) -> None:
+    """Adds to ``flow`` the column split of every linear left whole whose input is whole and whose
+    output feeds an op the flow splits (through ops it leaves whole, before another matmul): the
+    split ends at the linear, whose output the planner gathers (Megatron's column linear with
+    ``gather_output``).
+
+    This is a key or value projection of grouped-query attention with fewer key/value heads than
+    ``num`` (Phi-3's 2 under 4-way tensor parallelism): its heads cannot be split ``num`` ways, so
+    its column split cannot travel to the attention, which reads them repeated per query head.
+    Whole, the projection's weight would be on every rank (and its gradient summed over them);
+    split, each rank holds ``1/num`` of it, and its output, ``num`` times smaller than the
+    queries', is all-gathered (its gradient reduce-scattered). A linear feeding nothing split (a
+    language model's head, read by the loss) stays whole as before."""
+    for op in readers.ops:
+        info = op_info(op.name)
+        if info.cost != "matmul" or info.batched or id(op) in flow.splits or op.anno is None \
+                or any(id(t) in flow.tracked for t in op.inputs):
+            continue
+        col = _column(op)
+        if col is not None and op.algorithms("dim").satisfy(*col, num) and _feeds_split(readers, flow, op):
+            flow.splits[id(op)] = (op, *col)
+            flow.losses.pop(id(op), None)   # kept after all: its output is gathered, not the weight
+
+
+def _feeds_split(readers: "_Readers", flow: Flow, start: IRFwOperation) -> bool:
+    """Whether an op ``flow`` splits reads what ``start`` makes, through ops it leaves whole and
+    that are not matmuls (the search ends at the next matmul, so it stays near ``start``)."""
+    todo, seen = [readers.pos[id(start)]], set()
+    while todo:
+        op = readers.ops[todo.pop()]
+        for t in op.outputs:
+            for j in readers.of.get(id(t), ()):
+                if j in seen:
+                    continue
+                seen.add(j)
+                nxt = readers.ops[j]
+                if id(nxt) in flow.splits:
+                    return True
+                if op_info(nxt.name).cost != "matmul":
+                    todo.append(j)
+    return False
 
 
 def _vocab_embeddings(ops: List[IRFwOperation], flow: Flow, num: int) -> None:

@@ -38,6 +38,10 @@ class IRTensor:
             registers it so too, and checkpoints leave it out).
         part_of: for a rank's local value made by communication (a received box, a gathered
             or summed copy), the logical tensor it holds a part of; None for a logical tensor.
+        region: for a sub-parameter (``cube.trace.fused``: one block of a fused projection's
+            weight), the box of the user's tensor ``names`` it stands for, ``(start, stop)`` per
+            dim; None when it stands for the whole tensor.
+        full: with ``region``, the shape of the user's tensor.
     """
 
     shape: Tuple[int, ...]
@@ -48,6 +52,8 @@ class IRTensor:
     names: Tuple[str, ...] = field(default=())
     persistent: bool = True
     part_of: Optional["IRTensor"] = field(default=None, repr=False)
+    region: Optional[Tuple[Tuple[int, int], ...]] = None
+    full: Optional[Tuple[int, ...]] = None
 
     @property
     def logical(self) -> "IRTensor":
@@ -63,6 +69,18 @@ class IRTensor:
         """The canonical user name of a parameter/buffer, else None."""
         return self.names[0] if self.names else None
 
+    @property
+    def user_shape(self) -> Tuple[int, ...]:
+        """The shape of the user's tensor this one stands for (all of it, or a region of it)."""
+        return self.full if self.region is not None else self.shape
+
+    def user_box(self, box: Tuple[Tuple[int, int], ...]) -> Tuple[Tuple[int, int], ...]:
+        """``box`` (a piece of this tensor) as a box of the user's tensor: the same box, or, for a
+        sub-parameter, the box moved by its region's offsets."""
+        if self.region is None:
+            return tuple(box)
+        return tuple((o + s, o + e) for (o, _), (s, e) in zip(self.region, box))
+
     def numel(self) -> int:
         n = 1
         for s in self.shape:
@@ -72,4 +90,7 @@ class IRTensor:
     def __repr__(self) -> str:
         shape = "x".join(str(s) for s in self.shape) or "scalar"
         label = self.name or self.hint
+        if self.region is not None:   # a sub-parameter: the box of the user's tensor, "c_attn.weight[:, 0:32]"
+            label += "[" + ", ".join(":" if (s, e) == (0, n) else f"{s}:{e}"
+                                     for (s, e), n in zip(self.region, self.full)) + "]"
         return f"{label}:{shape}:{str(self.dtype).replace('torch.', '')}"

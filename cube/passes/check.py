@@ -16,7 +16,9 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
     Always: every op is in the graph once; every value is defined before use
     (by the data operation, an attribute or an earlier op); there is a data
     operation; every forward op has a target; the loss is produced; a piece
-    points at the traced op it was cut from (not at another piece).
+    points at the traced op it was cut from (not at another piece); the
+    sub-parameters of a user's tensor (``cube.trace.fused``) have its shape and
+    tile it exactly once, and no attribute stands for the whole of it beside them.
 
     With ``placed`` (the graph came back from a policy): the pieces of every
     traced op add up to it exactly once (and the op is not left in the graph
@@ -65,6 +67,7 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
             by[parts] = by.get(parts, 0) + 1
     if id(graph.loss) not in defined:
         fail(f"the loss {graph.loss!r} is never produced")
+    _check_regions(graph.attrs, fail)
     for key, by in shares.items():   # counted per share, so the few fractions stay cheap
         weight = sum((Fraction(k, parts) for parts, k in by.items()), Fraction(0))
         if key in members:
@@ -73,6 +76,33 @@ def check_graph(graph: IRGraph, placed: bool = False, stage: Optional[str] = Non
             pieces = [op for op in graph.ops if op.root is roots[key]]
             fail(f"the pieces of {roots[key]!r} add up to {weight} of it, not once: "
                  + ", ".join(f"splits {list(p.splits)} replicas {list(p.replicas)}" for p in pieces))
+
+
+def _check_regions(attrs, fail) -> None:
+    """Sub-parameters of one user tensor: each its region's shape, inside the tensor, disjoint, and
+    together all of it."""
+    whole = {t.names[0] for t in attrs if t.region is None and t.names}
+    subs: Dict[str, list] = {}
+    for t in attrs:
+        if t.region is not None:
+            subs.setdefault(t.names[0], []).append(t)
+    for name, ts in subs.items():
+        full = ts[0].full
+        volume = 0
+        for i, t in enumerate(ts):
+            if t.full != full or len(t.region) != len(full) or tuple(e - s for s, e in t.region) != t.shape \
+                    or any(not 0 <= s < e <= n for (s, e), n in zip(t.region, full)):
+                fail(f"sub-parameter {t!r} has region {t.region} of a tensor of shape {full}")
+            for u in ts[:i]:
+                if all(s1 < e2 and s2 < e1 for (s1, e1), (s2, e2) in zip(t.region, u.region)):
+                    fail(f"sub-parameters of {name!r} overlap: regions {t.region} and {u.region}")
+            volume += t.numel()
+        n = 1
+        for s in full:
+            n *= s
+        if volume != n or name in whole:
+            fail(f"the sub-parameters of {name!r} hold {volume} of its {n} elements"
+                 + (", and the whole tensor is an attribute too" if name in whole else ""))
 
 
 def _parts(op) -> int:

@@ -234,7 +234,7 @@ class _Checkpoint:
             self.pieces.setdefault(canon, []).append((t["splits"], source(local, t.get("tensor"))))
             if t["kind"] == "param":
                 order.append(canon)
-        self.orders.append(order)
+        self.orders.append(list(dict.fromkeys(order)))   # a fused weight's blocks: several locals, one name
         opt = rec["optimizer"]
         if opt is None:
             return

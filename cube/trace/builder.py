@@ -14,6 +14,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
+from cube.trace.fused import split_fused
 from cube.trace.rules import REGISTRY, Registry
 
 # ops that only check metadata or do nothing at run time: not IR ops
@@ -440,7 +441,8 @@ def _flatten(x):
 
 def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                 registry: Registry = REGISTRY) -> Tuple[IRGraph, Dict[str, torch.Tensor]]:
-    """Turns an exported program into an ``IRGraph``.
+    """Turns an exported program into an ``IRGraph``, fused projections cut into one matmul per
+    block (``cube.trace.fused``).
 
     Returns:
         The graph and the values of lifted constant tensors (by name).
@@ -471,7 +473,7 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
     read = {id(t) for op in ops for t in op.inputs}
     attrs = [t for t in b.attrs if t.kind is not TensorKind.CONST or id(t) in read]
     graph = IRGraph([data_op] + ops, attrs, loss, name=type(model).__name__)
-    return graph, {k: v for k, v in b.consts.items() if any(k in t.names for t in attrs)}
+    return split_fused(graph, registry), {k: v for k, v in b.consts.items() if any(k in t.names for t in attrs)}
 
 
 def _effect(op: IRFwOperation) -> bool:

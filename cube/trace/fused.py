@@ -1,0 +1,289 @@
+"""Fused projections cut into one matmul per block (Megatron-LM's tensor parallel on fused QKV).
+
+Many models compute several projections with one weight and cut the output's features into
+blocks: Hugging Face GPT-2's ``c_attn`` (a ``Conv1D``: ``addmm(bias, x, W)``, ``W`` of shape
+``(E, 3E)``, then ``split(E, dim=2)`` into q, k and v), Phi-3's ``qkv_proj`` (a linear whose
+output is sliced into q, k and v of different widths under grouped-query attention) and its
+``gate_up_proj`` (``chunk(2, -1)``). The blocks are contiguous ranges of the output features, so
+a contiguous split of the fused weight along them would give a rank all of q and part of k
+rather than its heads of each; and the op that cuts the blocks must keep its cut dim whole. A
+policy following the features from the projection stops there, so the weight stays whole on
+every rank, and so does the attention output projection after it.
+
+This pass, run once on the traced graph before any policy, replaces such a projection by one
+matmul per block. Each reads a *sub-parameter*: an ``IRTensor`` standing for a box of the
+user's parameter (``IRTensor.region``: the block's range along the feature dim, the whole of
+the other dims; ``IRTensor.full``: the user's shape), with the user's names. Each block is then
+an ordinary projection that a policy splits by heads like a separate q, k or v projection, and
+the attention output projection becomes row-split. The values are the model's: each block's
+output is the same matmul over the same reduced dim, only computed in several calls.
+
+Everything that maps IR parameters to the user's tensors composes a piece's box with the
+sub-parameter's region (``IRTensor.user_box``): the generated module's ``PARAMS`` table holds
+boxes of the user's tensor, so loading, checkpoints, ZeRO and gradient sums see the user's names
+and shapes as before, each rank holding one piece per block.
+
+The pass is exact or does nothing. A projection is cut only when:
+
+- its weight (2-D) and bias (1-D, optional) are parameters no other op reads;
+- its output, or one reshape of it that keeps the features as the trailing dims (``(B*T, F)``
+  viewed as ``(B, T, F)`` or ``(B, T, n, F/n)``), is read only by ops cutting one dim of the
+  features into blocks: ``split``, ``split_with_sizes``, ``chunk``, ``slice`` and ``narrow``
+  with step 1, ``unbind``, ``select``;
+- the blocks are disjoint, cover the dim, number at least two, and each is read.
+
+A per-head interleaved layout (GPT-NeoX's ``query_key_value``, viewed as ``(B, T, H, 3D)``
+and sliced inside each head) is not cut: its blocks are not contiguous ranges of the features,
+and a split by heads already works on it.
+"""
+from __future__ import annotations
+
+import ast
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from cube.ir.graph import IRGraph
+from cube.ir.operator import IRFwOperation
+from cube.ir.tensor import IRTensor, TensorKind
+from cube.trace.rules import Registry
+
+# op name -> (argument holding the weight, the weight's output-feature dim, argument holding the bias)
+_MATMULS = {
+    "linear": (1, 0, 2),      # linear(x, W (out, in), b)
+    "addmm": (2, 1, 0),       # addmm(b, x, W (in, out)): Hugging Face's Conv1D
+    "mm": (1, 1, None),       # x @ W (in, out)
+    "matmul": (1, 1, None),
+}
+_RESHAPES = {"view", "_unsafe_view", "reshape"}
+
+
+@dataclass
+class _Block:
+    """One block of the cut dim: ``[start, stop)`` along it, the tensor the cut made of it and
+    whether the cut dropped the dim (``unbind``, ``select``)."""
+    start: int
+    stop: int
+    out: IRTensor
+    drops: bool
+    cut: IRFwOperation
+
+
+@dataclass
+class _Fused:
+    """A projection to cut: the matmul, its weight and bias, the reshape between it and the cuts
+    (or None), the cut ops and the blocks in order, and the features per unit of the cut dim."""
+    op: IRFwOperation
+    weight: IRTensor
+    feature_dim: int
+    bias: Optional[IRTensor]
+    view: Optional[IRFwOperation]
+    cuts: List[IRFwOperation]
+    blocks: List[_Block]
+    unit: int
+
+
+def split_fused(graph: IRGraph, registry: Registry) -> IRGraph:
+    """The graph with every fused projection (module docstring) replaced by one matmul per block.
+
+    Returns:
+        ``graph`` itself when nothing is cut, else a new graph of the same model.
+    """
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            at = readers.setdefault(id(t), [])
+            if not at or at[-1] is not op:
+                at.append(op)
+    found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
+             for f in [_find(op, readers, graph.loss)] if f is not None]
+    if not found:
+        return graph
+    replace: Dict[int, List[IRFwOperation]] = {}
+    subs: Dict[int, List[IRTensor]] = {}
+    for f in found:
+        ops, weights, biases = _cut(f, registry)
+        replace[id(f.op)] = ops
+        for op in ([f.view] if f.view is not None else []) + f.cuts:
+            replace[id(op)] = []
+        subs[id(f.weight)] = weights
+        if f.bias is not None:
+            subs[id(f.bias)] = biases
+    ops = [new for op in graph.ops for new in replace.get(id(op), [op])]
+    attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
+    return IRGraph(ops, attrs, graph.loss, graph.name)
+
+
+def _own_param(t, op: IRFwOperation, readers) -> bool:
+    """``t`` is a parameter that only ``op`` reads, once."""
+    return isinstance(t, IRTensor) and t.kind is TensorKind.PARAM and readers.get(id(t)) == [op] and \
+        sum(x is t for x in op.inputs) == 1
+
+
+def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
+    """The fused projection ``op`` is, or None (see the module docstring for when)."""
+    w_at, fdim, b_at = _MATMULS[op.name]
+    if op.name == "addmm":
+        if any(op.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(op.kwargs) - {"beta", "alpha"}:
+            return None
+    elif op.kwargs:
+        return None
+    args = op.args
+    w = args[w_at] if len(args) > w_at else None
+    if not _own_param(w, op, readers) or w.ndim != 2 or len(op.outputs) != 1:
+        return None
+    features = w.shape[fdim]
+    b = args[b_at] if b_at is not None and len(args) > b_at else None
+    if b is not None and not (_own_param(b, op, readers) and b.shape == (features,)):
+        return None
+    y = op.outputs[0]
+    if not y.ndim or y.shape[-1] != features or y is loss:
+        return None
+    view, z, dims = None, y, {y.ndim - 1}
+    after = readers.get(id(y), [])
+    if len(after) == 1 and after[0].name in _RESHAPES and after[0].inputs == [y] and len(after[0].outputs) == 1:
+        view, z = after[0], after[0].outputs[0]
+        dims = {c for c in range(z.ndim) if math.prod(z.shape[c:]) == features}
+    cuts = readers.get(id(z), [])
+    if not cuts or z is loss:
+        return None
+    blocks: List[_Block] = []
+    for cut in cuts:
+        got = _blocks(cut, z)
+        if got is None:
+            return None
+        blocks += got
+    dim = {d for d, _ in blocks}
+    if len(dim) != 1 or not dim <= dims:
+        return None
+    c = dim.pop()
+    blocks = sorted((blk for _, blk in blocks), key=lambda blk: blk.start)
+    edge = 0
+    for blk in blocks:
+        if blk.start != edge or blk.stop <= blk.start or not readers.get(id(blk.out)) or blk.out is loss:
+            return None
+        edge = blk.stop
+    if edge != z.shape[c] or len(blocks) < 2:
+        return None
+    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]))
+
+
+def _arg(op: IRFwOperation, i: int, name: str, default=None):
+    return op.args[i] if len(op.args) > i else op.kwargs.get(name, default)
+
+
+def _blocks(cut: IRFwOperation, z: IRTensor) -> Optional[List[Tuple[int, _Block]]]:
+    """``(dim, block)`` of each block ``cut`` makes of ``z``, or None: not a cut of one dim of ``z``."""
+    if cut.inputs != [z] or not cut.args or cut.args[0] is not z or not z.ndim:
+        return None
+    n = z.ndim
+    if cut.name in ("split", "split_with_sizes", "chunk", "unsafe_split"):
+        d = _arg(cut, 2, "dim", 0) % n
+        out, start = [], 0
+        for o in cut.outputs:
+            if o.ndim != n:
+                return None
+            out.append((d, _Block(start, start + o.shape[d], o, False, cut)))
+            start += o.shape[d]
+        return out if start == z.shape[d] else None
+    if cut.name in ("unbind", "select"):
+        d = _arg(cut, 1, "dim", 0) % n
+        if cut.name == "unbind":
+            picks = list(range(z.shape[d]))
+            if len(cut.outputs) != len(picks):
+                return None
+        else:
+            picks = [_arg(cut, 2, "index") % z.shape[d]]
+        return [(d, _Block(i, i + 1, o, True, cut)) for i, o in zip(picks, cut.outputs)]
+    if cut.name in ("slice", "narrow") and len(cut.outputs) == 1:
+        d = _arg(cut, 1, "dim", 0) % n
+        size = z.shape[d]
+        if cut.name == "narrow":
+            start = _arg(cut, 2, "start") % size
+            stop = start + _arg(cut, 3, "length")
+        else:
+            if _arg(cut, 4, "step", 1) != 1:
+                return None
+            start, stop = _arg(cut, 2, "start"), _arg(cut, 3, "end")
+            start = 0 if start is None else min(max(start + size if start < 0 else start, 0), size)
+            stop = size if stop is None else min(max(stop + size if stop < 0 else stop, start), size)
+        o = cut.outputs[0]
+        if o.ndim != n or o.shape[d] != stop - start:
+            return None
+        return [(d, _Block(start, stop, o, False, cut))]
+    return None
+
+
+def _labels(f: _Fused) -> List[str]:
+    """A name per block: the variable the model's line assigns it to (``query_states``), when
+    every block has a distinct one; else its range of output features (``0_32``)."""
+    names: Dict[int, str] = {}
+    for cut in f.cuts:
+        targets = _assigned(cut.source[2] if cut.source else "")
+        outs = cut.outputs
+        if len(targets) == len(outs):
+            names.update((id(o), n) for o, n in zip(outs, targets))
+    labels = [names.get(id(b.out)) for b in f.blocks]
+    if None in labels or len(set(labels)) != len(labels):
+        labels = [f"{b.start * f.unit}_{b.stop * f.unit}" for b in f.blocks]
+    return labels
+
+
+def _assigned(code: str) -> List[str]:
+    """The names a one-line assignment binds, in order (``q, k, v = ...`` -> ``[q, k, v]``), or []."""
+    try:
+        tree = ast.parse(code.strip())
+    except SyntaxError:
+        return []
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign) or len(tree.body[0].targets) != 1:
+        return []
+    target = tree.body[0].targets[0]
+    items = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+    names = [t.id for t in items if isinstance(t, ast.Name)]
+    return names if len(names) == len(items) else []
+
+
+def _sub(p: IRTensor, dim: int, start: int, stop: int, label: str) -> IRTensor:
+    """The sub-parameter of ``p`` holding ``[start, stop)`` along ``dim``."""
+    shape = tuple(stop - start if d == dim else s for d, s in enumerate(p.shape))
+    box = tuple((start, stop) if d == dim else (0, s) for d, s in enumerate(p.shape))
+    return IRTensor(shape, p.dtype, p.requires_grad, TensorKind.PARAM, f"{p.names[0]}.{label}", p.names,
+                    region=p.user_box(box), full=p.user_shape)
+
+
+def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTensor], List[IRTensor]]:
+    """The ops replacing ``f.op`` (a matmul per block, then the reshapes to the cuts' shapes) and the
+    weight's and bias's sub-parameters."""
+    op, y = f.op, f.op.outputs[0]
+    matmuls, reshapes, weights, biases = [], [], [], []
+    for blk, label in zip(f.blocks, _labels(f)):
+        lo, hi = blk.start * f.unit, blk.stop * f.unit
+        w = _sub(f.weight, f.feature_dim, lo, hi, label)
+        b = _sub(f.bias, 0, lo, hi, label) if f.bias is not None else None
+        weights.append(w)
+        if b is not None:
+            biases.append(b)
+        swap = {id(f.weight): w, id(f.bias): b}
+        shape = y.shape[:-1] + (hi - lo,)
+        if label.isidentifier():
+            blk.out.hint = label
+        direct = f.view is None and not blk.drops   # the block's matmul makes the cut's tensor itself
+        out = blk.out if direct else IRTensor(shape, y.dtype, y.requires_grad, TensorKind.ACTIVATION,
+                                              label if label.isidentifier() else y.hint)
+        args = tuple(swap.get(id(a), a) if isinstance(a, IRTensor) else a for a in op.args)
+        mm = IRFwOperation(name=op.name, inputs=[swap.get(id(t), t) for t in op.inputs], outputs=[out],
+                           target=op.target, args=args, kwargs=dict(op.kwargs), module_path=op.module_path,
+                           source=op.source, grad_enabled=op.grad_enabled)
+        registry.annotate(mm)
+        matmuls.append(mm)
+        if not direct:
+            target = f.view.target if f.view is not None else torch.ops.aten.view.default
+            cut = blk.cut
+            rs = IRFwOperation(name=target._schema.name.split("::")[-1], inputs=[out], outputs=[blk.out],
+                               target=target, args=(out, list(blk.out.shape)), kwargs={},
+                               module_path=cut.module_path, source=cut.source, grad_enabled=cut.grad_enabled)
+            registry.annotate(rs)
+            reshapes.append(rs)
+    return matmuls + reshapes, weights, biases
