@@ -106,7 +106,7 @@ _IMAGE = {
     "vit": lambda: _hf("ViTConfig", "ViTForImageClassification", image_size=32, patch_size=8, hidden_size=32,
                        num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=10),
     "swin": lambda: _hf("SwinConfig", "SwinForImageClassification", image_size=32, patch_size=4, embed_dim=16,
-                        depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10),
+                        depths=[1, 1], num_heads=[4, 8], window_size=4, num_labels=10),
     "convnext": lambda: _hf("ConvNextConfig", "ConvNextForImageClassification", num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
                             num_labels=10, image_size=32),
     "resnet": lambda: _hf("ResNetConfig", "ResNetForImageClassification", embedding_size=8, hidden_sizes=[8, 16],
