@@ -44,14 +44,9 @@ def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
 # whole by design, as in Megatron-LM: an MoE router and a shared expert's gate (one output per
 # expert or token), Swin's patch merging (a linear with no partner to pair with)
 WHOLE_BY_DESIGN = ("mlp.gate.weight", "shared_expert_gate.weight", "downsample.reduction.weight")
-FUSED_NOT_YET = {"falcon": "its multi-query query_key_value, cut by index lists, is not split yet"}
-
-
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", zoo.TRANSFORMERS)
 def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):
-    if name in FUSED_NOT_YET:
-        pytest.skip(FUSED_NOT_YET[name])
     shares = zoo.tp_shares(name, tp)
     assert shares, name
     over = {n: s for n, s in shares.items() if s > 1 / tp and not n.endswith(WHOLE_BY_DESIGN)}

@@ -292,8 +292,8 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
             flow.losses[id(op)] = Loss(op, f"its column split ({num} pieces of its output features) stops at "
                                            f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel")
             behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
-    _weight_views(readers, flow, num)
     _gathered_columns(readers, flow, num)
+    _weight_views(readers, flow, num)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow

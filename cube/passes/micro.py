@@ -67,7 +67,8 @@ _LIKE_OPS = frozenset("new_zeros new_ones new_full new_empty zeros_like ones_lik
 # ops linear in a share of a batch reduction (the other operands must not depend on the batch)
 _LINEAR = frozenset("""add sub mul div neg view reshape _unsafe_view flatten unflatten unsqueeze squeeze clone
 contiguous alias detach to _to_copy lift_fresh_copy sum mean expand view_as""".split())
-_SUMMED = frozenset("add sub".split())   # every batch-dependent operand must be a share
+_SUMMED = frozenset("add sub".split())
+_SORTS = frozenset("sort argsort".split())   # ops that order all the tokens of a batch   # every batch-dependent operand must be a share
 
 
 @dataclass
@@ -212,10 +213,13 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
         unsplit = reads and id(fop) not in flow.splits and id(fop) not in reduced and \
             not any(id(t) in shares for t in fop.inputs)
         if mixes or unsplit:
+            sorts = (" It orders the tokens of the whole batch (an MoE kernel dispatching tokens by expert, as "
+                     "Hugging Face's default grouped_mm does): a per-token dispatch (Hugging Face's "
+                     "config._experts_implementation = 'batched_mm') pipelines.") if fop.name in _SORTS else ""
             raise ValueError(f"pipeline plan: {_where(fop)} mixes the samples of the batch (it cannot be split "
                              f"along the batch dim), so on a micro-batch it would compute something else than "
-                             f"on the global batch. Keep such ops out of the model (batch norm: use layer or "
-                             f"group-free norms), or plan the pipeline with nmicros=1.")
+                             f"on the global batch.{sorts} Keep such ops out of the model (batch norm: use layer "
+                             f"or group-free norms), or plan the pipeline with nmicros=1.")
         if op_info(fop.name).running_stats and reads:
             training = _arg(fop, op_info(fop.name).running_stats, False)
             if training:

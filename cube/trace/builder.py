@@ -469,11 +469,13 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
         raise TypeError(f"{type(model).__qualname__}.forward must return a scalar floating-point "
                         f"loss; it returned a tensor of shape {list(loss.shape)} and dtype {loss.dtype}. "
                         f"Reduce it (e.g. loss.mean()) inside forward.")
-    ops = _live(b.ops, outs)
+    name = type(model).__name__
+    graph = split_fused(IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name), registry, b.consts)
+    ops = _live([op for op in graph.ops if op is not data_op], outs)   # again: what the cut left unread
     read = {id(t) for op in ops for t in op.inputs}
-    attrs = [t for t in b.attrs if t.kind is not TensorKind.CONST or id(t) in read]
-    graph = IRGraph([data_op] + ops, attrs, loss, name=type(model).__name__)
-    return split_fused(graph, registry), {k: v for k, v in b.consts.items() if any(k in t.names for t in attrs)}
+    attrs = [t for t in graph.attrs if t.kind is not TensorKind.CONST or id(t) in read]
+    used = {n for t in attrs for n in t.names}
+    return IRGraph([data_op] + ops, attrs, loss, name=name), {k: v for k, v in b.consts.items() if k in used}
 
 
 def _effect(op: IRFwOperation) -> bool:

@@ -74,7 +74,8 @@ class _Block:
 @dataclass
 class _Fused:
     """A projection to cut: the matmul, its weight and bias, the reshape between it and the cuts
-    (or None), the cut ops and the blocks in order, and the features per unit of the cut dim."""
+    (or None), the cut ops and the blocks in order, the features per unit of the cut dim, and the
+    transpose between the weight and the matmul (or None)."""
     op: IRFwOperation
     weight: IRTensor
     feature_dim: int
@@ -83,22 +84,29 @@ class _Fused:
     cuts: List[IRFwOperation]
     blocks: List[_Block]
     unit: int
+    transpose: Optional[IRFwOperation] = None   # ``x @ W.t()`` (Falcon's linear): the transpose of the weight
 
 
-def split_fused(graph: IRGraph, registry: Registry) -> IRGraph:
+def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, torch.Tensor]] = None) -> IRGraph:
     """The graph with every fused projection (module docstring) replaced by one matmul per block.
+
+    Args:
+        consts: the values of the graph's lifted constants (index lists cutting blocks).
 
     Returns:
         ``graph`` itself when nothing is cut, else a new graph of the same model.
     """
     readers: Dict[int, List[IRFwOperation]] = {}
+    makers: Dict[int, IRFwOperation] = {}
     for op in graph.ops:
         for t in op.inputs:
             at = readers.setdefault(id(t), [])
             if not at or at[-1] is not op:
                 at.append(op)
+        for t in op.outputs:
+            makers[id(t)] = op
     found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
-             for f in [_find(op, readers, graph.loss)] if f is not None]
+             for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
     if not found:
         return graph
     replace: Dict[int, List[IRFwOperation]] = {}
@@ -106,7 +114,7 @@ def split_fused(graph: IRGraph, registry: Registry) -> IRGraph:
     for f in found:
         ops, weights, biases = _cut(f, registry)
         replace[id(f.op)] = ops
-        for op in ([f.view] if f.view is not None else []) + f.cuts:
+        for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) + f.cuts:
             replace[id(op)] = []
         subs[id(f.weight)] = weights
         if f.bias is not None:
@@ -122,7 +130,7 @@ def _own_param(t, op: IRFwOperation, readers) -> bool:
         sum(x is t for x in op.inputs) == 1
 
 
-def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
+def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optional[_Fused]:
     """The fused projection ``op`` is, or None (see the module docstring for when)."""
     w_at, fdim, b_at = _MATMULS[op.name]
     if op.name == "addmm":
@@ -132,7 +140,12 @@ def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
         return None
     args = op.args
     w = args[w_at] if len(args) > w_at else None
-    if not _own_param(w, op, readers) or w.ndim != 2 or len(op.outputs) != 1:
+    transpose = _transposed_param(w, op, readers, makers) if b_at is None else None
+    if transpose is not None:   # x @ W.t(): the features are W's dim 0
+        w, fdim = transpose.inputs[0], 0
+        if not _own_param(w, transpose, readers) or len(op.outputs) != 1:
+            return None
+    elif not _own_param(w, op, readers) or w.ndim != 2 or len(op.outputs) != 1:
         return None
     features = w.shape[fdim]
     b = args[b_at] if b_at is not None and len(args) > b_at else None
@@ -151,7 +164,7 @@ def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
         return None
     blocks: List[_Block] = []
     for cut in cuts:
-        got = _blocks(cut, z)
+        got = _blocks(cut, z, consts, makers)
         if got is None:
             return None
         blocks += got
@@ -167,15 +180,26 @@ def _find(op: IRFwOperation, readers, loss: IRTensor) -> Optional[_Fused]:
         edge = blk.stop
     if edge != z.shape[c] or len(blocks) < 2:
         return None
-    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]))
+    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]), transpose)
+
+
+def _transposed_param(w, op: IRFwOperation, readers, makers) -> Optional[IRFwOperation]:
+    """The ``t``/``transpose`` of a 2-D parameter that makes ``w``, read only by ``op``, or None."""
+    maker = makers.get(id(w)) if isinstance(w, IRTensor) else None
+    if maker is None or maker.name not in ("t", "transpose", "numpy_T") or w.ndim != 2 or \
+            readers.get(id(w)) != [op] or len(maker.inputs) != 1 or maker.inputs[0].ndim != 2:
+        return None
+    return maker if maker.inputs[0].kind is TensorKind.PARAM else None
 
 
 def _arg(op: IRFwOperation, i: int, name: str, default=None):
     return op.args[i] if len(op.args) > i else op.kwargs.get(name, default)
 
 
-def _blocks(cut: IRFwOperation, z: IRTensor) -> Optional[List[Tuple[int, _Block]]]:
+def _blocks(cut: IRFwOperation, z: IRTensor, consts=None, makers=None) -> Optional[List[Tuple[int, _Block]]]:
     """``(dim, block)`` of each block ``cut`` makes of ``z``, or None: not a cut of one dim of ``z``."""
+    if cut.name == "index":
+        return _index_block(cut, z, consts or {}, makers or {})
     if cut.inputs != [z] or not cut.args or cut.args[0] is not z or not z.ndim:
         return None
     n = z.ndim
@@ -214,6 +238,32 @@ def _blocks(cut: IRFwOperation, z: IRTensor) -> Optional[List[Tuple[int, _Block]
             return None
         return [(d, _Block(start, stop, o, False, cut))]
     return None
+
+
+def _index_block(cut: IRFwOperation, z: IRTensor, consts, makers) -> Optional[List[Tuple[int, _Block]]]:
+    """``z[..., [i, i+1, ...], ...]`` with a constant list of consecutive indices (Falcon's
+    ``fused_qkv[..., [-2], :]``): the block ``[i, i + len)`` of that dim, or None."""
+    if len(cut.args) != 2 or cut.args[0] is not z or len(cut.outputs) != 1 or not z.ndim:
+        return None
+    index = list(cut.args[1])
+    at = [d for d, i in enumerate(index) if i is not None]
+    if len(at) != 1 or len(cut.inputs) != 2:
+        return None
+    d, c = at[0], index[at[0]]
+    lift = makers.get(id(c)) if isinstance(c, IRTensor) else None
+    if lift is not None and lift.name == "lift_fresh_copy":   # the constant list, copied as export writes it
+        c = lift.inputs[0]
+    value = consts.get(c.names[0]) if isinstance(c, IRTensor) and c.kind is TensorKind.CONST else None
+    if value is None or value.ndim != 1 or value.dtype.is_floating_point or value.dtype == torch.bool or \
+            not value.numel():
+        return None
+    picks = [int(v) % z.shape[d] for v in value]
+    if picks != list(range(picks[0], picks[0] + len(picks))):
+        return None
+    o = cut.outputs[0]
+    if o.ndim != z.ndim or o.shape[d] != len(picks):
+        return None
+    return [(d, _Block(picks[0], picks[0] + len(picks), o, False, cut))]
 
 
 def _labels(f: _Fused) -> List[str]:
@@ -266,6 +316,16 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         if b is not None:
             biases.append(b)
         swap = {id(f.weight): w, id(f.bias): b}
+        if f.transpose is not None:   # the block's own transpose of its piece of the weight
+            tr = f.transpose
+            wt = IRTensor(tuple(reversed(w.shape)), w.dtype, w.requires_grad, TensorKind.ACTIVATION,
+                          tr.outputs[0].hint)
+            top = IRFwOperation(name=tr.name, inputs=[w], outputs=[wt], target=tr.target,
+                                args=(w,) + tuple(tr.args[1:]), kwargs=dict(tr.kwargs), module_path=tr.module_path,
+                                source=tr.source, grad_enabled=tr.grad_enabled)
+            registry.annotate(top)
+            matmuls.append(top)
+            swap = {id(tr.outputs[0]): wt}
         shape = y.shape[:-1] + (hi - lo,)
         if label.isidentifier():
             blk.out.hint = label

@@ -128,7 +128,8 @@ def matmul(op: IRFwOperation) -> str:
 
 
 def sdpa(op: IRFwOperation) -> str:
-    """Batch and heads split freely (heads not under grouped-query attention). With queries and
+    """Batch and heads split freely (heads not under grouped-query attention, except with one key/value
+    head: multi-query attention splits its query heads). With queries and
     keys of one length and no dropout, the sequence ``l~`` splits q, k and v alike and a piece runs
     ring attention (``OpInfo.inside="ring"``), an attention mask split along its rows (each rank
     keeps its queries' rows over every key); otherwise (cross-attention, dropout, a mask that needs
@@ -136,15 +137,19 @@ def sdpa(op: IRFwOperation) -> str:
     q, k, v = op.inputs[:3]
     causal = bool(_arg(op, 5, "is_causal", False))
     gqa = bool(op.kwargs.get("enable_gqa", False)) or q.shape[:-2] != k.shape[:-2]
+    # one key/value head for every query head (multi-query attention): the query heads split, each
+    # piece reading that head whole; with more, a piece of the query heads would map onto other ones
+    mqa = gqa and q.ndim >= 3 and k.shape[-3] == 1 and v.shape[-3] == 1 and q.shape[-3] != 1
     names = _Names()
     batch = names.many(q.ndim - 3)
-    h = "h^" if gqa else "h"
+    h = "h" if mqa or not gqa else "h^"
+    kh = "1" if mqa else h
     masked = len(op.inputs) > 3
     ring = q.shape[-2] == k.shape[-2] and not _arg(op, 4, "dropout_p", 0.0) and not (
         masked and op.inputs[3].requires_grad)
     rows = "l~" if ring else "l^" if causal else "l"
     keys = "l~" if ring else "s^"
-    ins = [batch + [h, rows, "e^"], batch + [h, keys, "e^"], batch + [h, keys, "f"]]
+    ins = [batch + [h, rows, "e^"], batch + [kh, keys, "e^"], batch + [kh, keys, "f"]]
     if masked:  # attention mask: broadcastable to (..., h, l, s), split along with them
         mask = op.inputs[3]
         full = batch + [h, rows, names(True) if ring else "s^"]   # a ring's mask keeps every key
