@@ -168,3 +168,48 @@ def test_complex_rotary_trains_exactly(plan):
     else:
         errors = parity(model, _rotary_batch(2), functools.partial(PAS1F1B, nmicros=2), 2, steps=2, nmicros=2)
     assert_exact(errors)
+
+
+class NewLike(nn.Module):
+    """``x.new_zeros/ones/full/empty(shape)``: creations that read only x's dtype and device."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.lin(x)
+        z = h.new_zeros(h.shape) + h.new_ones(h.shape) * 2 + h.new_full(h.shape, 0.5)
+        e = h.new_empty(h.shape).fill_(1.0)
+        return ((h * z + e - y) ** 2).mean()
+
+
+def test_new_like_creations_read_no_data_and_train_exactly(tmp_path):
+    batch = (torch.randn(4, 8), torch.randn(4, 8))
+    names = [op.name for op in cube.trace_model(NewLike(), batch).graph.ops]
+    assert not [n for n in names if n.startswith("new_")] and {"zeros", "ones", "full", "empty"} <= set(names)
+    cube.explain(NewLike(), batch, PASData, 2, tmp_path)
+    assert "forward 0 B, backward 0 B" in (tmp_path / "plan.txt").read_text()
+    assert_exact(parity(NewLike(), batch, PASData, 2, steps=2))
+
+
+def test_hf_deepseek_v2_complex_rotary_data_parallel_moves_no_activations(tmp_path):
+    """Transformers' DeepSeek-V2 rotates queries and keys in complex numbers (view_as_complex, as
+    Llama 3's reference code): under PASData only gradient sums are sent. Its layers are made dense
+    (first_k_dense_replace): the default MoE kernel sorts the batch's tokens by expert, which is
+    gathered (docs/models.md)."""
+    import transformers
+
+    cfg = transformers.DeepseekV2Config(vocab_size=zoo.V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                        v_head_dim=8, first_k_dense_replace=2)
+    torch.manual_seed(0)
+    model = zoo.LM(transformers.DeepseekV2ForCausalLM(zoo.no_dropout(cfg)))
+    ids = torch.randint(0, zoo.V, (4, zoo.S), generator=torch.Generator().manual_seed(0))
+    names = {op.name for op in cube.trace_model(model, (ids, ids)).graph.ops}
+    assert {"view_as_complex", "view_as_real"} <= names
+    cube.explain(model, (ids, ids.clone()), PASData, 2, tmp_path)
+    lines = [line for line in (tmp_path / "plan.txt").read_text().splitlines() if line.startswith("sends per step:")]
+    assert len(lines) == 2 and all("forward 0 B, backward 0 B" in line for line in lines), lines
+    assert_exact(parity(model, (ids, ids.clone()), PASData, 2, steps=2, param_floor=zoo.PARAM_FLOOR))

@@ -90,6 +90,10 @@ _TEXT = {
     "qwen2_moe": lambda: _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", num_experts=4, num_experts_per_tok=2,
                              moe_intermediate_size=32, shared_expert_intermediate_size=64, **SMALL),
     "qwen2_moe_bmm": lambda: _batched_mm(_TEXT["qwen2_moe"]()),
+    # DeepSeek-V2: multi-head latent attention, complex rotary embeddings (view_as_complex), MoE
+    "deepseek_v2": lambda: _hf("DeepseekV2Config", "DeepseekV2ForCausalLM", kv_lora_rank=16, q_lora_rank=None,
+                               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, moe_intermediate_size=32,
+                               n_routed_experts=4, num_experts_per_tok=2, **{**SMALL, "num_key_value_heads": 4}),
     "bert": lambda: _hf("BertConfig", "BertForMaskedLM", vocab_size=V, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
     "roberta": lambda: _hf("RobertaConfig", "RobertaForMaskedLM", vocab_size=V, hidden_size=32, num_hidden_layers=2,
@@ -158,7 +162,8 @@ _SORT = ("the default MoE kernel (grouped_mm) sorts every token of the batch by 
 # (model, plan) -> (a part of the refusal's message, why the refusal is justified)
 REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{("resnet", p): ("normalizes with statistics over the batch", _BN) for p in ("pipeline", "pipeline_1", "3d")},
-    **{(m, p): ("op 'sort'", _SORT) for m in ("mixtral", "qwen2_moe") for p in ("pipeline", "pipeline_1", "3d")},
+    **{(m, p): ("op 'sort'", _SORT) for m in ("mixtral", "qwen2_moe", "deepseek_v2")
+       for p in ("pipeline", "pipeline_1", "3d")},
 }
 
 
@@ -194,7 +199,7 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
 
 
 TRANSFORMERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "opt", "falcon",
-                "mixtral", "qwen2_moe", "bert", "roberta", "t5", "bart", "vit", "swin"]
+                "mixtral", "qwen2_moe", "deepseek_v2", "bert", "roberta", "t5", "bart", "vit", "swin"]
 
 
 def tp_shares(name: str, tp: int) -> Dict[str, float]:

@@ -24,7 +24,8 @@ _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
 _IDENTITY = {"alias"}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
-_NEW = {"new_zeros": "zeros", "new_ones": "ones", "new_empty": "empty", "new_full": "full"}
+_NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
+        "new_full": ("full", "default")}
 
 _FILE_LINE = re.compile(r'File "(.+)", line (\d+), in (\S+)\n\s*(.*)')
 
@@ -388,7 +389,7 @@ class _Builder:
             src = node.args[0].meta.get("val")
             made = {"dtype": given.get("dtype") or args[0].dtype, "layout": given.get("layout"),
                     "device": given.get("device") or src.device, "pin_memory": given.get("pin_memory")}
-            fn = getattr(torch.ops.aten, _NEW[name]).default
+            fn = getattr(getattr(torch.ops.aten, _NEW[name][0]), _NEW[name][1])
             pos = [given["size"]] + ([given["fill_value"]] if name == "new_full" else [])
             self.env[node] = self._op(node, fn, pos, {k: v for k, v in made.items() if v is not None},
                                       [_tensor_of(val, node.name)]).outputs[0]
