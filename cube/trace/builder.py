@@ -23,6 +23,10 @@ _DROPPED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range",
 
 _IDENTITY = {"alias"}
 
+# ops the builder writes as what they compute (the method of ``_Builder`` doing it)
+_REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
+             "new_full": "_new_like", "cat": "_cat", "concat": "_cat"}
+
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
         "new_full": ("full", "default")}
@@ -328,6 +332,51 @@ class _Builder:
         self.ops.append(op)
         return op
 
+    # ---------------------------------------------------- ops written as what they compute
+    def _type_as(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.type_as(y)`` reads only y's dtype: a cast of x, or x itself."""
+        x, other = args[0], args[1]
+        if x.dtype == other.dtype:
+            self.env[node] = x
+            self._alias(node, node.args[0])
+        else:
+            self.env[node] = self._op(node, torch.ops.aten._to_copy.default, [x], {"dtype": other.dtype},
+                                      [_tensor_of(val, node.name)]).outputs[0]
+        return True, args
+
+    def _new_like(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.new_zeros(size)`` and friends read only x's dtype and device: a creation, so a split x
+        is not gathered for them."""
+        if not isinstance(args[0], IRTensor):
+            return False, args
+        name = op_name(node.target)
+        names = [a.name for a in node.target._schema.arguments]
+        given = dict(zip(names, args), **kwargs)
+        made = {"dtype": given.get("dtype") or args[0].dtype, "layout": given.get("layout"),
+                "device": given.get("device") or node.args[0].meta.get("val").device,
+                "pin_memory": given.get("pin_memory")}
+        fn = getattr(getattr(torch.ops.aten, _NEW[name][0]), _NEW[name][1])
+        pos = [given["size"]] + ([given["fill_value"]] if name == "new_full" else [])
+        self.env[node] = self._op(node, fn, pos, {k: v for k, v in made.items() if v is not None},
+                                  [_tensor_of(val, node.name)]).outputs[0]
+        return True, args
+
+    def _cat(self, node: torch.fx.Node, args, kwargs, val):
+        """``torch.cat`` skips 1-D empty tensors: a cache's first update (Hugging Face's DynamicCache,
+        use_cache on, as models ship) concatenates onto one. They are dropped; with one tensor left,
+        the cat is that tensor (a new value, not a view: a write into it must not reach the input)."""
+        empty = [isinstance(a, torch.fx.Node) and _legacy_empty(a.meta.get("val")) for a in node.args[0]]
+        if not any(empty):
+            return False, args
+        keep = [a for a, e in zip(node.args[0], empty) if not e]
+        if not keep or not all(isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == val.dtype
+                                for a in keep):
+            return False, args
+        if len(keep) == 1:
+            self.env[node] = self._map(keep[0])
+            return True, args
+        return False, (self._map(keep),) + tuple(args[1:])
+
     def call(self, node: torch.fx.Node, grad_enabled: bool) -> None:
         target = node.target
         self.grad_enabled = grad_enabled
@@ -373,38 +422,10 @@ class _Builder:
             return
         if inplace.written(target) and self._functional(node, args, kwargs):
             return
-        if name == "type_as":   # reads only the other tensor's dtype: a cast of its first input, or itself
-            x, other = args[0], args[1]
-            if x.dtype == other.dtype:
-                self.env[node] = x
-                self._alias(node, node.args[0])
-            else:
-                self.env[node] = self._op(node, torch.ops.aten._to_copy.default, [x], {"dtype": other.dtype},
-                                          [_tensor_of(val, node.name)]).outputs[0]
-            return
-        if name in _NEW and isinstance(args[0], IRTensor):
-            # x.new_zeros(size): reads only x's dtype and device: a creation, so a split x is not gathered
-            names = [a.name for a in target._schema.arguments]
-            given = dict(zip(names, args), **kwargs)
-            src = node.args[0].meta.get("val")
-            made = {"dtype": given.get("dtype") or args[0].dtype, "layout": given.get("layout"),
-                    "device": given.get("device") or src.device, "pin_memory": given.get("pin_memory")}
-            fn = getattr(getattr(torch.ops.aten, _NEW[name][0]), _NEW[name][1])
-            pos = [given["size"]] + ([given["fill_value"]] if name == "new_full" else [])
-            self.env[node] = self._op(node, fn, pos, {k: v for k, v in made.items() if v is not None},
-                                      [_tensor_of(val, node.name)]).outputs[0]
-            return
-        if name in ("cat", "concat") and any(_legacy_empty(a.meta.get("val")) for a in node.args[0]
-                                             if isinstance(a, torch.fx.Node)):
-            # torch.cat skips 1-D empty tensors: a cache's first update (Hugging Face's DynamicCache,
-            # use_cache on, as models ship) concatenates onto one; drop them, an identity when one is left
-            keep = [a for a in node.args[0] if not (isinstance(a, torch.fx.Node) and _legacy_empty(a.meta.get("val")))]
-            vals = [a.meta.get("val") for a in keep]
-            if all(isinstance(v, torch.Tensor) and v.dtype == val.dtype for v in vals) and keep:
-                if len(keep) == 1:   # a new value, not a view: a write into it must not reach the input
-                    self.env[node] = self._map(keep[0])
-                    return
-                args = (self._map(keep),) + tuple(args[1:])
+        if name in _REWRITES:
+            done, args = getattr(self, _REWRITES[name])(node, args, kwargs, val)
+            if done:
+                return
         if isinstance(val, (list, tuple)):
             outputs = [_tensor_of(v, f"{node.name}_{i}") for i, v in enumerate(val)]
             value = tuple(outputs)
