@@ -17,7 +17,7 @@ import cube.debug
 from cube.runtime import piece
 from policies.megatron3d import PASMegatron
 from tests import zoo
-from tests.parity import rel
+from tests.workers.bigmodel_worker import single_device
 
 SEED, STEPS, LR = 7, 2, 1e-2
 PLAN = functools.partial(PASMegatron, tp=2, pp=2, nmicros=2)
@@ -38,23 +38,7 @@ def _batches(nmicros: int = 2, micro: int = 1):
 
 
 def _reference(name: str) -> dict:
-    model = _meta(name)
-    model.to_empty(device="cpu")
-    torch.manual_seed(SEED)
-    model.apply(model.model._init_weights)
-    initial = {k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for i, batch in enumerate(_batches()):
-        loss = model(*batch)
-        loss.backward()
-        if i == 0:
-            grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return {"initial": initial, "losses": losses, "grads": grads,
-            "final": {k: v.detach().clone() for k, v in model.named_parameters()}}
+    return single_device(_meta(name), _batches(), lambda p: torch.optim.SGD(p, lr=LR), SEED)
 
 
 def _err(a, b) -> float:   # tests.inprocess.parity's floor: a bias initialized to zero holds round-off

@@ -28,12 +28,15 @@ class Loss:
         what: the split lost (``"data parallel"``, ``"tensor parallel"``, ...).
         gathered: its inputs the flow splits, gathered whole for it; none when nothing is
             gathered (a linear kept whole reads a whole input).
+        weights: the parameters a linear kept whole reads, directly or through a view (``x @ w.T``);
+            none: its parameter inputs.
     """
 
     op: IRFwOperation
     why: str
     what: str
     gathered: Tuple[IRTensor, ...] = ()
+    weights: Tuple[IRTensor, ...] = ()
 
 
 @dataclass
@@ -290,13 +293,28 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
         elif trial.lost and id(op) not in behind:
             stop = trial.stop
             flow.losses[id(op)] = Loss(op, f"its column split ({num} pieces of its output features) stops at "
-                                           f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel")
+                                           f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel",
+                                       weights=_params_read(op, readers.makers))
             behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
     _gathered_columns(readers, flow, num)
     _weight_views(readers, flow, num)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow
+
+
+def _params_read(op: IRFwOperation, makers: Dict[int, IRFwOperation]) -> Tuple[IRTensor, ...]:
+    """The parameters ``op`` reads, directly or through views (``x @ w.T``)."""
+    found: Dict[int, IRTensor] = {}
+    for t in op.inputs:
+        while t.kind is not TensorKind.PARAM:
+            m = makers.get(id(t))
+            if m is None or not op_info(m.name).alias or len(m.inputs) != 1:
+                break
+            t = m.inputs[0]
+        if t.kind is TensorKind.PARAM:
+            found[id(t)] = t
+    return tuple(found.values())
 
 
 _VIEWS = frozenset("t transpose permute numpy_T".split())
@@ -306,7 +324,7 @@ def _weight_views(readers: _Readers, flow: Flow, num: int) -> None:
     """Adds to ``flow`` the split of a transposed weight a split matmul reads (``x @ w.T``, as
     Falcon's linear writes it): the transpose is cut along the split, so each rank holds its piece
     of the weight itself, not the whole weight and a piece of its transpose."""
-    makers = {id(t): op for op in readers.ops for t in op.outputs}
+    makers = readers.makers
     for op, idx, dim in list(flow.splits.values()):
         letter = op.anno.inputs[idx][dim].head
         for j, t in enumerate(op.inputs):
@@ -473,11 +491,13 @@ def expert_flow(graph: IRGraph, data: Flow, num: int) -> Flow:
 
 
 class _Readers:
-    """The forward ops in program order and, per tensor, the positions of the ops reading it."""
+    """The forward ops in program order and, per tensor, the positions of the ops reading it and the
+    op making it."""
 
     def __init__(self, graph: IRGraph):
         self.ops = graph.select(ntype=IRFwOperation)
         self.of: Dict[int, List[int]] = {}
+        self.makers: Dict[int, IRFwOperation] = {id(t): op for op in self.ops for t in op.outputs}
         for i, op in enumerate(self.ops):
             for t in op.inputs:
                 at = self.of.setdefault(id(t), [])

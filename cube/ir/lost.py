@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple
 
 from cube.ir.operator import IRFwOperation
-from cube.ir.ops import op_info
 from cube.ir.tensor import TensorKind
 
 # the kinds of record
@@ -99,21 +98,6 @@ def _nbytes(t) -> int:
     return t.numel() * t.dtype.itemsize
 
 
-def _weights(graph, op) -> list:
-    """The parameters ``op`` reads, directly or through views (``x @ w.T``)."""
-    makers = {id(o): m for m in graph.ops for o in getattr(m, "outputs", ())}
-    found = {}
-    for t in op.inputs:
-        while t.kind is not TensorKind.PARAM:
-            m = makers.get(id(t))
-            if m is None or not op_info(m.name).alias or len(m.inputs) != 1:
-                break
-            t = m.inputs[0]
-        if t.kind is TensorKind.PARAM:
-            found[id(t)] = t
-    return list(found.values())
-
-
 def note(graph, loss, name: str, n: int) -> None:
     """Records on ``graph`` that ``loss`` (a ``cube.ir.follow.Loss``) is lost over mesh dimension
     ``name`` of ``n`` devices; the same op lost over another dimension joins its record."""
@@ -126,7 +110,7 @@ def note(graph, loss, name: str, n: int) -> None:
     grads = any(o.requires_grad for o in op.outputs)
     forward = sum(_nbytes(t) for t in loss.gathered)
     backward = sum(_nbytes(t) for t in loss.gathered if grads and t.requires_grad)
-    held = sum(_nbytes(w) for w in _weights(graph, op))
+    held = sum(_nbytes(w) for w in loss.weights or [t for t in op.inputs if t.kind is TensorKind.PARAM])
     graph.lost.append(LostSplit(GATHER if loss.gathered else WHOLE, loss.what, ((name, n),), op.name, op.where(),
                                 loss.why, forward, backward, held, op))
 
@@ -169,7 +153,7 @@ def error(records: Sequence[LostSplit], policy: str) -> LostSplitError:
                      "or with " + " and ".join(f"{name}=1" for name in empty))
     return LostSplitError(f"policy {policy} asks for {len(records)} split(s) the plan cannot keep (strict=True):\n"
                           f"{items}\nFix: " + "; ".join(fixes) + ". Without strict=True the plan runs these ops "
-                          f"whole and logs one line for each.")
+                          "whole and logs one line for each.")
 
 
 def dumps(records: Sequence[LostSplit]) -> str:

@@ -67,8 +67,8 @@ _LIKE_OPS = frozenset("new_zeros new_ones new_full new_empty zeros_like ones_lik
 # ops linear in a share of a batch reduction (the other operands must not depend on the batch)
 _LINEAR = frozenset("""add sub mul div neg view reshape _unsafe_view flatten unflatten unsqueeze squeeze clone
 contiguous alias detach to _to_copy lift_fresh_copy sum mean expand view_as""".split())
-_SUMMED = frozenset("add sub".split())
-_SORTS = frozenset("sort argsort".split())   # ops that order all the tokens of a batch   # every batch-dependent operand must be a share
+_SUMMED = frozenset("add sub".split())   # every batch-dependent operand must be a share
+_SORTS = frozenset("sort argsort".split())   # ops that order all the tokens of a batch
 
 
 @dataclass
@@ -277,23 +277,31 @@ def _scaled_by_count(fop: IRFwOperation, mop: IRFwOperation, shares: Set[int], c
         pos, value = 0, a
     else:
         return False
-    ops, seen, todo = [], set(), [value]
+    def alone(t, op) -> None:   # ``countable`` holds only values made from the batch
+        if not isinstance(op, IRFwOperation):
+            raise CubeInternalError(f"the count read by {_where(fop)} is not made from the batch")
+    ops = _made_from_batch(value, info, makers, order, alone)
+    k = len(info.counts)
+    info.counts.append(TargetCount(k, ops, value, None, -100, value.dtype, kind="value"))
+    mop.micro_share = ("value", k, pos)
+    return True
+
+
+def _made_from_batch(value: IRTensor, info: MicroBatches, makers, order, check) -> List[IRFwOperation]:
+    """The global trace's ops that make ``value`` from the batch tensors, in program order;
+    ``check(tensor, its maker)`` raises where a tensor on the way is not made from the batch alone."""
     data = {id(t) for t in info.full_inputs}
-    while todo:   # the ops making the value from the batch tensors
+    ops, seen, todo = [], set(), [value]
+    while todo:
         t = todo.pop()
         if id(t) in data or id(t) in seen:
             continue
         seen.add(id(t))
         op = makers.get(id(t))
-        if not isinstance(op, IRFwOperation):
-            raise CubeInternalError(f"the count read by {_where(fop)} is not made from the batch")
+        check(t, op)
         ops.append(op)
         todo.extend(op.inputs)
-    ops = sorted({id(o): o for o in ops}.values(), key=lambda o: order[id(o)])
-    k = len(info.counts)
-    info.counts.append(TargetCount(k, ops, value, None, -100, value.dtype, kind="value"))
-    mop.micro_share = ("value", k, pos)
-    return True
+    return sorted({id(o): o for o in ops}.values(), key=lambda o: order[id(o)])
 
 
 def _identity(op) -> bool:
@@ -364,23 +372,15 @@ def _reduction(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, share
 def _target_count(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, carried, makers, order) -> int:
     """Records how to count the valid targets of the global batch for the mean loss ``fop``."""
     target = fop.inputs[1]
-    data = {id(t) for t in info.full_inputs}
-    ops, seen, todo = [], set(), [target]
-    while todo:   # the ops making the targets from the batch tensors, and nothing else
-        t = todo.pop()
-        if id(t) in data or id(t) in seen:
-            continue
-        seen.add(id(t))
-        op = makers.get(id(t))
+
+    def alone(t, op) -> None:
         if not isinstance(op, IRFwOperation) or id(t) not in carried:
             raise ValueError(f"pipeline plan: the targets of {_where(fop)} are not made from the batch alone, so "
                              f"cube cannot count its valid targets (ignore_index, class weights) on the global "
                              f"batch before the micro-batches run. Pass the targets in the batch, use "
                              f"reduction='sum' and divide by a count from the batch, or plan the pipeline with "
                              f"nmicros=1.")
-        ops.append(op)
-        todo.extend(op.inputs)
-    ops = sorted({id(o): o for o in ops}.values(), key=lambda o: order[id(o)])
+    ops = _made_from_batch(target, info, makers, order, alone)
     weight = _arg(mop, "weight")
     if weight is not None and weight not in mop.inputs:
         raise CubeInternalError(f"the class weights of {_where(fop)} are not among its inputs")

@@ -530,7 +530,7 @@ def diff(op: IRFwOperation) -> str:
 def view_as_complex(op: IRFwOperation) -> str:
     """``(..., 2)`` real pairs -> ``(...)`` complex (and ``view_as_real`` back): every other dim
     splits; the pair is whole."""
-    x, out = op.inputs[0], op.outputs[0]
+    x = op.inputs[0]
     names = _Names()
     lead = ["1" if s == 1 else names() for s in (x.shape[:-1] if op.name == "view_as_complex" else x.shape)]
     pair = names(True)

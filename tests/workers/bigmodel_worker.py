@@ -57,17 +57,22 @@ def batches(n: int, nmicros: int = 1) -> list:
 
 def reference(nmicros: int, seed: int = SEED, steps: int = STEPS) -> dict:
     """The single-device procedure: to_empty, apply(_init_weights) from ``seed``, ``steps`` AdamW steps."""
-    model = meta_model()
+    return single_device(meta_model(), batches(steps, nmicros), lambda p: torch.optim.AdamW(p, lr=LR), seed)
+
+
+def single_device(model, data: list, make_opt, seed: int) -> dict:
+    """A meta model trained on one device: ``to_empty``, ``apply(model.model._init_weights)`` from
+    ``seed``, one step of ``make_opt(parameters)`` per batch of ``data``; its initial tensors, state
+    dict, losses, first step's gradients and final parameters."""
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     model.apply(model.model._init_weights)
     initial = {k: v.detach().clone() for k, v in list(model.named_parameters()) + list(model.named_buffers())}
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    data = batches(steps, nmicros)
+    opt = make_opt(model.parameters())
     losses, grads = [], {}
-    for i in range(steps):
-        loss = model(*data[i])   # the global batch whole
+    for i, batch in enumerate(data):
+        loss = model(*batch)   # the global batch whole
         loss.backward()
         if i == 0:
             grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
