@@ -41,6 +41,7 @@ from cube.runtime import profile as rt_profile
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
+from cube.trace.export import TraceError
 from cube.trace.rules import REGISTRY
 
 log = logging.getLogger("cube")
@@ -463,8 +464,14 @@ class Traced:
         # sample is traced with a dynamic batch dim (torch.export would take every op's size-1 path),
         # and so is the global batch it is compared with, op for op
         one = batch // nmicros == 1
-        micro = trace_model(self.model, tuple(t[:batch // nmicros] for t in self.sample), zero=self.zero,
-                            precision=self.precision, structure=self.structure, dynamic_batch=one)
+        try:
+            micro = trace_model(self.model, tuple(t[:batch // nmicros] for t in self.sample), zero=self.zero,
+                                precision=self.precision, structure=self.structure, dynamic_batch=one)
+        except TraceError as e:   # the global batch traced: what fails is the micro-batch's size
+            raise TraceError(f"pipeline plan: the model traces on the global batch of {batch} samples but not on "
+                             f"a micro-batch of {batch // nmicros} (batch norm, say, refuses one sample per channel "
+                             f"in training). Use micro-batches of more samples, or plan the pipeline with nmicros=1."
+                             f"\n{e}") from e
         full = trace_model(self.model, self.sample, zero=self.zero, precision=self.precision,
                            structure=self.structure, dynamic_batch=True) if one else self
         if timings is not None:   # the other traces count in the compile's trace and ir phases
