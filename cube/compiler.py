@@ -223,7 +223,7 @@ class CompiledStep:
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
                      "step=global-batch",
                      # the plan's lost splits are cached with its code (entries before them lack the file)
-                     "lost-splits=cached"):
+                     "lost-splits=cached", *(() if config.fused_cut() else ("fused-cut=off",))):
             h.update(part.encode())
             h.update(b"\0")
         return h.hexdigest()[:32]

@@ -70,6 +70,13 @@ def peak_tflops() -> Optional[float]:
     return value
 
 
+def fused_cut() -> bool:
+    """``CUBE_FUSED_CUT=0``: keep fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``)
+    one matmul (``cube.trace.fused``); tensor parallel then keeps them whole. Default on: cut into one
+    matmul per block (query, key, value) over views of the fused weight, so tensor parallel splits them."""
+    return os.environ.get("CUBE_FUSED_CUT", "1") not in ("0", "false", "False")
+
+
 def _positive_int(name: str, default: int) -> int:
     env = os.environ.get(name)
     if not env:

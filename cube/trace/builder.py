@@ -14,6 +14,7 @@ from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
+from cube import config
 from cube.trace.fused import split_fused
 from cube.trace.rules import REGISTRY, Registry
 
@@ -492,7 +493,9 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                         f"loss; it returned a tensor of shape {list(loss.shape)} and dtype {loss.dtype}. "
                         f"Reduce it (e.g. loss.mean()) inside forward.")
     name = type(model).__name__
-    graph = split_fused(IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name), registry, b.consts)
+    graph = IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name)
+    if config.fused_cut():
+        graph = split_fused(graph, registry, b.consts)
     ops = _live([op for op in graph.ops if op is not data_op], outs)   # again: what the cut left unread
     read = {id(t) for op in ops for t in op.inputs}
     attrs = [t for t in graph.attrs if t.kind is not TensorKind.CONST or id(t) in read]
