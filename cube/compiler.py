@@ -9,6 +9,7 @@ there starts a process group, reads data or writes files; ``CompiledStep``
 """
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import importlib.util
@@ -164,9 +165,14 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
                  use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
-                 options: Optional[dict] = None, backend: Optional[str] = None, strict: bool = False):
+                 options: Optional[dict] = None, backend: Optional[str] = None, strict: bool = False,
+                 max_shapes: int = 1):
         rt_compiled.check_backend(backend)
         self.fn = fn
+        self.max_shapes = max_shapes
+        self._others: Dict[tuple, "CompiledStep"] = {}   # batch shapes -> the plan compiled for them
+        self._models: Dict[int, torch.nn.Module] = {}   # id(user's generated model) -> this plan's module over it
+        self.use_cache = use_cache
         # not in the cache key: it changes no code; the plan's lost splits are cached with it
         self.strict = strict
         self.options = dict(options or {})
@@ -182,6 +188,16 @@ class CompiledStep:
         self.structure, sample = batch_structure(self.batches.first)
         self.policy = load_policy(pas)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else config.cache_dir()
+        self._prepare(sample)
+        if self.env.rank == 0:
+            log.info("cube: %s plan %s for %s (world %d): %s", "reused" if self.cache_hit else "compiled",
+                     self.key[:12], type(model).__name__, self.env.world_size, _format_phases(self.timings))
+            log.info("cube: %s", _plan_summary(self.module.GenModel, self.path))
+            _warn_lost(self.lost, _policy_label(self.policy))
+
+    def _prepare(self, sample) -> None:
+        """Finds (in the cache) or compiles the plan for batches shaped like ``sample``, and loads its code."""
+        self.shapes = tuple(tuple(t.shape) for t in sample)
         self.key = self._key(sample)
         folder = self.cache_dir / self.key
         self.path = folder / f"rank{self.env.rank}.py"
@@ -189,7 +205,7 @@ class CompiledStep:
         self.lost_path = folder / f"rank{self.env.rank}.lost.json"
         self.graph = None
         self.consts = {}
-        if use_cache and self.path.exists():
+        if self.use_cache and self.path.exists():
             self.cache_hit = True
             if self.consts_path.exists():
                 self.consts = torch.load(self.consts_path)
@@ -204,12 +220,9 @@ class CompiledStep:
             self.module = _load_source(self.path, f"cube_gen_{self.key[:16]}_rank{self.env.rank}")
         self.part = rt_data.read_part(self.path)
         # a rank whose ops read no batch tensor takes no batches after compile's first read
-        self._placeholders = None if self.part.reads else rt_data.Placeholders(sample, self.structure)
-        if self.env.rank == 0:
-            log.info("cube: %s plan %s for %s (world %d): %s", "reused" if self.cache_hit else "compiled",
-                     self.key[:12], type(model).__name__, self.env.world_size, _format_phases(self.timings))
-            log.info("cube: %s", _plan_summary(self.module.GenModel, self.path))
-            _warn_lost(self.lost, _policy_label(self.policy))
+        # (with several batch shapes every rank reads every batch: its shape picks the plan)
+        self._placeholders = None if self.part.reads or self.max_shapes > 1 else \
+            rt_data.Placeholders(sample, self.structure)
 
     def _key(self, sample) -> str:
         h = hashlib.sha256()
@@ -268,6 +281,8 @@ class CompiledStep:
             raise TypeError(f"the compiled step takes the module from cube.load_model(), got "
                             f"{type(model).__name__}: call `model = cube.load_model()` after compiling "
                             f"and pass that model to the step")
+        if self.max_shapes > 1:
+            return self._call_shaped(model, dataloader)
         step, self.steps_run = self.steps_run, self.steps_run + 1
         if self._placeholders is not None:
             self.batches.pending = False   # compile's batch is not needed on this rank either
@@ -278,9 +293,79 @@ class CompiledStep:
         with rt_session.running(model), rt_profile.record(self.env.rank, step):
             return self.module.train_step(model, batches)
 
+    def _call_shaped(self, model, dataloader):
+        """A step of a compile for several batch shapes (``max_shapes``): the batch's shapes pick the plan,
+        compiled at the first batch of those shapes; every plan runs over ``model``'s parameters."""
+        it = self.batches.take(dataloader)
+        self.batches.pending = False
+        try:
+            batch = next(it)
+        except StopIteration:
+            raise ValueError("the dataloader is exhausted: the compiled step needs one more batch. "
+                             "Use an endless iterator or stop the loop before the data runs out.") from None
+        structure, sample = batch_structure(batch)
+        shapes = tuple(tuple(t.shape) for t in sample)
+        if structure != self.structure or len(shapes) != len(self.shapes):
+            raise ValueError(f"the dataloader yielded a batch of {len(shapes)} tensor(s) as a {structure}, but the "
+                             f"step was compiled for {len(self.shapes)} as a {self.structure}: keep every batch "
+                             f"the same structure (only shapes may change, max_shapes={self.max_shapes})")
+        plan = self if shapes == self.shapes else self._plan_for(shapes, sample)
+        gen = model if plan is self else plan._module_over(model)
+        step, self.steps_run = self.steps_run, self.steps_run + 1
+        with rt_session.running(gen), rt_profile.record(self.env.rank, step):
+            return plan.module.train_step(gen, _Prepend(batch, it))
+
+    def _plan_for(self, shapes: tuple, sample) -> "CompiledStep":
+        """The plan for batches of ``shapes``: compiled (or found in the cache) the first time they come."""
+        other = self._others.get(shapes)
+        if other is not None:
+            return other
+        if len(self._others) + 1 >= self.max_shapes:
+            known = [list(map(list, s)) for s in [self.shapes, *self._others]]
+            raise ValueError(f"the dataloader yielded a batch of shapes {[list(s) for s in shapes]}, a new shape "
+                             f"after {len(known)} (max_shapes={self.max_shapes}): {known}. Pad batches to a few "
+                             f"lengths (bucketing: the step compiles one plan per bucket), drop the short last "
+                             f"batch (drop_last=True), or raise max_shapes.")
+        if self.zero == 3:
+            raise ValueError("cube.compile(max_shapes=...) with zero=3: a plan for a new batch shape would gather "
+                             "another plan's sharded parameters; use zero 0, 1 or 2, or a fixed batch shape")
+        other = copy.copy(self)
+        other.timings, other._others, other._models = {}, {}, {}
+        other._prepare(sample)
+        if not _same_parameters(self.module.GenModel, other.module.GenModel):
+            raise ValueError(f"the policy places the parameters otherwise for batches of shapes "
+                             f"{[list(s) for s in shapes]} than for {[list(s) for s in self.shapes]}: one model "
+                             f"cannot run both plans. Keep the batch shape fixed (pad), or use a policy whose "
+                             f"placement does not depend on it.")
+        self._others[shapes] = other
+        if self.env.rank == 0:
+            log.info("cube: batch shapes %s: %s plan %s (%d of max_shapes=%d): %s", [list(s) for s in shapes],
+                     "reused" if other.cache_hit else "compiled", other.key[:12], len(self._others) + 1,
+                     self.max_shapes, _format_phases(other.timings))
+            _warn_lost(other.lost, _policy_label(self.policy))
+        return other
+
+    def _module_over(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This plan's generated module over ``model``'s parameters and buffers (``model``: the first plan's)."""
+        gen = self._models.get(id(model))
+        if gen is None or gen.base is not model:
+            gen = self.module.GenModel.over(model, self.consts)
+            if self.backend is not None:
+                rt_compiled.compile_module(self.module.GenModel, self.backend)
+            self._models[id(model)] = gen
+        gen.follow_base()
+        return gen
+
     @property
     def source(self) -> str:
         return self.path.read_text()
+
+
+def _same_parameters(a, b) -> bool:
+    """Whether two generated modules hold the same pieces of the same parameters and buffers, and sum the
+    same gradients over the same ranks (plans of one model for two batch shapes that one model can run)."""
+    return all(getattr(a, k, None) == getattr(b, k, None)
+               for k in ("PARAMS", "BUFFERS", "FULL_SHAPES", "REDUCE", "REDUCE_AFTER", "ZERO", "PRECISION"))
 
 
 def _holds_meta(model: torch.nn.Module) -> bool:
@@ -678,7 +763,7 @@ def _load_source(path: Path, name: str):
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
             zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None,
-            backend: Optional[str] = None, strict: bool = False) -> Callable:
+            backend: Optional[str] = None, strict: bool = False, max_shapes: int = 1) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -717,6 +802,13 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             when the code comes from the cache. Without it, rank 0 logs one warning per such
             op on the ``cube`` logger (``cube.ir.lost``).
 
+        max_shapes: how many batch shapes the step takes (default 1: every batch has the first
+            batch's shapes). A batch of new shapes (the short last batch of an epoch, another
+            padded length) compiles another plan at that step, cached like the first, sharing the
+            model's parameters, up to ``max_shapes`` plans; then a ``ValueError``. Every rank must
+            read the same global batches (each rank's step reads every batch to learn its shape).
+            Pad to a few lengths (bucketing) to keep the plans few.
+
     Returns:
         A decorator turning the step into a ``CompiledStep``.
     """
@@ -727,10 +819,13 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
     if precision not in (None, "bf16", "fp16"):
         raise ValueError(f"cube.compile: precision must be None, 'bf16' or 'fp16', got {precision!r}")
     rt_compiled.check_backend(backend)
+    if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
+        raise ValueError(f"cube.compile: max_shapes must be a positive integer, got {max_shapes!r}")
 
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
-                            precision=precision, options=options, backend=backend, strict=strict)
+                            precision=precision, options=options, backend=backend, strict=strict,
+                            max_shapes=max_shapes)
         rt_session.register(step)
         return step
 

@@ -1,6 +1,7 @@
 """What generated modules derive from, and what their train steps call."""
 from __future__ import annotations
 
+import threading
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import torch
@@ -9,6 +10,9 @@ import torch.distributed as dist
 from cube.runtime import amp, collectives, session
 from cube.runtime.compiled import outside_graph
 from cube.runtime.reducer import Reducer
+
+
+_building_over = threading.local()   # set while ``CubeModule.over`` builds a module (per rank thread)
 
 
 class CubeModule(torch.nn.Module):
@@ -73,8 +77,38 @@ class CubeModule(torch.nn.Module):
             for p in params:
                 self._zero.wait_param(p)
 
+    @classmethod
+    def over(cls, base: "CubeModule", consts: Dict[str, torch.Tensor]) -> "CubeModule":
+        """This plan's module over ``base``'s parameters and buffers (the same objects): the plan of
+        another batch shape of the same model (``cube.compile(max_shapes=)``), whose tables of pieces
+        equal ``base``'s. Gradients land in ``base``'s parameters and are summed by ``base``'s reducer
+        (one set of gradient hooks); its constants are its own (they may depend on the shape)."""
+        _building_over.active = True
+        try:
+            m = cls(torch.device("meta"))   # no storage: every tensor is replaced below
+        finally:
+            _building_over.active = False
+        m.device = base.device
+        for name in cls.PARAMS:
+            m._parameters[name] = base._parameters[name]
+        for name in cls.BUFFERS:
+            m._buffers[name] = base._buffers[name]
+        with torch.no_grad():
+            for local, (names, splits) in cls.CONSTS.items():
+                m._buffers[local] = piece(consts[names[0]], splits).to(base.device).clone()
+        m.base = base
+        return m
+
+    def follow_base(self) -> None:
+        """Takes ``base``'s gradient reducer, ZeRO optimizer and loss scale (made or replaced after
+        this module was: ``cube.build_optimizer(base)``)."""
+        self._reducer, self._zero, self.loss_scale = self.base._reducer, self.base._zero, self.base.loss_scale
+        self.zero_stage = getattr(self.base, "zero_stage", 0)
+
     def setup_communication(self) -> None:
         """Creates the plan's process groups (on every rank, same order) and the gradient reducer."""
+        if getattr(_building_over, "active", False):   # ``over``: the base module's groups and reducer serve
+            return
         if not self.GROUPS and not self.REDUCE:
             return
         if not dist.is_initialized():
@@ -183,7 +217,8 @@ def next_batch(dataloader: Iterator, device: torch.device, shapes: Sequence[tupl
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
             raise ValueError(f"batch item {i} is {_describe(t)} but the step was compiled for shape "
                              f"{list(shape)}: cube compiles for static shapes. Keep batch shapes fixed "
-                             f"(drop_last=True, padding to a fixed length), or compile once per shape.")
+                             f"(drop_last=True, padding to a fixed length), or let the step compile a plan "
+                             f"per shape: cube.compile(..., max_shapes=N).")
         out.append(t.to(device, non_blocking=True))
     return out[0] if structure == "tensor" else out
 
