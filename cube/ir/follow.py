@@ -12,6 +12,7 @@ from collections import ChainMap
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from cube.ir.dispatch import Dispatch, Region
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
@@ -53,6 +54,11 @@ class Flow:
             blocked op reading a tensor the flow does split: the plan gathers it; a linear
             whose column split stops at an op that cannot carry it).
         empty: what to say when the flow splits nothing (``"no linear pairs found to split"``).
+        local: op id -> the token-local dispatch region it belongs to (``cube.ir.dispatch``): ops
+            the batch split cannot cut (in ``batch_flow``, those reading split tensors are also
+            ``blocked``) that compute, as a whole, each token from that token alone; its outputs
+            carry the batch along dim 0. A pipeline runs them on each micro-batch's own tokens.
+        unproven: op id of a sort of the tokens -> why cube could not prove its region token-local.
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
@@ -62,6 +68,8 @@ class Flow:
     batch: bool = False
     losses: Dict[int, Loss] = field(default_factory=dict)
     empty: str = ""
+    local: Dict[int, Region] = field(default_factory=dict)
+    unproven: Dict[int, str] = field(default_factory=dict)
 
     def split_of(self, op) -> Optional[Tuple[int, int]]:
         """The (idx, dim) to split ``op`` (or a piece of it) on, or None: replicate it."""
@@ -73,14 +81,16 @@ class Flow:
     def copy(self, **changes) -> "Flow":
         """A copy with its own containers (``changes`` replace fields)."""
         fields = dict(splits=dict(self.splits), tracked=dict(self.tracked), blocked=list(self.blocked),
-                      reduced=list(self.reduced), batch=self.batch, losses=dict(self.losses), empty=self.empty)
+                      reduced=list(self.reduced), batch=self.batch, losses=dict(self.losses), empty=self.empty,
+                      local=dict(self.local), unproven=dict(self.unproven))
         fields.update(changes)
         return Flow(**fields)
 
 
 def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
            start: Optional[Dict[int, Tuple[int, int]]] = None,
-           whole: Optional[Callable[[IRFwOperation], bool]] = None) -> Flow:
+           whole: Optional[Callable[[IRFwOperation], bool]] = None,
+           local: Optional[Callable[[IRFwOperation, Dict[int, int]], Optional[Region]]] = None) -> Flow:
     """Follows splits of ``num`` pieces from ``seeds`` (tensor id -> dim) in program order.
 
     Args:
@@ -90,12 +100,15 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
         whole: ops it says True of (and not split by ``flow`` or ``start``) stay whole; the split
             dim is still followed through them when they could carry it, so a later op may run
             on a piece of their output.
+        local: called with an op that reads a split tensor but cannot be split and the dims
+            tracked so far; a ``Region`` it returns (``cube.ir.dispatch.Dispatch``) joins
+            ``Flow.local`` (not ``blocked``), and its outputs are tracked along dim 0.
     """
     out = flow.copy() if flow else Flow()
     out.tracked.update(seeds)
     start = start or {}
     for op in graph.ops:
-        if not isinstance(op, IRFwOperation):
+        if not isinstance(op, IRFwOperation) or id(op) in out.local:
             continue
         if id(op) in start:
             choice = start[id(op)]
@@ -112,7 +125,11 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
                 _carry(op, *choice, out.tracked)   # the dim goes on: a later op may split the output
                 continue
             if choice is None:
-                if _reads(op, out):
+                region = local(op, out.tracked) if local is not None and _reads(op, out) else None
+                if region is not None:
+                    out.local.update({id(o): region for o in region.ops})
+                    out.tracked.update({id(t): 0 for t in region.outputs})
+                elif _reads(op, out):
                     out.blocked.append(op)
                 continue
         idx, dim = choice
@@ -209,15 +226,29 @@ def _gathers(graph: IRGraph, flow: Flow, num: int, what: str,
             continue
         reads = tuple(t for t in op.inputs if split(t))
         if reads:
-            flow.losses[id(op)] = Loss(op, refusal(op, flow.tracked, num), what, reads)
+            why = refusal(op, flow.tracked, num)
+            if id(op) in flow.local:
+                why += ("; it is part of a token-local dispatch region (cube.ir.dispatch), which a pipeline runs "
+                        "on each micro-batch's tokens but a batch split runs whole on the tokens gathered")
+            flow.losses[id(op)] = Loss(op, why, what, reads)
 
 
 def batch_flow(graph: IRGraph, num: int) -> Flow:
     """Follows the batch (dim 0 of every batch tensor) split ``num`` ways; ``losses``: the ops
-    that read a batch-split tensor but cannot split along the batch (their inputs are gathered)."""
+    that read a batch-split tensor but cannot split along the batch (their inputs are gathered).
+    A sort of the tokens that starts a region proved token-local (``cube.ir.dispatch``) joins
+    ``local`` with its region, whose outputs carry the batch on (the others: ``unproven``)."""
     data = graph.select(ntype=IRDataOperation)[0]
-    flow = follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num)
+    dispatch = Dispatch(graph)
+    while True:   # again without each region whose token inputs made after its sort the batch misses
+        dispatch.why.clear()
+        flow = follow(graph, {id(t): 0 for t in data.outputs if t.ndim > 0}, num, local=dispatch)
+        regions = list({id(r): r for r in flow.local.values()}.values())
+        if not dispatch.late(regions, flow.tracked):
+            break
+    flow.blocked.extend(o for r in regions for o in r.ops if _reads(o, flow))
     flow.batch = True
+    flow.unproven = dict(dispatch.why)
     _gathers(graph, flow, num, "data parallel")
     return flow
 

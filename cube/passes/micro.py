@@ -19,6 +19,12 @@ trace, before any policy sees it):
   carry the batch split (it works on each sample alone); an op that mixes the
   samples of a micro-batch (batch norm's statistics, a softmax over the batch,
   an op with no split rule) would see another batch than on one device: refused.
+  Except a dispatch of the tokens sorted by expert (an MoE kernel) that ``cube.ir.dispatch`` proves
+  token-local: no op of it splits along the batch, but each token's output depends on that token
+  alone, so the region runs on the micro-batch's tokens; its ops must run with the same arguments
+  on the micro-batch except the number of pairs (``arange``) and shapes, its tensors of one row per
+  pair or token ``nmicros`` times shorter. A sort whose region is not proved is refused with the
+  op that breaks the proof.
 - Where the batch is summed away (a ``sum``, a ``mean``, a mean-reduced loss)
   the micro graph's value is a share of the global one. A ``sum`` is already its
   share; a ``mean`` or ``mse_loss`` becomes the micro-batch's sum over the
@@ -176,6 +182,7 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
     data = full.select(ntype=IRDataOperation)[0]
     flow = batch_flow(full, nmicros)
     carried = flow.tracked   # tensor id -> its batch dim
+    local = flow.local       # op id -> the token-local dispatch region it is part of
     reduced = {id(op) for op in flow.reduced}
     blocked = {id(op) for op in flow.blocked}
     shares: Set[int] = set()     # tensors (of ``full``) holding a share of a batch reduction
@@ -207,19 +214,31 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                              f"from the batch alone (a count of valid targets, say) other than as the divisor or "
                              f"factor of a loss summed over the batch; cube counts such values on the global "
                              f"batch only for `loss_sum / count`. {_FIX}")
+        if id(fop) in local:   # a token-local region runs on the micro-batch's own tokens
+            if mop is not None:
+                _local_pair(fop, mop, local[id(fop)], nmicros)
+            batchy.update(id(t) for t in fop.outputs)
+            continue
         # a new tensor like a batch tensor reads only its shape (the batch size: checked below)
         reads = [] if fop.name in _LIKE_OPS else [t for t in fop.inputs if id(t) in batchy]
         mixes = id(fop) in blocked and fop.name not in _LIKE_OPS
         unsplit = reads and id(fop) not in flow.splits and id(fop) not in reduced and \
             not any(id(t) in shares for t in fop.inputs)
         if mixes or unsplit:
-            sorts = (" It orders the tokens of the whole batch (an MoE kernel dispatching tokens by expert, as "
-                     "Hugging Face's default grouped_mm does): a per-token dispatch (Hugging Face's "
-                     "config._experts_implementation = 'batched_mm') pipelines.") if fop.name in _SORTS else ""
-            raise ValueError(f"pipeline plan: {_where(fop)} mixes the samples of the batch (it cannot be split "
-                             f"along the batch dim), so on a micro-batch it would compute something else than "
-                             f"on the global batch.{sorts} Keep such ops out of the model (batch norm: use layer "
-                             f"or group-free norms), or plan the pipeline with nmicros=1.")
+            head = (f"pipeline plan: {_where(fop)} mixes the samples of the batch (it cannot be split along the "
+                    f"batch dim), so on a micro-batch it would compute something else than on the global batch.")
+            if fop.name in _SORTS:
+                why = flow.unproven.get(id(fop), "it sorts no tensor of one id per token along the tokens")
+                raise ValueError(f"{head} It orders the tokens of the whole batch (an MoE kernel dispatching tokens "
+                                 f"by expert, as Hugging Face's default grouped_mm does). cube runs such a dispatch "
+                                 f"on each micro-batch's own tokens when it proves that every token's output "
+                                 f"depends on that token alone (cube.ir.dispatch), but not here: {why}. Work on the "
+                                 f"sorted rows one row at a time and put them back in the batch's order "
+                                 f"(rows[inverse permutation]) before anything else reads them; or use a per-token "
+                                 f"dispatch (Hugging Face's config._experts_implementation = 'batched_mm'); or plan "
+                                 f"the pipeline with nmicros=1.")
+            raise ValueError(f"{head} Keep such ops out of the model (batch norm: use layer or group-free norms), "
+                             f"or plan the pipeline with nmicros=1.")
         if op_info(fop.name).running_stats and reads:
             training = _arg(fop, op_info(fop.name).running_stats, False)
             if training:
@@ -257,6 +276,31 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                          f"losses of {nmicros} micro-batches do not add up to the loss of the global batch. {_FIX}")
     micro.micro = info
     return info
+
+
+def _local_pair(fop: IRFwOperation, mop: IRFwOperation, region, nmicros: int) -> None:
+    """Checks that ``mop`` runs ``fop``'s part of a token-local region (``cube.ir.dispatch``) on a
+    micro-batch: the same arguments but the number of pairs (``arange(M)``) and shapes, and the
+    tensors whose rows are pairs or tokens ``nmicros`` times shorter, the others (weights, group
+    counts) the same. The proof on the global trace then holds for the micro-batch's."""
+    size = region.sizes.get(id(fop))
+    if size is not None:
+        m = size // nmicros
+        same = tuple(mop.args) in ((m,), (0, m), (0, m, 1)) and size % nmicros == 0
+    else:
+        same = _leaves_equal(fop.args, mop.args) and _leaves_equal(fop.kwargs, mop.kwargs) or fop.name in _SHAPE_OPS
+    pairs = list(zip(fop.inputs, mop.inputs)) + list(zip(fop.outputs, mop.outputs))
+    for f, m in pairs:
+        want = tuple(f.shape)
+        if id(f) in region.scaled:
+            want = (f.shape[0] // nmicros,) + want[1:] if f.shape[0] % nmicros == 0 else None
+        same = same and tuple(m.shape) == want and f.dtype == m.dtype
+    if not same or len(fop.inputs) != len(mop.inputs) or len(fop.outputs) != len(mop.outputs):
+        raise ValueError(f"pipeline plan: {_where(fop)} is part of a dispatch of the tokens sorted by expert "
+                         f"(cube.ir.dispatch) but runs with other arguments or shapes on a micro-batch of "
+                         f"{region.sort.inputs[0].shape[0] // nmicros} pairs than on the global batch's "
+                         f"{region.sort.inputs[0].shape[0]} (a size written into the model, say): compute sizes from "
+                         f"the tensors, or plan the pipeline with nmicros=1.")
 
 
 def _scaled_by_count(fop: IRFwOperation, mop: IRFwOperation, shares: Set[int], countable: Set[int],
