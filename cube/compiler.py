@@ -549,16 +549,24 @@ class Traced:
         # sample is traced with a dynamic batch dim (torch.export would take every op's size-1 path),
         # and so is the global batch it is compared with, op for op
         one = batch // nmicros == 1
+        first = tuple(t[:batch // nmicros] for t in self.sample)
         try:
-            micro = trace_model(self.model, tuple(t[:batch // nmicros] for t in self.sample), zero=self.zero,
-                                precision=self.precision, structure=self.structure, dynamic_batch=one)
-        except TraceError as e:   # the global batch traced: what fails is the micro-batch's size
-            raise TraceError(f"pipeline plan: the model traces on the global batch of {batch} samples but not on "
-                             f"a micro-batch of {batch // nmicros} (batch norm, say, refuses one sample per channel "
-                             f"in training). Use micro-batches of more samples, or plan the pipeline with nmicros=1."
-                             f"\n{e}") from e
-        full = trace_model(self.model, self.sample, zero=self.zero, precision=self.precision,
-                           structure=self.structure, dynamic_batch=True) if one else self
+            micro = trace_model(self.model, first, zero=self.zero, precision=self.precision,
+                                structure=self.structure, dynamic_batch=one)
+            full = trace_model(self.model, self.sample, zero=self.zero, precision=self.precision,
+                               structure=self.structure, dynamic_batch=True) if one else self
+        except TraceError as e:
+            if not one:   # the global batch traced: what fails is the micro-batch's size
+                raise TraceError(f"pipeline plan: the model traces on the global batch of {batch} samples but not "
+                                 f"on a micro-batch of {batch // nmicros} (batch norm, say, refuses one sample per "
+                                 f"channel in training). Use micro-batches of more samples, or plan the pipeline "
+                                 f"with nmicros=1.\n{e}") from e
+            # a model that fixes its batch size while tracing (flex_attention does): the one-sample trace is
+            # static, a faithful program for a micro-batch of one sample; micro_shares still checks it op for
+            # op against the global batch's
+            micro = trace_model(self.model, first, zero=self.zero, precision=self.precision,
+                                structure=self.structure)
+            full, one = self, False
         if timings is not None:   # the other traces count in the compile's trace and ir phases
             for k, v in micro.timings.items():
                 timings[k] = timings.get(k, 0.0) + v

@@ -100,6 +100,7 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
+_add("flex_attention", rule="flex_attention")   # cube.trace.flex's op
 _add("embedding", rule="embedding", inside="vocab_lookup")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")

@@ -1,6 +1,7 @@
 """fx (ATen training IR) -> cube IR."""
 from __future__ import annotations
 
+import json
 import operator
 import os
 import re
@@ -15,6 +16,7 @@ from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
 from cube import config
+from cube.trace import flex
 from cube.trace.fused import split_fused
 from cube.trace.rules import REGISTRY, Registry
 
@@ -141,6 +143,11 @@ class _Builder:
         self.views: Dict[torch.fx.Node, inplace.View] = {}
         self.versions: Dict[torch.fx.Node, int] = {}
         self.grad_enabled = True
+        # block masks of flex_attention built in forward: evaluated while tracing (cube.trace.flex)
+        try:
+            self.folded = flex.fold_masks(ep)
+        except flex.FlexRefused as e:
+            raise ValueError(f"flex_attention: {e}") from None
 
     # -------------------------------------------------------------- placeholders
     def placeholders(self) -> IRDataOperation:
@@ -210,6 +217,8 @@ class _Builder:
                         self._alias(node, a)
             elif node.op == "get_attr":
                 self.env[node] = getattr(self.ep.graph_module, node.target)
+            elif node in self.folded:
+                self._folded(node)
             elif node.op == "call_function":
                 self.call(node, grad_enabled)
             elif node.op == "output":
@@ -333,6 +342,29 @@ class _Builder:
         self.ops.append(op)
         return op
 
+    def _folded(self, node: torch.fx.Node) -> None:
+        """A node of a block mask built in forward (``flex.fold_masks``): its value; a tensor another op
+        reads becomes a constant of the graph."""
+        value = self.folded[node]
+        if isinstance(value, torch.Tensor) and any(u not in self.folded for u in node.users):
+            name = f"_flex_mask_{node.name}"
+            t = IRTensor(tuple(value.shape), value.dtype, False, TensorKind.CONST, name, (name,))
+            self.consts[name] = value.detach().clone()
+            self.attrs.append(t)
+            value = t
+        self.env[node] = value
+
+    def _flex(self, node: torch.fx.Node) -> None:
+        """``flex_attention`` as one op (``cube.trace.flex``)."""
+        try:
+            xs, spec = flex.split(node, self.ep.graph_module)
+        except flex.FlexRefused as e:
+            raise ValueError(f"flex_attention at {_where(node)}: {e}") from None
+        val = node.meta.get("val")
+        outputs = [_tensor_of(val[0], f"{node.name}_out"), _tensor_of(val[1], f"{node.name}_lse")]
+        self._op(node, flex.op(), [self._map(list(xs)), json.dumps(spec)], {}, outputs)
+        self.env[node] = tuple(outputs) + (None,) * (len(val) - 2)
+
     # ---------------------------------------------------- ops written as what they compute
     def _type_as(self, node: torch.fx.Node, args, kwargs, val):
         """``x.type_as(y)`` reads only y's dtype: a cast of x, or x itself."""
@@ -413,6 +445,8 @@ class _Builder:
             self.env[node] = self.run(sub_module.graph, bool(enabled), list(operands))
             self.grad_enabled = grad_enabled
             return
+        if flex.is_flex(target):
+            return self._flex(node)
         if not isinstance(target, torch._ops.OpOverload):
             raise TypeError(f"cube cannot handle the traced call {node.format_node()} "
                             f"(from {_source(node)}); only ATen and registered ops are supported")

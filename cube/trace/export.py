@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 import traceback
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
+from cube.trace import flex
 from cube.trace.repeat import export_repeated
 
 
@@ -98,6 +100,11 @@ def _batch_dims(args: tuple) -> tuple:
     return tuple({0: dim} if isinstance(a, torch.Tensor) and a.ndim else None for a in args)
 
 
+# torch.export patches process-wide settings while it traces (a dynamic batch's size-oblivious sizes, torch's
+# flex_attention device check): the ranks of the in-process world (threads) trace one at a time
+_EXPORT_LOCK = threading.RLock()
+
+
 def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> "torch.export.ExportedProgram":
     """Exports ``model(*args)`` to ATen training IR (a long stack of identical blocks is
     exported once and repeated: ``cube.trace.repeat``).
@@ -114,7 +121,10 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> 
             line of the model it failed on and the exporter's own message.
     """
     try:
-        with _on_one_device(model, tuple(args)) as traced_args:
+        with _EXPORT_LOCK, _on_one_device(model, tuple(args)) as traced_args, flex.device_check_off():
+            # new tensor objects over the same data: a dynamic export marks the tensors it is given (torch's
+            # _dynamo_dynamic_indices), which a later static export of the same batch would read
+            traced_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in traced_args)
             if dynamic_batch:
                 with _sizes_not_specialized():
                     return torch.export.export(model, traced_args, dynamic_shapes=_batch_dims(traced_args),

@@ -160,6 +160,32 @@ def sdpa(op: IRFwOperation) -> str:
     return _anno(ins, [batch + [h, rows, "f"]])
 
 
+def flex_attention(op: IRFwOperation) -> str:
+    """``cube.trace.flex``'s op: the batch and the heads split as for sdpa (heads not under grouped-query
+    attention, except with one key/value head), where neither the score nor the mask function reads
+    that index (on a piece it would number other rows of what they capture); the block mask's tensors
+    (batch, heads, query blocks, ...) split with the batch and heads where they have them (a dim of
+    size one is broadcast), what the functions capture is read whole; queries and keys stay whole (a
+    block mask is per block of queries)."""
+    import json
+    spec = json.loads(op.args[1])
+    q, k = op.inputs[:2]
+    gqa = spec["gqa"]
+    mqa = gqa and k.shape[-3] == 1 and q.shape[-3] != 1
+    names = _Names()
+    b = "b^" if spec["batch_read"] else "b"
+    h = "h" if (mqa or not gqa) and not spec["heads_read"] else "h^"
+    kh = "1" if mqa else h
+    ins = [[b, h, "l^", "e^"], [b, kh, "s^", "e^"], [b, kh, "s^", "f"]]
+    for t in op.inputs[3:3 + len(spec["given"])]:   # (batch, heads, query blocks[, key blocks])
+        lead = ["1" if t.shape[0] == 1 else b if t.shape[0] == q.shape[0] else names(True),
+                "1" if t.shape[1] == 1 else h if t.shape[1] == q.shape[1] else names(True)]
+        ins.append(lead + ["1" if n == 1 else names(True) for n in t.shape[2:]])
+    for t in op.inputs[3 + len(spec["given"]):]:
+        ins.append(["1" if n == 1 else names(True) for n in t.shape])
+    return _anno(ins, [[b, h, "l^", "f"], [b, h, "l^"]])
+
+
 def embedding(op: IRFwOperation) -> str:
     """The table's rows (the vocabulary) split with each piece looking up the ids in its range and
     the pieces summed inside the call (``v~``, ``OpInfo.inside="vocab_lookup"``: Megatron's
@@ -655,6 +681,7 @@ def creation(op: IRFwOperation) -> str:
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
+    "flex_attention": flex_attention,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
