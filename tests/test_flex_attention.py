@@ -129,20 +129,62 @@ def test_a_score_function_reading_the_batch_index_keeps_the_batch_whole_and_stay
     assert_exact(errors)
 
 
-def test_a_block_mask_built_from_the_batch_is_refused_with_the_reason():
-    class FromBatch(LM):
-        def forward(self, ids, labels):
-            x = self.embed(ids)
-            doc = ids.cumsum(1)   # a mask function capturing data of the batch
+class Documents(LM):
+    """Packed documents, as torchtitan trains: a causal mask within each document, the documents found from
+    the batch (a token 0 starts one) in forward; the mask function picks its sample's row of them."""
 
-            def same(b, h, q_idx, kv_idx):
-                return doc[b, q_idx] == doc[b, kv_idx]
-            b, s, _ = x.shape
+    def forward(self, ids, labels):
+        b, s = ids.shape
+        doc = (ids == 0).cumsum(1)
+
+        def same_document(b_, h, q_idx, kv_idx):
+            return (doc[b_, q_idx] == doc[b_, kv_idx]) & (q_idx >= kv_idx)
+        mask = create_block_mask(same_document, b, None, s, s, device=ids.device)
+        x = self.embed(ids)
+        for blk in self.blocks:
+            h_ = blk.norm(x)
+            q, k, v = (p(h_).view(b, s, H, D // H).transpose(1, 2) for p in (blk.q, blk.k, blk.v))
+            x = x + blk.o(flex_attention(q, k, v, block_mask=mask).transpose(1, 2).reshape(b, s, D))
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _documents(n=4):
+    ids, labels = _batch(n)
+    ids = ids.clone()
+    ids[:, ::5] = 0   # a document every 5 tokens, at other offsets in other samples below
+    ids[1::2, 2] = 0
+    return ids, labels
+
+
+@pytest.mark.parametrize("policy,world,micro,nmicros", [
+    ("policies.data:PASData", 2, 4, 1),
+    ("policies.megatron:PASMegatronTP", 2, 4, 1),
+    ("policies.pipeline:PAS1F1B", 2, 2, 2),
+], ids=["data", "tensor", "pipeline"])
+def test_a_document_mask_built_from_the_batch_is_made_per_piece_and_exact(policy, world, micro, nmicros):
+    torch.manual_seed(0)
+    ops = [op.name for op in cube.trace_model(Documents(layers=1), _documents()).graph.ops]
+    assert ops.count("block_mask") == 1 and ops.count("flex_attention") == 1, ops
+    with flex.device_check_off():
+        errors = parity(Documents(), _documents(micro), policy, world, steps=2, nmicros=nmicros, opt="sgd",
+                        options={"nmicros": nmicros} if nmicros > 1 else None)
+    assert_exact(errors)
+
+
+def test_a_block_mask_read_from_the_batch_otherwise_is_refused_with_the_reason():
+    from torch.nn.attention.flex_attention import BlockMask
+
+    class KvBlocksFromBatch(LM):
+        def forward(self, ids, labels):
+            b, s = ids.shape
+            kv_num = torch.ones(b, 1, 1, dtype=torch.int32) + (ids[:, :1, None] * 0).int()
+            kv_idx = torch.zeros(b, 1, 1, 1, dtype=torch.int32)
+            mask = BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=128, mask_mod=causal, seq_lengths=(s, s))
+            x = self.embed(ids)
             blk = self.blocks[0]
             q, k, v = (p(x).view(b, s, H, D // H).transpose(1, 2) for p in (blk.q, blk.k, blk.v))
-            mask = create_block_mask(same, b, None, s, s, device=x.device)
             a = flex_attention(q, k, v, block_mask=mask)
             return nn.functional.cross_entropy(self.head(a.transpose(1, 2).reshape(b, s, D)).flatten(0, 1),
                                                labels.flatten())
-    with pytest.raises(ValueError, match="block mask is built from inputs of the model"):
-        cube.trace_model(FromBatch(layers=1), _batch())
+    with pytest.raises(ValueError, match="reads inputs of the model .* other than through"):
+        cube.trace_model(KvBlocksFromBatch(layers=1), _batch())

@@ -100,7 +100,8 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
-_add("flex_attention", rule="flex_attention")   # cube.trace.flex's op
+_add("flex_attention", rule="flex_attention")   # cube.trace.flex's ops
+_add("block_mask", rule="block_mask")
 _add("embedding", rule="embedding", inside="vocab_lookup")
 _add("layer_norm", rule="layer_norm")
 _add("rms_norm", rule="rms_norm")

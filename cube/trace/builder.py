@@ -145,7 +145,7 @@ class _Builder:
         self.grad_enabled = True
         # block masks of flex_attention built in forward: evaluated while tracing (cube.trace.flex)
         try:
-            self.folded = flex.fold_masks(ep)
+            self.masks = flex.masks(ep)
         except flex.FlexRefused as e:
             raise ValueError(f"flex_attention: {e}") from None
 
@@ -217,8 +217,10 @@ class _Builder:
                         self._alias(node, a)
             elif node.op == "get_attr":
                 self.env[node] = getattr(self.ep.graph_module, node.target)
-            elif node in self.folded:
+            elif node in self.masks.folded:
                 self._folded(node)
+            elif node in self.masks.skipped:   # made again by the block-mask op (``_flex``)
+                self.env.setdefault(node, None)
             elif node.op == "call_function":
                 self.call(node, grad_enabled)
             elif node.op == "output":
@@ -345,8 +347,8 @@ class _Builder:
     def _folded(self, node: torch.fx.Node) -> None:
         """A node of a block mask built in forward (``flex.fold_masks``): its value; a tensor another op
         reads becomes a constant of the graph."""
-        value = self.folded[node]
-        if isinstance(value, torch.Tensor) and any(u not in self.folded for u in node.users):
+        value = self.masks.folded[node]
+        if isinstance(value, torch.Tensor) and any(u not in self.masks.folded for u in node.users):
             name = f"_flex_mask_{node.name}"
             t = IRTensor(tuple(value.shape), value.dtype, False, TensorKind.CONST, name, (name,))
             self.consts[name] = value.detach().clone()
@@ -360,6 +362,14 @@ class _Builder:
             xs, spec = flex.split(node, self.ep.graph_module)
         except flex.FlexRefused as e:
             raise ValueError(f"flex_attention at {_where(node)}: {e}") from None
+        block = list(node.args[4])
+        made = self.masks.made.get(tuple(x for x in block[2:-3] if isinstance(x, torch.fx.Node)))
+        if made is not None and self.env.get(block[2]) is None:   # the block mask, made from the mask's buffers
+            bufs, mask_spec = made
+            kv = [x for x in block[2:6] if isinstance(x, torch.fx.Node)]
+            outs = [_tensor_of(x.meta.get("val"), x.name) for x in kv]
+            self._op(node, flex.block_mask_op(), [self._map(list(bufs)), json.dumps(mask_spec)], {}, outs)
+            self.env.update(zip(kv, outs))
         val = node.meta.get("val")
         outputs = [_tensor_of(val[0], f"{node.name}_out"), _tensor_of(val[1], f"{node.name}_lse")]
         self._op(node, flex.op(), [self._map(list(xs)), json.dumps(spec)], {}, outputs)

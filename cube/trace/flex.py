@@ -32,6 +32,7 @@ of size one or the queries'; queries and keys stay whole (a block mask is per bl
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -97,6 +98,9 @@ def _library():
         torch.library.impl(qualname, "CompositeExplicitAutograd", lib=_lib)(_impl)
         torch.library.register_fake(qualname, lib=_lib)(_fake)
         torch.library.register_autograd(qualname, _backward, setup_context=_setup_context, lib=_lib)
+        _lib.define("block_mask(Tensor[] bufs, str spec) -> Tensor[]")
+        torch.library.impl(f"{_NAMESPACE}::block_mask", "CompositeExplicitAutograd", lib=_lib)(_make_mask)
+        torch.library.register_fake(f"{_NAMESPACE}::block_mask", lib=_lib)(_mask_fake)
     return getattr(torch.ops, _NAMESPACE).flex_attention.default
 
 
@@ -189,26 +193,55 @@ class FlexRefused(ValueError):
     """A ``flex_attention`` call cube cannot run as one op (the message says why)."""
 
 
-def _code(gm) -> Optional[str]:
+def _plain(gm):
+    """A copy of a score or mask function's graph in ATen ops alone. Dynamo records an index into a
+    captured tensor (``doc_ids[b, q_idx]``) as ``flat_apply(spec, ModIndex, ..., x, *indices)``, which is
+    ``aten.index(x, indices)`` (``ModIndex.forward``)."""
     if gm is None:
         return None
+    gm = copy.deepcopy(gm)
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or getattr(n.target, "__name__", str(n.target)).split(".")[-1] != "flat_apply":
+            continue
+        what = n.args[2] if len(n.args) > 2 else None   # the qualified name of what it applies
+        if not (isinstance(what, str) and what.split(".")[-1] == "ModIndex") or len(n.args) < 5:
+            raise FlexRefused(f"its score or mask function calls {what!r} through dynamo's flat_apply")
+        x, *idx = n.args[3:]
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(torch.ops.aten.index.Tensor, (x, list(idx)))
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code()
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         raise FlexRefused("its score or mask function reads a tensor of its own (a get_attr); pass tensors "
                           "it captures from forward instead")
-    return gm.code
+    gm.recompile()
+    return gm
 
 
-def _uses_index(gm, position: int) -> bool:
-    """Whether the function's placeholder ``position`` (the batch or head index) is read."""
+def _index_rows(gm, position: int, first_buffer: int) -> Optional[List[int]]:
+    """How the function reads its placeholder ``position`` (the batch or head index): ``[]`` not at all,
+    the captured tensors (numbered from 0) it only picks rows of (``x[b, ...]``: the index first), or None
+    (another use: on a piece the index would number other rows of what it reads)."""
     if gm is None:
-        return False
+        return []
     holders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return position < len(holders) and bool(holders[position].users)
+    if position >= len(holders):
+        return []
+    rows = []
+    for u in holders[position].users:
+        if u.target is not torch.ops.aten.index.Tensor or not isinstance(u.args[1], (list, tuple)) or \
+                not u.args[1] or u.args[1][0] is not holders[position] or holders[position] in u.args[1][1:] or \
+                u.args[0] not in holders[first_buffer:]:
+            return None
+        rows.append(holders.index(u.args[0]) - first_buffer)
+    return sorted(set(rows))
 
 
 def split(node, graph_module) -> Tuple[list, dict]:
-    """The exported ``flex_attention`` node as ``(fx nodes or values of xs, spec)``; the spec also says
-    whether either function reads the batch or the head index (``batch_read``, ``heads_read``).
+    """The exported ``flex_attention`` node as ``(fx nodes or values of xs, spec)``. The spec also says
+    how the functions read the batch index: ``batch_rows``, the captured tensors they pick the batch's
+    rows of (they then split with the batch), or None (the batch stays whole); ``heads_read``.
 
     Raises:
         FlexRefused: a form cube does not run (the message says which).
@@ -221,9 +254,9 @@ def split(node, graph_module) -> Tuple[list, dict]:
     def module(x):
         return getattr(graph_module, x.target) if isinstance(x, torch.fx.Node) and x.op == "get_attr" else None
 
-    score_gm = module(score_gm)
+    score_gm = _plain(module(score_gm))
     block = list(block)
-    mask_gm = module(block[-1]) if block else None
+    mask_gm = _plain(module(block[-1])) if block else None
     xs = [q, k, v]
     given = []
     for name, item in zip(_KV, block[2:6]):
@@ -239,11 +272,14 @@ def split(node, graph_module) -> Tuple[list, dict]:
         "kernel_options": {k_: v_ for k_, v_ in (kernel_options or {}).items()
                            if isinstance(v_, (bool, int, float, str)) and not k_.startswith("OUTPUT_")},
         "given": given, "score_buffers": len(score_bufs),
-        "score": _code(score_gm), "mask": _code(mask_gm),
+        "score": score_gm.code if score_gm is not None else None,
+        "mask": mask_gm.code if mask_gm is not None else None,
     }
-    # for the rule: score function (score, b, h, q_idx, kv_idx, *buffers); mask function (b, h, q_idx, kv_idx, ...)
-    spec["batch_read"] = _uses_index(score_gm, 1) or _uses_index(mask_gm, 0)
-    spec["heads_read"] = _uses_index(score_gm, 2) or _uses_index(mask_gm, 1)
+    # score function (score, b, h, q_idx, kv_idx, *buffers); mask function (b, h, q_idx, kv_idx, *buffers)
+    score_rows, mask_rows = _index_rows(score_gm, 1, 5), _index_rows(mask_gm, 0, 4)
+    spec["batch_rows"] = None if score_rows is None or mask_rows is None else \
+        score_rows + [len(score_bufs) + i for i in mask_rows]
+    spec["heads_read"] = _index_rows(score_gm, 2, 5) != [] or _index_rows(mask_gm, 1, 4) != []
     return xs, spec
 
 
@@ -252,41 +288,110 @@ def _functorch(node) -> bool:
     return getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
 
 
-def fold_masks(ep) -> Dict[torch.fx.Node, Any]:
-    """Values of the nodes that build the block masks of the ``flex_attention`` calls in forward
-    (``create_block_mask``: functorch's ``vmap`` calls over the mask function and what they read),
-    evaluated once here, where they read no input of the model.
+def _mask_spec(node, graph_module) -> dict:
+    """What the block-mask op needs to build a ``flex_attention`` node's block mask from its mask function's
+    captured tensors, as ``create_block_mask`` does."""
+    block = list(node.args[4])
+    mask_gm = _plain(getattr(graph_module, block[-1].target))
+    kv = block[2].meta["val"]
+    rows = _index_rows(mask_gm, 0, 4) or []
+    bufs = [b.meta["val"] for b in (node.args[8] if len(node.args) > 8 else ())]
+    # a mask per sample whose rows the function picks: as many as those tensors have (a micro-batch's, a
+    # piece's), so the spec says nothing of the batch size; else the traced number (1: one for all)
+    per_row = bool(rows) and int(kv.shape[0]) > 1 and all(bufs[i].shape[0] == kv.shape[0] for i in rows)
+    return {"seq_lengths": [int(block[0]), int(block[1])], "block_size": [int(block[-3]), int(block[-2])],
+            "batch": "rows" if per_row else int(kv.shape[0]), "heads": int(kv.shape[1]), "mask": mask_gm.code,
+            "rows": rows}
 
-    Returns:
-        fx node -> its value, for every node of those computations: what the block-mask tensors are
-        made from, and functorch's calls that only set up ``vmap`` (they have no users).
+
+class Masks:
+    """How the block masks of a program's ``flex_attention`` calls are made (``masks``).
+
+    Attributes:
+        folded: fx node -> its value, for the nodes of block masks that read no input of the model
+            (evaluated once while tracing: constants of the graph).
+        made: the block-mask tensors (``kv_num_blocks``, ...) of masks built from the mask function's
+            captured tensors -> (the captured tensors' fx nodes, the block-mask op's spec).
+        skipped: the other nodes of those computations (made again by the block-mask op).
+    """
+
+    def __init__(self):
+        self.folded: Dict[torch.fx.Node, Any] = {}
+        self.made: Dict[Tuple[torch.fx.Node, ...], Tuple[list, dict]] = {}
+        self.skipped: set = set()
+
+
+def masks(ep) -> Masks:
+    """The block masks of the ``flex_attention`` calls of ``ep`` built in forward (``create_block_mask``:
+    functorch's ``vmap`` calls over the mask function, and what they read).
+
+    A mask that reads no input of the model is evaluated here (``Masks.folded``). A mask that reads
+    inputs only through the tensors its mask function captures (torchtitan's document masks over
+    per-token positions) is made again at run time by the block-mask op (``block_mask_op``) from those
+    tensors, exactly as ``create_block_mask`` made it: on a piece of the batch, from the piece's rows.
 
     Raises:
-        FlexRefused: a block mask is built from an input of the model (the batch, a parameter).
+        FlexRefused: a block mask reads an input of the model otherwise.
     """
+    out = Masks()
     nodes = list(ep.graph.nodes)
-    roots = [x for n in nodes if n.op == "call_function" and is_flex(n.target) and len(n.args) > 4
-             for x in n.args[4] if isinstance(x, torch.fx.Node) and x.op != "get_attr"]
-    inside = set()
-    todo = list(roots)
-    while todo:
-        n = todo.pop()
-        if n not in inside:
-            inside.add(n)
+    order = {n: i for i, n in enumerate(nodes)}
+    setup = [n for n in nodes if n.op == "call_function" and _functorch(n) and not n.users]
+    calls = [n for n in nodes if n.op == "call_function" and is_flex(n.target) and len(n.args) > 4]
+    done = set()
+    for call in calls:
+        tensors = tuple(x for x in list(call.args[4])[2:-3] if isinstance(x, torch.fx.Node))
+        if not tensors or tensors in done:
+            continue
+        done.add(tensors)
+        bufs = [b for b in (call.args[8] if len(call.args) > 8 else ()) if isinstance(b, torch.fx.Node)]
+        region, todo = set(), list(tensors)
+        while todo:
+            n = todo.pop()
+            if n in region or n in bufs:
+                continue
+            region.add(n)
             todo.extend(n.all_input_nodes)
-    # functorch's calls that set vmap up (no users), and what they read
-    todo = [n for n in nodes if n.op == "call_function" and _functorch(n) and not n.users]
-    while todo:
-        n = todo.pop()
-        if n not in inside:
-            inside.add(n)
-            todo.extend(n.all_input_nodes)
-    reads = sorted(n.name for n in inside if n.op == "placeholder")
-    if reads:
-        raise FlexRefused(f"its block mask is built from inputs of the model ({', '.join(reads)}): cube folds a "
-                          f"block mask built in forward into constants only where it depends on no input (a "
-                          f"causal or sliding-window mask of fixed lengths). Build the mask from sizes alone, or "
-                          f"wrap the attention in a function registered with cube.register_op")
+        lo, hi = min(order[n] for n in region), max(order[n] for n in region)
+        todo = [n for n in setup if lo <= order[n] <= hi]   # vmap's set-up (and indices nothing reads)
+        while todo:
+            n = todo.pop()
+            if n not in region and n not in bufs:
+                region.add(n)
+                todo.extend(n.all_input_nodes)
+        reads = sorted(n.name for n in region if n.op == "placeholder")
+        if reads:
+            raise FlexRefused(f"its block mask reads inputs of the model ({', '.join(reads)}) other than through "
+                              f"the tensors its mask function captures: cube makes a block mask built in forward "
+                              f"from sizes alone (a constant) or from what the mask function reads (made again "
+                              f"on each piece). Build it with create_block_mask from such a function, or wrap the "
+                              f"attention in a function registered with cube.register_op")
+        fed = set()
+        for n in nodes:   # the region's nodes that depend on the captured tensors
+            if n in region and any(a in bufs or a in fed for a in n.all_input_nodes):
+                fed.add(n)
+        if not fed:
+            out.folded.update(_evaluate(ep, [n for n in nodes if n in region]))
+            continue
+        grown = True
+        while grown:   # what the computation made and nothing reads (an expand vmap's batching left): its own
+            dead = {u for n in region for u in n.users if u not in region and u.op == "call_function"
+                    and not u.users and not is_flex(u.target)}
+            region |= dead
+            grown = bool(dead)
+        outside = [n for n in region for u in n.users if u not in region and not is_flex(u.target)
+                   and getattr(u.target, "__name__", "") != "_assert_tensor_metadata"
+                   and "_assert_tensor_metadata" not in str(u.target)]
+        if outside:
+            raise FlexRefused(f"a value of its block mask's computation ({outside[0].name}) is also read by other "
+                              f"ops of the model; cube makes the block mask again as one op")
+        out.made[tensors] = (bufs, _mask_spec(call, ep.graph_module))
+        out.skipped |= region
+    return out
+
+
+def _evaluate(ep, region: List[torch.fx.Node]) -> Dict[torch.fx.Node, Any]:
+    """The values of ``region``'s nodes (in program order), on the CPU."""
     values: Dict[torch.fx.Node, Any] = {}
 
     def value(a):
@@ -300,9 +405,7 @@ def fold_masks(ep) -> Dict[torch.fx.Node, Any]:
             return torch.device("cpu")   # a model on meta: the mask's values are computed on the CPU
         return a
 
-    for n in nodes:
-        if n not in inside:
-            continue
+    for n in region:
         if n.op == "get_attr":
             values[n] = getattr(ep.graph_module, n.target)
         elif n.op == "call_function":
@@ -310,3 +413,33 @@ def fold_masks(ep) -> Dict[torch.fx.Node, Any]:
         else:
             raise FlexRefused(f"its block mask reads {n.op} {n.name}")
     return values
+
+
+# ----------------------------------------------------------------------------- the block-mask op
+def _make_mask(bufs: List[torch.Tensor], spec: str) -> List[torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask
+    spec = json.loads(spec)
+    mask_fn = _function(spec["mask"])
+    batch = bufs[spec["rows"][0]].shape[0] if spec["batch"] == "rows" else spec["batch"]   # a piece's rows
+    with device_check_off():
+        bm = create_block_mask(lambda b, h, qi, ki: mask_fn(b, h, qi, ki, *bufs), batch if batch > 1 else None,
+                               spec["heads"] if spec["heads"] > 1 else None, *spec["seq_lengths"],
+                               device=bufs[0].device, BLOCK_SIZE=tuple(spec["block_size"]))
+    return [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+
+
+def _mask_fake(bufs: List[torch.Tensor], spec: str):
+    spec = json.loads(spec)
+    b = bufs[spec["rows"][0]].shape[0] if spec["batch"] == "rows" else spec["batch"]
+    qb = -(-spec["seq_lengths"][0] // spec["block_size"][0])
+    kb = -(-spec["seq_lengths"][1] // spec["block_size"][1])
+    like = bufs[0]
+    shapes = [(b, spec["heads"], qb), (b, spec["heads"], qb, kb)] * 2
+    return [like.new_empty(s, dtype=torch.int32) for s in shapes]
+
+
+def block_mask_op():
+    """``cube_flex::block_mask(Tensor[] bufs, str spec) -> Tensor[]``: a block mask's key/value-side tensors
+    made with ``create_block_mask`` from the mask function (in ``spec``) over its captured tensors."""
+    _library()
+    return getattr(torch.ops, _NAMESPACE).block_mask.default

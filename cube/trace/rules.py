@@ -173,7 +173,10 @@ def flex_attention(op: IRFwOperation) -> str:
     gqa = spec["gqa"]
     mqa = gqa and k.shape[-3] == 1 and q.shape[-3] != 1
     names = _Names()
-    b = "b^" if spec["batch_read"] else "b"
+    bufs = op.inputs[3 + len(spec["given"]):]
+    rows = spec["batch_rows"]   # the captured tensors the functions pick the batch's rows of
+    whole = rows is None or any(bufs[i].shape[0] != q.shape[0] for i in rows)
+    b = "b^" if whole else "b"
     h = "h" if (mqa or not gqa) and not spec["heads_read"] else "h^"
     kh = "1" if mqa else h
     ins = [[b, h, "l^", "e^"], [b, kh, "s^", "e^"], [b, kh, "s^", "f"]]
@@ -181,9 +184,24 @@ def flex_attention(op: IRFwOperation) -> str:
         lead = ["1" if t.shape[0] == 1 else b if t.shape[0] == q.shape[0] else names(True),
                 "1" if t.shape[1] == 1 else h if t.shape[1] == q.shape[1] else names(True)]
         ins.append(lead + ["1" if n == 1 else names(True) for n in t.shape[2:]])
-    for t in op.inputs[3 + len(spec["given"]):]:
-        ins.append(["1" if n == 1 else names(True) for n in t.shape])
+    for i, t in enumerate(bufs):
+        ins.append([b if not whole and i in rows else "1" if t.shape[0] == 1 else names(True)]
+                   + ["1" if n == 1 else names(True) for n in t.shape[1:]])
     return _anno(ins, [[b, h, "l^", "f"], [b, h, "l^"]])
+
+
+def block_mask(op: IRFwOperation) -> str:
+    """``cube.trace.flex``'s block-mask op: made per piece of the batch from the rows of the captured
+    tensors the mask function indexes by the batch (``rows``); everything else whole."""
+    import json
+    spec = json.loads(op.args[1])
+    rows, outs = spec["rows"], op.outputs
+    names = _Names()
+    split = spec["batch"] == "rows"   # one mask per row of the tensors in ``rows`` (cube.trace.flex._mask_spec)
+    ins = [["b" if split and i in rows else "1" if t.shape[0] == 1 else names(True)]
+           + ["1" if n == 1 else names(True) for n in t.shape[1:]] for i, t in enumerate(op.inputs)]
+    return _anno(ins, [["b" if split else "1" if t.shape[0] == 1 else names(True)]
+                       + ["1" if n == 1 else names(True) for n in t.shape[1:]] for t in outs])
 
 
 def embedding(op: IRFwOperation) -> str:
@@ -681,7 +699,7 @@ def creation(op: IRFwOperation) -> str:
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
     "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
-    "flex_attention": flex_attention,
+    "flex_attention": flex_attention, "block_mask": block_mask,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
