@@ -156,8 +156,53 @@ _VISION = {
                                    hidden_dim=32, mlp_dim=64),
 }
 _IMAGE.update(_VISION)
-PACKAGES = {**{m: "timm" for m in _VISION if m.startswith("timm_")}, "tv_vit": "torchvision"}
-MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_IMAGE)
+
+
+class TitanLM(nn.Module):
+    """A torchtitan model trained as torchtitan's trainer trains it: block-causal attention within the
+    documents packed into each sample (their masks from per-token positions), cross-entropy on the logits."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens, labels, positions):
+        masks = self.model.get_attention_masks(positions)
+        logits = self.model(tokens, positions=positions, attention_masks=masks)
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def _titan(family: str, layers: int = 2) -> nn.Module:
+    """torchtitan's ``debugmodel`` of ``family`` (as its configs give it: fused QKV, complex rotary
+    embeddings, flex_attention) with its first ``layers`` blocks."""
+    import torchtitan.models
+    from torch.nn.attention.flex_attention import flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+    if not torch.cuda.is_available():
+        # torchtitan compiles flex_attention (inductor's kernels train it on GPUs only): on a CPU the plain
+        # model runs torch's eager flex_attention, the dense implementation cube runs there too
+        FlexAttention._compiled_flex_attn = flex_attention
+    spec = importlib.import_module(f"torchtitan.models.{family}").model_registry("debugmodel")
+    spec.model.layers = spec.model.layers[:layers]
+    return TitanLM(spec.model.build())
+
+
+def _packed(batch: int, gen: torch.Generator) -> tuple:
+    """Tokens, next-token labels and per-token positions of documents packed into each sample (a position
+    0 starts a document): two to four documents a sample, at other offsets in each."""
+    ids = torch.randint(0, V, (batch, S), generator=gen)
+    pos = torch.arange(S).repeat(batch, 1)
+    for i in range(batch):
+        for start in sorted(torch.randperm(S - 2, generator=gen)[:1 + i % 3].add(1).tolist()):
+            pos[i, start:] = torch.arange(S - start)
+    return ids, ids.roll(-1, 1), pos
+
+
+# torchtitan's language models (pip package torchtitan): they attend with flex_attention only
+_TITAN = {"tt_llama3": lambda: _titan("llama3"), "tt_qwen3": lambda: _titan("qwen3")}
+PACKAGES = {**{m: "timm" for m in _VISION if m.startswith("timm_")}, "tv_vit": "torchvision",
+            **{m: "torchtitan" for m in _TITAN}}
+MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_IMAGE) + list(_TITAN)
 
 
 def installed(name: str) -> bool:
@@ -175,6 +220,8 @@ def build(name: str, batch: int = B) -> Tuple[nn.Module, tuple]:
     gen = torch.Generator().manual_seed(1)
     if name in _IMAGE:
         return _IMAGE[name](), (torch.randn(batch, 3, 32, 32, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+    if name in _TITAN:
+        return _TITAN[name](), _packed(batch, gen)
     ids = torch.randint(0, V, (batch, S), generator=gen)
     if name in _SEQ2SEQ:
         return _SEQ2SEQ[name](), (ids, torch.randint(0, V, (batch, S), generator=gen))
@@ -211,6 +258,11 @@ _BN = "batch norm's statistics over a micro-batch are not the global batch's"
 REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("normalizes with statistics over the batch", _BN) for m in ("resnet", "timm_resnet")
        for p in ("pipeline", "pipeline_1", "3d") if (m, p) != ("timm_resnet", "pipeline_1")},
+    # torchtitan builds its packed-document mask another way for a batch of one sample (a batch_size == 1
+    # branch in get_efficient_causal_mask_mod_for_packed_document): no op-for-op match with the global batch
+    **{(m, "pipeline_1"): ("runs other ops on a micro-batch of 1", "torchtitan's forward takes another path for "
+                          "one sample (its document mask's batch_size == 1 branch); micro-batches of 2+ train")
+       for m in _TITAN},
     # torch's batch norm itself refuses one sample per channel in training (timm's ResNet ends at 1x1 pixels)
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
 }
@@ -235,10 +287,14 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
     from tests.inprocess import parity
     p = PLANS[plan]
     start = time.time()
+    from cube.trace.flex import device_check_off
     model, sample = build(name, p.micro)
+    gen = torch.Generator().manual_seed(2)
+    batches = [_packed(p.micro * p.nmicros, gen) for _ in range(steps)] if name in _TITAN else None
     try:
-        errors = parity(model, sample, p.make(), p.world, steps=steps, nmicros=p.nmicros, opt="sgd",
-                        param_floor=PARAM_FLOOR)
+        with device_check_off():   # the plain model's flex_attention trains on a CPU too (cube.trace.flex)
+            errors = parity(model, sample, p.make(), p.world, steps=steps, nmicros=p.nmicros, opt="sgd",
+                            param_floor=PARAM_FLOOR, batches=batches)
     except Exception as e:   # noqa: BLE001 - every failure is an outcome of the table
         cause = e
         while isinstance(cause, RuntimeError) and cause.__cause__ is not None:

@@ -135,6 +135,7 @@ _add("arange zeros ones full empty rand randn randint scalar_tensor tensor", rul
 _add("diff", rule="diff")
 _add("""new_ones new_zeros new_full new_empty index_put scatter masked_select nonzero
 one_hot repeat flip roll""", rule="opaque")
+_add("scatter scatter_add scatter_reduce", rule="scatter")
 _add("repeat_interleave", rule="repeat_interleave")
 _add("view_as_complex view_as_real", rule="view_as_complex")
 _add("index", rule="index")

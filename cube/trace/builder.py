@@ -28,7 +28,7 @@ _IDENTITY = {"alias"}
 
 # ops the builder writes as what they compute (the method of ``_Builder`` doing it)
 _REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
-             "new_full": "_new_like", "cat": "_cat", "concat": "_cat"}
+             "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as"}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
@@ -402,6 +402,16 @@ class _Builder:
         pos = [given["size"]] + ([given["fill_value"]] if name == "new_full" else [])
         self.env[node] = self._op(node, fn, pos, {k: v for k, v in made.items() if v is not None},
                                   [_tensor_of(val, node.name)]).outputs[0]
+        return True, args
+
+    def _expand_as(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.expand_as(y)`` reads only y's shape: an ``expand`` of x (a split y is not gathered for it, and
+        ``torch.arange(s).expand_as(positions)`` carries no batch of its own)."""
+        if not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
+            return False, args
+        self.env[node] = self._op(node, torch.ops.aten.expand.default, [args[0], list(args[1].shape)], {},
+                                  [_tensor_of(val, node.name)]).outputs[0]
+        self._alias(node, node.args[0], node)
         return True, args
 
     def _cat(self, node: torch.fx.Node, args, kwargs, val):

@@ -219,6 +219,9 @@ def _plain(gm):
     return gm
 
 
+_LIKE = frozenset("new_ones new_zeros new_full new_empty zeros_like ones_like empty_like full_like".split())
+
+
 def _index_rows(gm, position: int, first_buffer: int) -> Optional[List[int]]:
     """How the function reads its placeholder ``position`` (the batch or head index): ``[]`` not at all,
     the captured tensors (numbered from 0) it only picks rows of (``x[b, ...]``: the index first), or None
@@ -230,6 +233,8 @@ def _index_rows(gm, position: int, first_buffer: int) -> Optional[List[int]]:
         return []
     rows = []
     for u in holders[position].users:
+        if getattr(u.target, "__name__", "").split(".")[0] in _LIKE and u.args[0] is holders[position]:
+            continue   # reads its dtype alone (and_masks starts from b.new_ones(()))
         if u.target is not torch.ops.aten.index.Tensor or not isinstance(u.args[1], (list, tuple)) or \
                 not u.args[1] or u.args[1][0] is not holders[position] or holders[position] in u.args[1][1:] or \
                 u.args[0] not in holders[first_buffer:]:
@@ -284,6 +289,10 @@ def split(node, graph_module) -> Tuple[list, dict]:
 
 
 # ----------------------------------------------------------------------------- block masks built in forward
+def _size_of(node) -> bool:
+    return node.op == "call_function" and "sym_size" in str(node.target)
+
+
 def _functorch(node) -> bool:
     return getattr(node.target, "__module__", "") == "torch._functorch.predispatch"
 
@@ -351,7 +360,8 @@ def masks(ep) -> Masks:
             if n in region or n in bufs:
                 continue
             region.add(n)
-            todo.extend(n.all_input_nodes)
+            if not _size_of(n):   # a tensor's size (the batch's, traced dynamic) reads none of its values
+                todo.extend(n.all_input_nodes)
         lo, hi = min(order[n] for n in region), max(order[n] for n in region)
         todo = [n for n in setup if lo <= order[n] <= hi]   # vmap's set-up (and indices nothing reads)
         while todo:
@@ -367,8 +377,8 @@ def masks(ep) -> Masks:
                               f"on each piece). Build it with create_block_mask from such a function, or wrap the "
                               f"attention in a function registered with cube.register_op")
         fed = set()
-        for n in nodes:   # the region's nodes that depend on the captured tensors
-            if n in region and any(a in bufs or a in fed for a in n.all_input_nodes):
+        for n in nodes:   # the region's nodes that depend on the captured tensors (or on a size of the batch)
+            if n in region and (_size_of(n) or any(a in bufs or a in fed for a in n.all_input_nodes)):
                 fed.add(n)
         if not fed:
             out.folded.update(_evaluate(ep, [n for n in nodes if n in region]))
@@ -379,6 +389,7 @@ def masks(ep) -> Masks:
                     and not u.users and not is_flex(u.target)}
             region |= dead
             grown = bool(dead)
+        region = {n for n in region if not _size_of(n)}   # sizes the builder reads as numbers anyway
         outside = [n for n in region for u in n.users if u not in region and not is_flex(u.target)
                    and getattr(u.target, "__name__", "") != "_assert_tensor_metadata"
                    and "_assert_tensor_metadata" not in str(u.target)]

@@ -630,6 +630,23 @@ def index_select(op: IRFwOperation) -> str:
     return _anno([g, [og[d]] if i.ndim == 1 else _whole(names, i)], [og])
 
 
+def scatter(op: IRFwOperation) -> str:
+    """``scatter(x, dim, idx, src)`` (and ``scatter_add``/``scatter_reduce``): a dim other than ``dim``
+    where x, the indices and the source have one size splits all alike (each row written only from its
+    own row: torchtitan's per-sample document ends); ``dim`` is whole."""
+    x = op.inputs[0]
+    d = _dim(op.args[1], x.ndim)
+    names = _Names()
+    groups = [[] for _ in op.inputs]
+    for k in range(x.ndim):
+        sizes = {t.shape[k] for t in op.inputs if t.ndim == x.ndim}
+        same = k != d and len(sizes) == 1 and x.shape[k] != 1 and all(t.ndim == x.ndim for t in op.inputs)
+        letter = names() if same else None
+        for g, t in zip(groups, op.inputs):
+            g.append(letter if same else "1" if t.ndim == x.ndim and t.shape[k] == 1 else names(True))
+    return _anno(groups, [groups[0]])
+
+
 def gather(op: IRFwOperation) -> str:
     """``gather(x, dim, idx)``: the output has the indices' shape; a dim other than ``dim`` where x
     and the indices have one size splits all three alike; the indices' ``dim`` splits with the
@@ -707,7 +724,7 @@ RULES: Dict[str, Rule] = {
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole
     "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
-    "split": split, "unbind": unbind, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
+    "split": split, "unbind": unbind, "scatter": scatter, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
     "creation": creation, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex, "index": index,
     "repeat_interleave": repeat_interleave,
     "index_select": index_select, "gather": gather, "topk": topk, "count": count,
