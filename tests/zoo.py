@@ -1,6 +1,7 @@
 """Models nobody here wrote, as their users build them, under every shipped plan.
 
-Each model comes from an installed package (``transformers``) with its default configuration,
+Each model comes from an installed package (``transformers``, or torch.nn's own transformer layers
+wrapped in a small language model: ``TorchLM``) with its default configuration,
 shrunk only in size (hidden size, layers, vocabulary) so it trains in seconds on a CPU:
 ``use_cache``, attention implementation, MoE routing, loss functions and normalizations are as
 shipped. Dropout and stochastic depth are set to 0 (the one change of behaviour): on, a plan draws other
@@ -30,6 +31,7 @@ from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 V, S, B = 128, 16, 4   # vocabulary, sequence length, samples per micro-batch
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -119,6 +121,54 @@ _IMAGE = {
 }
 
 
+class TorchLM(nn.Module):
+    """torch.nn's own transformer (``nn.TransformerEncoder`` or ``nn.Transformer``, so
+    ``nn.MultiheadAttention``) as a language model: a token embedding, the stack, a head and cross
+    entropy. An encoder-decoder reads the ids and predicts the labels from the labels shifted right,
+    under the causal mask torch makes for it."""
+
+    def __init__(self, stack: nn.Module, batch_first: bool):
+        super().__init__()
+        self.embed = nn.Embedding(V, 32)
+        self.stack = stack
+        self.head = nn.Linear(32, V)
+        self.batch_first = batch_first
+
+    def _in(self, ids):
+        h = self.embed(ids)
+        return h if self.batch_first else h.transpose(0, 1)
+
+    def forward(self, ids, labels):
+        if isinstance(self.stack, nn.Transformer):
+            mask = nn.Transformer.generate_square_subsequent_mask(labels.shape[1])
+            h = self.stack(self._in(ids), self._in(F.pad(labels[:, :-1], (1, 0))), tgt_mask=mask,
+                           tgt_is_causal=True)
+        else:
+            h = self.stack(self._in(ids))
+        h = h if self.batch_first else h.transpose(0, 1)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
+def torch_lm(kind: str, batch_first: bool = False, norm_first: bool = False) -> TorchLM:
+    """torch.nn's ``"encoder"`` (two ``nn.TransformerEncoderLayer``) or ``"transformer"`` (``nn.Transformer``,
+    two layers each side) with its defaults but sizes and dropout (module docstring)."""
+    kw = dict(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=batch_first, norm_first=norm_first)
+    if kind == "encoder":
+        return TorchLM(nn.TransformerEncoder(nn.TransformerEncoderLayer(**kw), num_layers=2), batch_first)
+    return TorchLM(nn.Transformer(num_encoder_layers=2, num_decoder_layers=2, **kw), batch_first)
+
+
+# torch.nn's own layers (nn.MultiheadAttention inside), sequence first as shipped or batch first, the norm
+# after (as shipped) or before each block
+_TORCH = {
+    "torch_encoder": lambda: torch_lm("encoder"),
+    "torch_encoder_nf": lambda: torch_lm("encoder", norm_first=True),
+    "torch_encoder_bf": lambda: torch_lm("encoder", batch_first=True),
+    "torch_encoder_bf_nf": lambda: torch_lm("encoder", batch_first=True, norm_first=True),
+    "torch_transformer": lambda: torch_lm("transformer"),
+}
+
+
 class Classify(nn.Module):
     """An image classifier trained as timm's and torchvision's users train one: cross-entropy on its logits."""
 
@@ -201,8 +251,8 @@ def _packed(batch: int, gen: torch.Generator) -> tuple:
 # torchtitan's language models (pip package torchtitan): they attend with flex_attention only
 _TITAN = {"tt_llama3": lambda: _titan("llama3"), "tt_qwen3": lambda: _titan("qwen3")}
 PACKAGES = {**{m: "timm" for m in _VISION if m.startswith("timm_")}, "tv_vit": "torchvision",
-            **{m: "torchtitan" for m in _TITAN}}
-MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_IMAGE) + list(_TITAN)
+            **{m: "torchtitan" for m in _TITAN}, **{m: "torch" for m in _TORCH}}
+MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_TORCH) + list(_IMAGE) + list(_TITAN)
 
 
 def installed(name: str) -> bool:
@@ -223,9 +273,10 @@ def build(name: str, batch: int = B) -> Tuple[nn.Module, tuple]:
     if name in _TITAN:
         return _TITAN[name](), _packed(batch, gen)
     ids = torch.randint(0, V, (batch, S), generator=gen)
-    if name in _SEQ2SEQ:
-        return _SEQ2SEQ[name](), (ids, torch.randint(0, V, (batch, S), generator=gen))
-    return _TEXT[name](), (ids, ids.clone())
+    model = {**_TEXT, **_SEQ2SEQ, **_TORCH}[name]()
+    if name in _SEQ2SEQ or name == "torch_transformer":   # an encoder-decoder predicts other tokens
+        return model, (ids, torch.randint(0, V, (batch, S), generator=gen))
+    return model, (ids, ids.clone())
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from cube.trace import inplace
 from cube import config
 from cube.trace import flex
 from cube.trace.fused import split_fused
+from cube.trace.rows import unflatten_rows
 from cube.trace.rules import REGISTRY, Registry
 
 # ops that only check metadata or do nothing at run time: not IR ops
@@ -518,8 +519,9 @@ def _flatten(x):
 
 def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                 registry: Registry = REGISTRY) -> Tuple[IRGraph, Dict[str, torch.Tensor]]:
-    """Turns an exported program into an ``IRGraph``, fused projections cut into one matmul per
-    block (``cube.trace.fused``).
+    """Turns an exported program into an ``IRGraph``, leading dims merged around row-wise ops given
+    back (``cube.trace.rows``) and fused projections cut into one matmul per block
+    (``cube.trace.fused``).
 
     Returns:
         The graph and the values of lifted constant tensors (by name).
@@ -548,23 +550,14 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                         f"Reduce it (e.g. loss.mean()) inside forward.")
     name = type(model).__name__
     graph = IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name)
+    graph = unflatten_rows(graph, registry)
     if config.fused_cut():
         graph = split_fused(graph, registry, b.consts)
-    ops = _live([op for op in graph.ops if op is not data_op], outs)   # again: what the cut left unread
+    ops = _live([op for op in graph.ops if op is not data_op], outs)   # again: what the passes left unread
     read = {id(t) for op in ops for t in op.inputs}
     attrs = [t for t in graph.attrs if t.kind is not TensorKind.CONST or id(t) in read]
     used = {n for t in attrs for n in t.names}
     return IRGraph([data_op] + ops, attrs, loss, name=name), {k: v for k, v in b.consts.items() if k in used}
-
-
-def _effect(op: IRFwOperation) -> bool:
-    """Whether ``op`` does more than make its outputs: writes a tensor, or draws random numbers
-    (dropping it would shift every later draw)."""
-    target = op.target
-    if not op.outputs or not isinstance(target, torch._ops.OpOverload) or inplace.written(target):
-        return True
-    tags = getattr(target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags or any(w in op.name for w in ("dropout", "rand", "bernoulli"))
 
 
 def _live(ops: List[IRFwOperation], outs: list) -> List[IRFwOperation]:
@@ -573,7 +566,7 @@ def _live(ops: List[IRFwOperation], outs: list) -> List[IRFwOperation]:
     needed = {id(t) for t in _flatten(outs) if isinstance(t, IRTensor)}
     keep = []
     for op in reversed(ops):
-        if _effect(op) or any(id(t) in needed for t in op.outputs):
+        if inplace.effect(op) or any(id(t) in needed for t in op.outputs):
             keep.append(op)
             needed.update(id(t) for t in op.inputs)
     return keep[::-1]

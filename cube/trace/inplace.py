@@ -82,6 +82,16 @@ def written(target) -> List[int]:
     return [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
 
 
+def effect(op) -> bool:
+    """Whether IR op ``op`` does more than make its outputs: writes a tensor, or draws random
+    numbers (dropping or reshaping it would change the draws)."""
+    target = op.target
+    if not op.outputs or not isinstance(target, torch._ops.OpOverload) or written(target):
+        return True
+    tags = getattr(target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags or any(w in op.name for w in ("dropout", "rand", "bernoulli"))
+
+
 def functional(target) -> Optional[Any]:
     """The out-of-place op of an in-place one: ``aten.add_.Tensor`` -> ``aten.add.Tensor``."""
     schema = target._schema

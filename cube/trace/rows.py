@@ -1,0 +1,283 @@
+"""Flattened rows given back their dims: a view merging leading dims around row-wise ops is removed.
+
+Code written for 2-D matrix APIs merges the leading dims of a tensor into one, runs ops on
+the rows, and restores the dims. ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``,
+so ``nn.TransformerEncoderLayer``, ``nn.Transformer`` and torchvision's ViT) ends with::
+
+    out = out.permute(2, 0, 1, 3).reshape(L * B, E)       # (L, B, H, D) -> (L*B, E)
+    out = linear(out, out_proj.weight, out_proj.bias)
+    out = out.view(L, B, E)
+
+The batch ``B`` is the inner factor of ``L*B``: a block of samples is no contiguous block of
+that dim, so no op between the two views carries a batch split. Data parallel gathers the
+activations there and a pipeline cannot cut the batch into micro-batches.
+
+This pass, run once on the traced graph before any policy, runs such ops on the unmerged
+shape: with ``x`` of shape ``(*lead, *inner)`` merged to ``(N, C)`` (``N = prod(lead)``,
+``C = prod(inner)``) and the result of the ops restored to ``(*lead, F)``, the ops run on
+``(*lead, ...)``, the restoring view disappears, and the merging one merges only ``inner``
+into ``C`` (``(L, B, H, D) -> (L, B, E)``), or disappears when ``inner`` is one dim already.
+
+The values are the same: a row-major view makes row ``r`` of ``(N, C)`` the elements of ``x``
+at the index of ``lead`` that ``r`` numbers, and each op of the chain computes a row of its
+outputs from the same row of its inputs. The pass is exact or does nothing; a chain is
+rewritten only when:
+
+- every op reading a value of the chain (the merged tensor and what the chain makes from it)
+  is in the chain, or is a view (``view``, ``reshape``, ``_unsafe_view``, ``unflatten``) restoring
+  exactly ``(*lead, last dim)``, at most one per value; at least one such view ends the chain;
+- every op in the chain is row-wise: ``linear``, ``matmul`` and ``mm`` of a chain value by a
+  2-D weight from outside (``mm`` becomes ``matmul``, which takes N-D inputs), ``addmm`` whose
+  weight is a transposed 2-D tensor (it becomes ``linear``; aten has no N-D ``addmm``), ops
+  with the elementwise rule whose operands from outside broadcast over the rows (every dim but
+  the last of size 1), layer and RMS norm over the last dim, softmax along the last dim;
+- no op of the chain writes a tensor or draws random numbers (dropout: a draw follows the
+  memory order, which the other shape may change).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from cube.errors import CubeInternalError
+from cube.ir.graph import IRGraph
+from cube.ir.ops import op_info
+from cube.ir.operator import IRFwOperation
+from cube.ir.tensor import IRTensor, TensorKind
+from cube.trace import inplace
+from cube.trace.rules import Registry
+
+aten = torch.ops.aten
+
+_MERGES = {"view", "_unsafe_view", "reshape", "flatten"}
+_RESTORES = {"view", "_unsafe_view", "reshape", "unflatten"}
+_MATMULS = {"linear", "matmul", "mm"}
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
+_TRANSPOSES = {"t", "numpy_T", "transpose", "permute"}
+
+
+@dataclass
+class _Chain:
+    """A merge, the row-wise ops after it (in graph order) and the views restoring their results."""
+    merge: IRFwOperation
+    lead: Tuple[int, ...]
+    ops: List[IRFwOperation]
+    restores: Dict[int, IRFwOperation]   # id of a chain value -> the view restoring it
+
+
+def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
+    """The graph with every chain of row-wise ops between a merge of leading dims and views
+    restoring them (module docstring) run on the unmerged dims.
+
+    Returns:
+        ``graph`` itself when nothing is rewritten, else a new graph of the same model.
+    """
+    while True:
+        readers: Dict[int, List[IRFwOperation]] = {}
+        makers: Dict[int, IRFwOperation] = {}
+        for op in graph.ops:
+            for t in op.inputs:
+                at = readers.setdefault(id(t), [])
+                if op not in at:
+                    at.append(op)
+            for t in op.outputs:
+                makers[id(t)] = op
+        chains, used = [], set()
+        order = {id(op): i for i, op in enumerate(graph.ops)}
+        for op in graph.ops:
+            if isinstance(op, IRFwOperation) and op.name in _MERGES and id(op) not in used:
+                chain = _find(op, readers, makers, order, graph.loss)
+                mine = {id(o) for o in [op, *chain.ops, *chain.restores.values()]} if chain else set()
+                if chain is not None and not mine & used:   # a view both restoring one chain and merging
+                    chains.append(chain)                      # another is rewritten in the next round
+                    used |= mine
+        if not chains:
+            return graph
+        replace: Dict[int, List[IRFwOperation]] = {}
+        for chain in chains:
+            replace.update(_rewrite(chain, makers, registry))
+        graph = IRGraph([new for op in graph.ops for new in replace.get(id(op), [op])], graph.attrs,
+                        graph.loss, graph.name)
+
+
+def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor) -> Optional[_Chain]:
+    """The chain ``merge`` starts (module docstring), or None."""
+    if len(merge.inputs) != 1 or len(merge.outputs) != 1 or merge.args[:1] != (merge.inputs[0],):
+        return None
+    x, u = merge.inputs[0], merge.outputs[0]
+    if u.ndim < 2 or u is loss:
+        return None
+    rows = u.shape[:-1]
+    # a merge of leading dims: more of x's dims than the rows' hold them, the rest the last dim (the
+    # other way, a view splitting rows, merging them around the ops is as exact and loses a dim a split
+    # could take); checked first, as the walk below may reach far
+    if not any(math.prod(x.shape[:k]) == math.prod(rows) and math.prod(x.shape[k:]) == u.shape[-1]
+               for k in range(len(rows) + 1, x.ndim + 1)):
+        return None
+    # every op a value of the chain reaches; restoring views end it
+    inside, ops, restores, todo = {id(u)}, {}, {}, [u]
+    while todo:
+        t = todo.pop()
+        for op in readers.get(id(t), []):
+            if id(op) in ops or op in restores.values():
+                continue
+            if op.name in _RESTORES and op.inputs == [t] and t is not u and len(op.outputs) == 1:
+                if id(t) in restores:
+                    return None
+                restores[id(t)] = op
+                continue
+            if not isinstance(op, IRFwOperation) or not op.outputs or not _rowish(op):
+                return None
+            ops[id(op)] = op
+            for o in op.outputs:
+                if o is loss or o.shape[:-1] != rows:
+                    return None
+                inside.add(id(o))
+                todo.append(o)
+    if not restores:
+        return None
+    leads = {r.outputs[0].shape[:-1] for r in restores.values()}
+    if len(leads) != 1:
+        return None
+    lead = leads.pop()
+    k = len(lead)
+    if k <= len(rows) or tuple(x.shape[:k]) != lead or math.prod(x.shape[k:]) != u.shape[-1]:
+        return None
+    if any(r.outputs[0].shape[-1] != r.inputs[0].shape[-1] for r in restores.values()):
+        return None
+    if any(_row(op, inside, rows, makers) is None for op in ops.values()):
+        return None
+    return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores)
+
+
+def _rowish(op: IRFwOperation) -> bool:
+    """Whether ``op`` is of a kind ``_row`` may find row-wise (a first look, before the chain is known)."""
+    name = op.name
+    return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name == "addmm" or \
+        op_info(name).rule == "elementwise"
+
+
+def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
+    """An operand from outside the chain that broadcasts over the rows: a scalar, a vector of
+    the last dim, or a tensor whose other dims are all 1."""
+    return t.ndim <= len(rows) + 1 and all(s == 1 for s in t.shape[:-1])
+
+
+def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tuple, dict]]:
+    """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
+    arguments), or None."""
+    if inplace.effect(op):
+        return None
+    ins = [t for t in op.inputs if id(t) in inside]
+    out = [t for t in op.inputs if id(t) not in inside]
+    args, name = tuple(op.args), op.name
+    first = args[0] if args else None
+    only_first = len(ins) == 1 and first is ins[0] and sum(t is first for t in op.inputs) == 1
+    if name in _MATMULS:
+        w = args[1] if len(args) > 1 else None
+        if not only_first or op.kwargs or not isinstance(w, IRTensor) or w.ndim != 2 or \
+                any(t.ndim > 1 for t in out if t is not w):
+            return None
+        return (aten.matmul.default, "matmul", args, {}) if name == "mm" else (op.target, name, args, {})
+    if name == "addmm":
+        b, x, w = (list(args) + [None] * 3)[:3]
+        wt = makers.get(id(w)) if isinstance(w, IRTensor) else None
+        if len(ins) != 1 or x is not ins[0] or sum(t is x for t in op.inputs) != 1 or \
+                any(op.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(op.kwargs) - {"beta", "alpha"} or \
+                not isinstance(b, IRTensor) or b.ndim > 1 or wt is None or not _transposes(wt):
+            return None
+        return aten.linear.default, "linear", (x, wt.inputs[0], b), {}
+    if name in _NORMS:
+        shape = args[1] if len(args) > 1 else None
+        if not only_first or not isinstance(shape, (list, tuple)) or len(shape) != 1 or any(t.ndim > 1 for t in out):
+            return None
+        return op.target, name, args, dict(op.kwargs)
+    if name in _SOFTMAX:
+        dim = args[1] if len(args) > 1 else op.kwargs.get("dim")
+        if not only_first or not isinstance(dim, int) or dim % first.ndim != first.ndim - 1:
+            return None
+        kwargs = dict(op.kwargs, dim=-1) if "dim" in op.kwargs else dict(op.kwargs)
+        return op.target, name, ((first, -1) + args[2:] if len(args) > 1 else args), kwargs
+    if op_info(name).rule == "elementwise" and ins:
+        last = op.outputs[0].shape[-1]
+        if all(t.shape[-1] in (1, last) for t in ins) and all(_over_rows(t, rows) for t in out):
+            return op.target, name, args, dict(op.kwargs)
+    return None
+
+
+def _transposes(op: IRFwOperation) -> bool:
+    """Whether ``op`` swaps the two dims of a 2-D tensor."""
+    if len(op.inputs) != 1 or op.inputs[0].ndim != 2 or op.name not in _TRANSPOSES:
+        return False
+    if op.name == "transpose":
+        return {d % 2 for d in op.args[1:3]} == {0, 1}
+    if op.name == "permute":
+        return [d % 2 for d in op.args[1]] == [1, 0]
+    return True
+
+
+def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOperation]]:
+    """What replaces each op of ``chain`` (by op id): the merge of ``inner`` (or nothing), each
+    op on the unmerged rows, and nothing for the restoring views."""
+    merge, lead = chain.merge, chain.lead
+    x, u = merge.inputs[0], merge.outputs[0]
+    new: Dict[int, IRTensor] = {}
+    out: Dict[int, List[IRFwOperation]] = {id(r): [] for r in chain.restores.values()}
+    if tuple(x.shape[len(lead):]) == u.shape[-1:]:
+        new[id(u)], out[id(merge)] = x, []
+    else:
+        target = aten.reshape.default if merge.name == "flatten" else merge.target
+        u2 = IRTensor(lead + u.shape[-1:], u.dtype, u.requires_grad, TensorKind.ACTIVATION, u.hint)
+        new[id(u)] = u2
+        out[id(merge)] = [_make(merge, target, target._schema.name.split("::")[-1],
+                                (x, list(u2.shape)), {}, [u2], registry)]
+    inside = set(new) | {id(o) for op in chain.ops for o in op.outputs}
+    for op in chain.ops:
+        made = _row(op, inside, u.shape[:-1], makers)
+        if made is None:
+            raise CubeInternalError(f"op {op.name!r} ({op.where()}) was found row-wise and is not any more")
+        target, name, args, kwargs = made
+        outs = []
+        for o in op.outputs:
+            r = chain.restores.get(id(o))
+            o2 = r.outputs[0] if r is not None else \
+                IRTensor(lead + o.shape[-1:], o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
+            new[id(o)] = o2
+            outs.append(o2)
+        swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
+        out[id(op)] = [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
+    return out
+
+
+def _deep(a, fn):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_deep(x, fn) for x in a)
+    if isinstance(a, dict):
+        return {k: _deep(v, fn) for k, v in a.items()}
+    return fn(a)
+
+
+def _tensors(a):
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _tensors(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _tensors(x)
+    elif isinstance(a, IRTensor):
+        yield a
+
+
+def _make(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[IRTensor],
+          registry: Registry) -> IRFwOperation:
+    """An op made from ``like`` (its place in the model) calling ``target``; inputs in call order,
+    as the builder lists them."""
+    op = IRFwOperation(name=name, inputs=list(_tensors((args, kwargs))), outputs=outputs, target=target,
+                       args=tuple(args), kwargs=dict(kwargs), module_path=like.module_path, source=like.source,
+                       grad_enabled=like.grad_enabled, recompute=like.recompute)
+    registry.annotate(op)
+    return op
