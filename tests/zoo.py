@@ -225,7 +225,6 @@ class TitanLM(nn.Module):
 def _titan(family: str, layers: int = 2) -> nn.Module:
     """torchtitan's ``debugmodel`` of ``family`` (as its configs give it: fused QKV, complex rotary
     embeddings, flex_attention) with its first ``layers`` blocks."""
-    import torchtitan.models
     from torch.nn.attention.flex_attention import flex_attention
     from torchtitan.models.common.attention import FlexAttention
     if not torch.cuda.is_available():
