@@ -50,6 +50,7 @@ import torch
 
 from cube.errors import CubeInternalError
 from cube.runtime import session
+from cube.runtime.compiled import outside_graph
 
 aten = torch.ops.aten
 _LOCK = threading.RLock()   # default generators are shared by the ranks of an in-process world
@@ -130,6 +131,7 @@ def step(model):
             torch.default_generator.set_state(st.end)
 
 
+@outside_graph   # reads the step's state and swaps generator states: never baked into a compiled graph
 def call(model, index: int, box, fn, *args, **kwargs):
     """Runs the random op piece ``fn(*args, **kwargs)`` of draw ``index`` holding ``box`` (module docstring)."""
     st = model.__dict__.get("_rng_step")
