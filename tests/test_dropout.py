@@ -9,6 +9,7 @@ split tensor and data-parallel ranks draw independent ones.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 
 import pytest
@@ -57,6 +58,18 @@ def _exact(build, plan: str, recompute: bool):
 @pytest.mark.parametrize("plan", ["data", "tensor", "pipeline"])
 def test_gpt2_dropout_exact(plan, recompute):
     _exact(_gpt2, plan, recompute)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("tp", [2, 1], ids=["3d", "data_x_pipeline"])
+def test_gpt2_dropout_exact_4_ranks(tp, recompute):
+    """tp x pp (PLANS["3d"]), and data x pipeline, where a micro-batch's rows of the global batch's
+    mask are a slice of each data-parallel part (``micro_batches(interleave=2)``)."""
+    from policies.megatron3d import PASMegatron
+    model, sample = _gpt2(2)
+    policy = functools.partial(PASMegatron, tp=tp, pp=2, nmicros=2, recompute="all" if recompute else False)
+    assert_exact(parity(model, sample, policy, 4, steps=2, nmicros=2, opt="sgd", param_floor=PARAM_FLOOR,
+                        seed=SEED, exact_rng=True))
 
 
 @pytest.mark.parametrize("plan", ["data", "tensor", "pipeline"])
