@@ -183,3 +183,16 @@ def test_default_mode_seed_derivation():
     keys = {seed(1, 0, 3, 0, box), seed(2, 0, 3, 0, box), seed(1, 1, 3, 0, box), seed(1, 0, 4, 0, box),
             seed(1, 0, 3, 1, box), seed(1, 0, 3, 0, ((4, 8), (0, 16)))}
     assert len(keys) == 6 and all(0 <= k < 2 ** 63 for k in keys)
+
+
+@pytest.mark.parametrize("policy,nmicros", [("policies.megatron:PASMegatronTP", 1), ("policies.pipeline:PAS1F1B", 2)],
+                         ids=["tensor", "pipeline"])
+def test_exact_across_processes(policy, nmicros, tmp_path):
+    """gloo ranks, each with its own default generator seeded alike: the plain model's numbers too."""
+    import json
+
+    from tests.launch import ROOT, torchrun
+    torchrun(ROOT / "tests" / "workers" / "dropout_worker.py", 2, [policy, nmicros, tmp_path])
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert got["loss"] <= 1e-5 and got["params"] <= 1e-5 and got["generator"], got

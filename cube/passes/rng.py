@@ -71,17 +71,16 @@ def _arg(op: IRFwOperation, name: str, default=None):
 
 
 def draws(op) -> bool:
-    """Whether ``op`` draws random numbers when it runs (dropout in training, attention with
-    dropout, ops torch tags ``nondeterministic_seeded`` such as ``rand`` and ``bernoulli``)."""
+    """Whether ``op`` draws random numbers when it runs: an op with a dropout probability (dropout,
+    attention, RNNs) when it is above 0 in training, else an op torch tags ``nondeterministic_seeded``
+    (``rand``, ``bernoulli``, ...)."""
     if not isinstance(op, IRFwOperation) or not isinstance(op.target, torch._ops.OpOverload):
         return False
-    if op.name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
-        return bool(_arg(op, "train", True)) and float(_arg(op, "p", 0.0)) > 0
-    if op.name == "native_dropout":
-        train = _arg(op, "train", None)
-        return (train is None or bool(train)) and float(_arg(op, "p", 0.0)) > 0
-    if _SDPA in op.name:
-        return float(_arg(op, "dropout_p", 0.0) or 0.0) > 0
+    names = [a.name for a in op.target._schema.arguments]
+    for prob in ("p", "dropout_p", "dropout"):
+        if prob in names and (prob != "p" or "train" in names):   # ``p`` alone may be a norm's order
+            train = _arg(op, "train", None)
+            return (train is None or bool(train)) and float(_arg(op, prob, 0.0) or 0.0) > 0
     return torch.Tag.nondeterministic_seeded in getattr(op.target, "tags", ())
 
 
