@@ -196,3 +196,54 @@ def test_exact_across_processes(policy, nmicros, tmp_path):
     for r in range(2):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert got["loss"] <= 1e-5 and got["params"] <= 1e-5 and got["generator"], got
+
+
+def _trained(model, sample, policy, world: int, **compile_kw):
+    """Per rank: (losses, {local name: parameter}) after two SGD steps through cube."""
+    batches = global_batches(sample, 2)
+
+    def body():
+        it = iter(batches)
+
+        @cube.compile(copy.deepcopy(model), it, PAS=policy, use_cache=False, **compile_kw)
+        def train_iter(model, dataloader):
+            loss = model(*next(dataloader))
+            loss.backward()
+            return loss
+        gen = cube.load_model()
+        opt = optimizer("sgd")(gen.parameters())
+        losses = []
+        for _ in range(2):
+            losses.append(train_iter(gen, it).detach())
+            opt.step()
+            opt.zero_grad()
+        return losses, {k: v.detach().clone() for k, v in gen.named_parameters()}
+    return cube.debug.run(body, world)
+
+
+def test_default_mode_recompute_redraws_the_same_masks():
+    """Recompute re-runs a block's dropout in backward: it must drop what forward dropped, so the
+    step equals the step without recompute, number for number."""
+    from policies.data import PASData
+    model, sample = _gpt2(4)
+    plain = _trained(model, sample, functools.partial(PASData, recompute=False), 2)
+    again = _trained(model, sample, functools.partial(PASData, recompute="all"), 2)
+    for (l0, p0), (l1, p1) in zip(plain, again):
+        assert all(torch.equal(a, b) for a, b in zip(l0, l1))
+        assert all(torch.equal(p0[k], p1[k]) for k in p0)
+
+
+def test_exact_forward_outside_the_step_is_refused():
+    from policies.data import PASData
+    model, sample = _gpt2(4)
+
+    def body():
+        @cube.compile(copy.deepcopy(model), iter([sample]), PAS=PASData, use_cache=False, exact_rng=True)
+        def train_iter(model, dataloader):
+            loss = model(*next(dataloader))
+            loss.backward()
+            return loss
+        gen = cube.load_model()
+        with pytest.raises(ValueError, match="compiled step"):
+            gen(*sample)
+    cube.debug.run(body, 1)
