@@ -579,7 +579,7 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero
         graph.precision = precision
-        mark_draws(graph)   # the random ops, in the single device's order (cube.passes.rng)
+        mark_draws(graph, program=ep.graph_module)   # the random ops, in the single device's order (cube.passes.rng)
         check_graph(graph, stage="ir")
     return Traced(graph, consts, structure, timings, model=model, sample=sample, zero=zero, precision=precision)
 

@@ -247,3 +247,28 @@ def test_exact_forward_outside_the_step_is_refused():
         with pytest.raises(ValueError, match="compiled step"):
             gen(*sample)
     cube.debug.run(body, 1)
+
+
+class _Strided(nn.Module):
+    """Dropouts of tensors that are not contiguous: the single device draws each mask in its
+    input's memory order; the second one's batch is dim 1."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(8, 16)
+
+    def forward(self, x):
+        h = F.dropout(self.a(x).transpose(1, 2), 0.3, True)   # (B, 32, 8), strides of a transpose
+        h = torch.ops.aten.native_dropout(h.transpose(1, 2).transpose(0, 1), 0.2, True)[0].transpose(0, 1)
+        return self.b(h.transpose(1, 2)).pow(2).mean()
+
+
+def test_exact_draws_in_the_memory_order_of_the_single_devices_input():
+    from policies.data import PASData
+    from policies.pipeline import PAS1F1B
+    torch.manual_seed(0)
+    model, x = _Strided(), torch.randn(4, 8, 16)
+    assert_exact(parity(model, (x,), PASData, 2, steps=2, opt="sgd", seed=SEED, exact_rng=True))
+    with pytest.raises(ValueError, match=r"(?s)'native_dropout'.*only along dim 0"):
+        cube.plan(model, (x,), functools.partial(PAS1F1B, nmicros=2), 2, exact_rng=True)

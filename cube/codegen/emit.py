@@ -274,9 +274,10 @@ class _Emitter:
         lines = [f"    # random ops draw {how} (cube.runtime.rng)",
                  f"    RNG = {{'exact': {exact}, 'mine': {set(mine) if mine else 'set()'}, "
                  f"'nmicros': {micro.nmicros if micro is not None else 1}, 'interleave': {self.program.interleave},"]
-        if exact:   # (kind, shape drawn on the global batch, dtype, p, a micro-batch's rows of dim 0 or None)
+        if exact:   # (kind, shape drawn on the global batch, dtype, p, a micro-batch's rows of dim 0 or None,
+            #          strides of the single device's input when not contiguous)
             lines.append("            'draws': [")
-            lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}),"
+            lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}, {d.strides!r}),"
                       for d in draws]
             lines.append("            ]}")
         else:

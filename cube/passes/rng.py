@@ -51,6 +51,9 @@ class Draw:
             global mask); None when the draw does not depend on the batch (every micro-batch takes
             the whole mask) or outside pipelines.
         why: why exact mode cannot reproduce it (None: it can).
+        strides: the strides of a dropout's input on the single device when not contiguous: the
+            op draws its mask in the input's memory order (``empty_like``), so the whole mask is
+            drawn on a tensor of ones laid out alike (None: contiguous).
     """
 
     index: int
@@ -60,6 +63,7 @@ class Draw:
     p: float = 0.0
     rows: Optional[int] = None
     why: Optional[str] = None
+    strides: Optional[Tuple[int, ...]] = None
 
 
 def _arg(op: IRFwOperation, name: str, default=None):
@@ -101,10 +105,13 @@ def _reproduce(op: IRFwOperation) -> Tuple[Optional[str], Tuple[int, ...], torch
                                      f"scaled_dot_product_attention's dropout only, not of {op.name!r}")
 
 
-def mark_draws(graph: IRGraph, full: Optional[IRGraph] = None, nmicros: int = 1) -> List[IRFwOperation]:
+def mark_draws(graph: IRGraph, full: Optional[IRGraph] = None, nmicros: int = 1,
+               program: Optional[torch.fx.GraphModule] = None) -> List[IRFwOperation]:
     """Sets ``op.draw`` on every random op of a freshly traced ``graph``; returns them in order.
 
     Args:
+        program: the exported program ``graph`` was built from: the layout of each dropout's
+            input (``Draw.strides``), which the IR does not keep.
         full: for a graph traced on one micro-batch of a pipeline step, the graph traced on the
             global batch (the same ops in the same order, ``cube.passes.micro``): draws take its
             shapes, so every micro-batch reads its rows of the global batch's mask.
@@ -114,8 +121,12 @@ def mark_draws(graph: IRGraph, full: Optional[IRGraph] = None, nmicros: int = 1)
     fops = [op for op in full.ops if draws(op)] if full is not None else ops
     if len(fops) != len(ops):   # micro_shares checked that both traces run the same ops
         raise CubeInternalError(f"{len(fops)} random ops on the global batch, {len(ops)} on a micro-batch")
+    layouts = _input_strides(ops, program) if program is not None else {}
     for i, (op, fop) in enumerate(zip(ops, fops)):
         kind, shape, dtype, p, why = _reproduce(fop)
+        strides = fop.draw.strides if full is not None else layouts.get(id(op))
+        if kind in ("dropout", "native_dropout") and full is None and id(op) not in layouts and why is None:
+            why = "cube could not find the layout of its input in the exported program"
         rows = None
         if full is not None and why is None:
             micro_shape = _reproduce(op)[1]
@@ -125,8 +136,39 @@ def mark_draws(graph: IRGraph, full: Optional[IRGraph] = None, nmicros: int = 1)
                 else:
                     why = (f"its mask has shape {list(shape)} on the global batch and {list(micro_shape)} on a "
                            f"micro-batch: cube takes a micro-batch's part of a mask only along dim 0")
-        op.draw = Draw(i, kind, tuple(shape), dtype, p, rows, why)
+        op.draw = Draw(i, kind, tuple(shape), dtype, p, rows, why, strides)
     return ops
+
+
+def _input_strides(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> dict:
+    """``id(op) -> strides`` (None: contiguous) of the input of each dropout in ``ops``, read from the
+    exported program's values: the n-th op of a target is the program's n-th call of it."""
+    calls: dict = {}
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.dropout.default,
+                                                           torch.ops.aten.native_dropout.default):
+            calls.setdefault(node.target, []).append(node)
+    seen: dict = {}
+    out = {}
+    for op in ops:
+        if op.name not in ("dropout", "native_dropout"):
+            continue
+        k = seen[op.target] = seen.get(op.target, -1) + 1
+        nodes = calls.get(op.target, [])
+        val = nodes[k].args[0].meta.get("val") if k < len(nodes) and nodes[k].args else None
+        if len(nodes) != sum(1 for o in ops if o.target == op.target) or not isinstance(val, torch.Tensor):
+            continue   # no such node, or not one per op: unknown (exact mode refuses it)
+        if tuple(_int(s) for s in val.shape) != tuple(op.inputs[0].shape):
+            continue
+        out[id(op)] = None if val.is_contiguous() else tuple(_int(s) for s in val.stride())
+    return out
+
+
+def _int(s) -> int:
+    try:
+        return int(s)
+    except Exception:   # noqa: BLE001 - a symbolic size (a dynamic batch dim): its traced value
+        return int(s.node.hint)
 
 
 def graph_draws(graph: IRGraph) -> List[Draw]:

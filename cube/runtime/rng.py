@@ -96,8 +96,8 @@ def _begin(model) -> StepRng:
     with _LOCK:
         start = gen.get_state()
         try:
-            for index, (kind, shape, dtype, p, _rows) in enumerate(table["draws"]):
-                mask = _draw_whole(kind, shape, dtype, p)
+            for index, (kind, shape, dtype, p, _rows, strides) in enumerate(table["draws"]):
+                mask = _draw_whole(kind, shape, dtype, p, strides)
                 if index in table["mine"]:
                     st.masks[index] = mask
             st.end = gen.get_state()
@@ -106,9 +106,13 @@ def _begin(model) -> StepRng:
     return st
 
 
-def _draw_whole(kind: str, shape, dtype, p: float) -> torch.Tensor:
-    """The whole mask of one draw from the default generator, as the single device draws it."""
-    ones = torch.ones(shape, dtype=dtype)
+def _draw_whole(kind: str, shape, dtype, p: float, strides=None) -> torch.Tensor:
+    """The whole mask of one draw from the default generator, as the single device draws it: on
+    ones laid out as the single device's input (dropout draws in its input's memory order)."""
+    if strides is None:
+        ones = torch.ones(shape, dtype=dtype)
+    else:
+        ones = torch.empty_like(torch.empty_strided(shape, strides, dtype=dtype)).fill_(1)
     if kind in ("dropout", "sdpa"):   # dropout(1) is the mask already scaled by 1 / (1 - p)
         return aten.dropout.default(ones, p, True)
     if kind == "native_dropout":
@@ -181,7 +185,7 @@ def _rows(model, rows: int, micro: int, start: int, stop: int) -> torch.Tensor:
 
 
 def _piece(model, st: StepRng, index: int, box, micro: int) -> torch.Tensor:
-    kind, shape, _dtype, _p, rows = _table(model)["draws"][index]
+    kind, shape, _dtype, _p, rows, _strides = _table(model)["draws"][index]
     mask = st.masks.get(index)
     if mask is None:
         raise CubeInternalError(f"draw {index} runs on this rank but was not drawn for it")
@@ -198,7 +202,7 @@ def _piece(model, st: StepRng, index: int, box, micro: int) -> torch.Tensor:
 
 
 def _exact(model, st: StepRng, index: int, box, micro: int, fn, args, kwargs):
-    kind, _shape, dtype, p, _rows = _table(model)["draws"][index]
+    kind, _shape, dtype, p, _rows, _strides = _table(model)["draws"][index]
     mask = _piece(model, st, index, box, micro)
     x = args[0]
     if x.dtype != dtype:
