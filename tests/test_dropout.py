@@ -1,10 +1,13 @@
-"""Dropout with defined semantics (``cube.runtime.rng``), models as shipped (dropout 0.1).
+"""Dropout with defined semantics (``cube.runtime.rng``, ``docs/random.md``), models as shipped
+(dropout 0.1).
 
 Exact mode (``exact_rng=True``): every plan draws the single device's masks, so Hugging Face GPT-2
-with dropout on trains exactly like the plain model (loss and parameters, SGD, two steps, so the
-default generator's state carried into step 2 is checked too) under data, tensor and pipeline
-plans, with recompute on and off. Default mode: replicas of a tensor share a mask, pieces of a
-split tensor and data-parallel ranks draw independent ones.
+and BERT with dropout on train exactly like the plain model (loss and parameters, SGD, two steps,
+so the default generator's state carried into step 2 is checked too) under data, tensor, 1F1B,
+data x pipeline and 3D plans, with recompute on and off, in the in-process world and across gloo
+processes; inputs that are not contiguous draw in their memory order; what cube cannot reproduce
+is refused. Default mode: replicas of a tensor share a mask, pieces of a split tensor and
+data-parallel ranks draw independent ones, and recompute redraws the same masks.
 """
 from __future__ import annotations
 

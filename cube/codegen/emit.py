@@ -277,8 +277,8 @@ class _Emitter:
         if exact:   # (kind, shape drawn on the global batch, dtype, p, a micro-batch's rows of dim 0 or None,
             #          strides of the single device's input when not contiguous)
             lines.append("            'draws': [")
-            lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}, {d.strides!r}),"
-                      for d in draws]
+            lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}, "
+                      f"{d.strides!r})," for d in draws]
             lines.append("            ]}")
         else:
             lines[-1] += f" 'draws': {len(draws)}}}"
@@ -454,8 +454,8 @@ class _Emitter:
         if not graph_draws(self.graph):
             return lines
         end = next(i for i, line in enumerate(lines) if i and line.rstrip().endswith('"""'))   # the docstring
-        return lines[:end + 1] + ["    with runtime.rng.step(model):   # this step's random draws (cube.runtime.rng)"] + \
-            ["    " + line for line in lines[end + 1:]]
+        bracket = "    with runtime.rng.step(model):   # this step's random draws (cube.runtime.rng)"
+        return lines[:end + 1] + [bracket] + ["    " + line for line in lines[end + 1:]]
 
     def _train_step(self) -> List[str]:
         plan = self.plan
