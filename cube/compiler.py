@@ -616,7 +616,7 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
 
 def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1,
                   zero: int = 0, precision: Optional[str] = None, timings: Optional[dict] = None,
-                  options: Optional[dict] = None) -> dict:
+                  options: Optional[dict] = None, exact_rng: bool = False) -> dict:
     """Every rank's generated source for a plan, in this process (no launch, no cache): a dry run.
 
     Args:
@@ -628,7 +628,8 @@ def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], worl
         ``{rank: source}`` for ranks ``0..world_size-1``.
     """
     with _gc_paused():
-        planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision)
+        planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision,
+                       exact_rng=exact_rng)
         sources = planned.sources()
     if timings is not None:
         timings.update(planned.timings)
