@@ -33,6 +33,7 @@ from cube.ir.graph import IRGraph
 from cube.passes import check_graph
 from cube.passes.micro import micro_shares
 from cube.passes.program import Program, build_program
+from cube.passes.rng import check_exact, mark_draws
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
 from cube.runtime import compiled as rt_compiled
 from cube.runtime import data as rt_data
@@ -161,13 +162,15 @@ class CompiledStep:
         lost: the splits the policy asked for that the plan does not keep (``cube.ir.lost``),
             read back from the cache with the code when reused.
         strict: whether such splits are an error.
+        exact_rng: whether random ops draw the single device's numbers (``cube.runtime.rng``).
     """
 
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
                  use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
                  options: Optional[dict] = None, backend: Optional[str] = None, strict: bool = False,
-                 max_shapes: int = 1):
+                 exact_rng: bool = False, max_shapes: int = 1):
         rt_compiled.check_backend(backend)
+        self.exact_rng = bool(exact_rng)   # in the cache key: the random ops' code differs
         self.fn = fn
         self.max_shapes = max_shapes
         self._others: Dict[tuple, "CompiledStep"] = {}   # batch shapes -> the plan compiled for them
@@ -232,7 +235,9 @@ class CompiledStep:
                      policy_source(self.policy, self.options), self.structure,
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
-                     f"precision={self.precision}",
+                     f"precision={self.precision}", f"exact_rng={self.exact_rng}",
+                     # random ops draw through cube.runtime.rng (before: the default generator as it stood)
+                     "rng=keyed",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
                      "step=global-batch",
                      # the plan's lost splits are cached with its code (entries before them lack the file)
@@ -246,7 +251,7 @@ class CompiledStep:
             traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision,
                                  timings=self.timings, structure=self.structure)
             planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank],
-                                  strict=self.strict)
+                                  strict=self.strict, exact_rng=self.exact_rng)
             source = planned.source(self.env.rank)
         self.timings.update(planned.timings)
         self.graph = planned.graph
@@ -313,7 +318,10 @@ class CompiledStep:
         gen = model if plan is self else plan._module_over(model)
         step, self.steps_run = self.steps_run, self.steps_run + 1
         with rt_session.running(gen), rt_profile.record(self.env.rank, step):
-            return plan.module.train_step(gen, _Prepend(batch, it))
+            loss = plan.module.train_step(gen, _Prepend(batch, it))
+        if gen is not model:   # one count of steps for the model's random draws (cube.runtime.rng), whatever the plan
+            model.__dict__["_rng_steps"] = gen.__dict__.get("_rng_steps", 0)
+        return loss
 
     def _plan_for(self, shapes: tuple, sample) -> "CompiledStep":
         """The plan for batches of ``shapes``: compiled (or found in the cache) the first time they come."""
@@ -574,11 +582,13 @@ class Traced:
                 for k, v in full.timings.items():
                     timings[k] = timings.get(k, 0.0) + v
         micro_shares(full.graph, micro.graph, nmicros, batch)
+        mark_draws(micro.graph, full.graph, nmicros)   # a micro-batch draws its rows of the global batch's masks
         self._micro[nmicros] = micro
         return micro
 
     def plan(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
-             zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None, strict: bool = False) -> Plan:
+             zero: Optional[int] = None, ranks: Optional[Sequence[int]] = None, strict: bool = False,
+             exact_rng: bool = False) -> Plan:
         """Runs the policy on a copy of the graph for ``world`` ranks, then the passes.
 
         Args:
@@ -589,13 +599,19 @@ class Traced:
             ranks: the ranks whose programs to lay out (default all; every rank is planned).
             strict: a split the policy asked for that the plan cannot keep is an error (see
                 ``place``); without it ``Plan.lost`` lists them.
+            exact_rng: random ops draw exactly the single device's numbers (``cube.runtime.rng``);
+                without it replicas share a mask and pieces draw independent ones.
 
         Raises:
-            ValueError, TypeError: the policy's plan cannot run (the message says why and how to fix it).
+            ValueError, TypeError: the policy's plan cannot run (the message says why and how to fix it);
+                with ``exact_rng``, a random op whose draws cube cannot reproduce.
         """
         policy = load_policy(PAS)
         timings = dict(self.timings)
         graph = self.place(policy, world, options=options, zero=zero, timings=timings, strict=strict)
+        graph.exact_rng = bool(exact_rng)
+        if exact_rng:
+            check_exact(graph)
         with _phase("plan", timings):
             program = build_program(graph, world, ranks)
         return Plan(graph, program, self.consts_of(graph), policy_name(policy), timings)
@@ -665,13 +681,14 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero
         graph.precision = precision
+        mark_draws(graph, program=ep.graph_module)   # the random ops, in the single device's order (cube.passes.rng)
         check_graph(graph, stage="ir")
     return Traced(graph, consts, structure, timings, model=model, sample=sample, zero=zero, precision=precision)
 
 
 def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 1, *,
          options: Optional[dict] = None, zero: int = 0, precision: Optional[str] = None,
-         ranks: Optional[Sequence[int]] = None, strict: bool = False) -> Plan:
+         ranks: Optional[Sequence[int]] = None, strict: bool = False, exact_rng: bool = False) -> Plan:
     """Compiles ``model`` for ``world`` ranks in this process, as a value: trace, policy, passes.
 
     Nothing is launched, read or written (no process group, no cache); ``Plan.sources()``
@@ -680,9 +697,11 @@ def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 
 
     Each split the policy asked for that the plan does not keep is logged as a warning on the
     ``cube`` logger (``Plan.lost`` lists them); with ``strict`` they are a ``ValueError``.
+    ``exact_rng``: as ``cube.compile``'s.
     """
     planned = trace_model(model, batch, zero=zero, precision=precision).plan(PAS, world, options=options,
-                                                                            ranks=ranks, strict=strict)
+                                                                            ranks=ranks, strict=strict,
+                                                                            exact_rng=exact_rng)
     _warn_lost(planned.lost, _policy_label(PAS) if callable(PAS) else planned.policy)
     return planned
 
@@ -699,7 +718,7 @@ def trace_and_plan(model: torch.nn.Module, sample: tuple, structure: str, policy
 
 def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int = 1,
                   zero: int = 0, precision: Optional[str] = None, timings: Optional[dict] = None,
-                  options: Optional[dict] = None) -> dict:
+                  options: Optional[dict] = None, exact_rng: bool = False) -> dict:
     """Every rank's generated source for a plan, in this process (no launch, no cache): a dry run.
 
     Args:
@@ -711,7 +730,8 @@ def generate_code(model: torch.nn.Module, batch, PAS: Union[Callable, str], worl
         ``{rank: source}`` for ranks ``0..world_size-1``.
     """
     with _gc_paused():
-        planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision)
+        planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision,
+                       exact_rng=exact_rng)
         sources = planned.sources()
     if timings is not None:
         timings.update(planned.timings)
@@ -741,7 +761,8 @@ def generate(graph: IRGraph, rank: int, world: int, policy: str, timings: Option
 
 
 def explain(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size: int, folder, zero: int = 0,
-            precision: Optional[str] = None, options: Optional[dict] = None, strict: bool = False) -> list:
+            precision: Optional[str] = None, options: Optional[dict] = None, strict: bool = False,
+            exact_rng: bool = False) -> list:
     """Plans ``model`` for ``world_size`` ranks in this process and writes the report into ``folder``.
 
     Nothing is launched: this traces, applies the policy and plans every rank,
@@ -753,7 +774,8 @@ def explain(model: torch.nn.Module, batch, PAS: Union[Callable, str], world_size
     Returns:
         The paths written.
     """
-    planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision, strict=strict)
+    planned = plan(model, batch, PAS, world_size, options=options, zero=zero, precision=precision, strict=strict,
+                   exact_rng=exact_rng)
     return write_report(planned.program, folder)
 
 
@@ -771,7 +793,8 @@ def _load_source(path: Path, name: str):
 def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
             zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None,
-            backend: Optional[str] = None, strict: bool = False, max_shapes: int = 1) -> Callable:
+            backend: Optional[str] = None, strict: bool = False, exact_rng: bool = False,
+            max_shapes: int = 1) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -809,6 +832,12 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             op, its model line and the fix (``cube.register_op``, or another policy), also
             when the code comes from the cache. Without it, rank 0 logs one warning per such
             op on the ``cube`` logger (``cube.ir.lost``).
+        exact_rng: every plan draws exactly the random numbers (dropout masks) the single
+            device draws from the default generator, which the step then leaves where the
+            plain model leaves it; random ops cube cannot reproduce are a ``ValueError``
+            (CPU, float32). Without it, as Megatron-LM's RNG tracker: replicas of a tensor
+            share a mask, pieces of a split tensor and data-parallel ranks draw independent
+            ones (``cube.runtime.rng`` has the seed derivation).
 
         max_shapes: how many batch shapes the step takes (default 1: every batch has the first
             batch's shapes). A batch of new shapes (the short last batch of an epoch, another
@@ -833,7 +862,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
                             precision=precision, options=options, backend=backend, strict=strict,
-                            max_shapes=max_shapes)
+                            exact_rng=exact_rng, max_shapes=max_shapes)
         rt_session.register(step)
         return step
 

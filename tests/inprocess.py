@@ -48,7 +48,7 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
 
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
            opt: str = "sgd", build: Optional[Callable] = None, batches: Optional[list] = None,
-           param_floor: float = 0.0, **compile_kw) -> List[Tuple[float, float]]:
+           param_floor: float = 0.0, seed: Optional[int] = None, **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
     batch of ``nmicros`` times the sample's batch size (a pipeline plan cuts it into ``nmicros``
     micro-batches; the plain model trains on it whole).
@@ -61,6 +61,8 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         param_floor: a parameter whose root-mean-square is below it is compared against it instead
             of its own norm (a bias a model initializes to zero whose gradient is zero by
             construction, e.g. a key projection's, holds only round-off after an SGD step).
+        seed: seeds the default generator right before the plain model's first step and before
+            the compiled one's (random ops: both start from the same state; ``exact_rng``).
         compile_kw: passed to ``cube.compile`` (``zero=``, ``precision=``, ...).
 
     Returns:
@@ -68,6 +70,8 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
     """
     batches = batches if batches is not None else global_batches(sample, steps, nmicros)
     make = optimizer(opt)
+    if seed is not None:
+        torch.manual_seed(seed)
     ref_losses, ref_params = eager_reference(model, batches, make)
     cache = tempfile.mkdtemp(prefix="cube-parity-")
 
@@ -83,6 +87,8 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
         gen = cube.load_model()
         gen_opt = build(gen) if build is not None else make(gen.parameters())
         losses = []
+        if seed is not None:   # each rank: ranks of the in-process world share the generator (cube.runtime.rng)
+            torch.manual_seed(seed)
         for _ in range(steps):
             losses.append(train_iter(gen, it).detach())
             gen_opt.step()

@@ -26,6 +26,7 @@ from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.rank_plans import Call
+from cube.passes.rng import graph_draws
 from cube.passes.program import Program, RankProgram, Segment
 from cube.passes.recompute import Run
 from cube.runtime import profile
@@ -115,7 +116,12 @@ class _Emitter:
 
     def op_call(self, call: Call) -> str:
         op = call.op
+        lead: List[str] = []   # printed arguments before the op's own
         if call.inside is not None:   # a piece communicating inside its call (cube.passes.inside)
+            if getattr(op.root, "draw", None) is not None and getattr(self.graph, "exact_rng", False):
+                raise ValueError(f"exact_rng=True: op {op.name!r} ({op.root.where()}) draws random numbers and "
+                                 f"communicates inside its call; cube cannot give it the single device's draws. "
+                                 f"Compile without exact_rng, or do not split it this way")
             fn, args, kwargs = call.inside.fn, list(call.inside.args), call.inside.kwargs
             if fn is None:
                 fn, args = _target_str(args[0]), args[1:]
@@ -127,11 +133,16 @@ class _Emitter:
             fn, args, kwargs = local_call(op, call.layout, call.term_ranks, self.counts.get(id(call)))
             if call.defer_wgrad and fn is None:
                 fn = call.defer_wgrad   # its weight gradient waits for the W action (split backward)
+            draw = getattr(op.root, "draw", None)
+            if draw is not None:   # a random op: its draws are keyed by its index and box (cube.runtime.rng)
+                box = call.layout.outputs[0] if call.layout.outputs else ()
+                lead = [f"self, {draw.index}, {tuple(box)!r}, {fn or _target_str(op.target)}"]
+                fn = "runtime.rng.call"
         self.subst = call.subst
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]
         self.subst = {}
-        return f"{fn or _target_str(op.target)}({', '.join(parts)})"
+        return f"{fn or _target_str(op.target)}({', '.join(lead + parts)})"
 
     def step_call(self, call: Call, inplace: bool = False) -> str:
         s = call.step
@@ -217,6 +228,7 @@ class _Emitter:
             lines.append(f"    REDUCE_AFTER = {after!r}")
         lines.append("    # process groups, made in this order on every rank")
         lines.append(f"    GROUPS = {list(self.groups)!r}")
+        lines += self.rng_table()
         if getattr(self.graph, "precision", None):
             lines.append(f"    PRECISION = {self.graph.precision!r}   # forward under torch.autocast, "
                          f"float32 parameters")
@@ -247,6 +259,30 @@ class _Emitter:
         lines.append("")
         lines += self.train_step()
         return "\n".join(lines) + "\n"
+
+    def rng_table(self) -> List[str]:
+        """``RNG``: how the step draws random numbers (``cube.runtime.rng``); nothing without random ops."""
+        draws = graph_draws(self.graph)
+        if not draws:
+            return []
+        exact = bool(getattr(self.graph, "exact_rng", False))
+        micro = self.graph.micro
+        mine = sorted({c.op.root.draw.index for seg in self.program.segments for c in seg.calls
+                       if c.op is not None and getattr(c.op.root, "draw", None) is not None})
+        how = "the single device's masks, drawn whole, sliced" if exact else \
+            "each piece seeded from (seed, step, op, micro-batch, box)"
+        lines = [f"    # random ops draw {how} (cube.runtime.rng)",
+                 f"    RNG = {{'exact': {exact}, 'mine': {set(mine) if mine else 'set()'}, "
+                 f"'nmicros': {micro.nmicros if micro is not None else 1}, 'interleave': {self.program.interleave},"]
+        if exact:   # (kind, shape drawn on the global batch, dtype, p, a micro-batch's rows of dim 0 or None,
+            #          strides of the single device's input when not contiguous)
+            lines.append("            'draws': [")
+            lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}, "
+                      f"{d.strides!r})," for d in draws]
+            lines.append("            ]}")
+        else:
+            lines[-1] += f" 'draws': {len(draws)}}}"
+        return lines
 
     def forward(self) -> List[str]:
         """The forward: the rank's calls, or, on a rank holding several pipeline stages, a forward
@@ -413,6 +449,15 @@ class _Emitter:
         return lines
 
     def train_step(self) -> List[str]:
+        """``train_step``; with random ops, the step's draws are bracketed by ``runtime.rng.step``."""
+        lines = self._train_step()
+        if not graph_draws(self.graph):
+            return lines
+        end = next(i for i, line in enumerate(lines) if i and line.rstrip().endswith('"""'))   # the docstring
+        bracket = "    with runtime.rng.step(model):   # this step's random draws (cube.runtime.rng)"
+        return lines[:end + 1] + [bracket] + ["    " + line for line in lines[end + 1:]]
+
+    def _train_step(self) -> List[str]:
         plan = self.plan
         data = plan.data
         names = [self.value(t) for t in data.outputs]

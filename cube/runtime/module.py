@@ -104,6 +104,7 @@ class CubeModule(torch.nn.Module):
         this module was: ``cube.build_optimizer(base)``)."""
         self._reducer, self._zero, self.loss_scale = self.base._reducer, self.base._zero, self.base.loss_scale
         self.zero_stage = getattr(self.base, "zero_stage", 0)
+        self.__dict__["_rng_steps"] = self.base.__dict__.get("_rng_steps", 0)   # (cube.runtime.rng's step count)
 
     def setup_communication(self) -> None:
         """Creates the plan's process groups (on every rank, same order) and the gradient reducer."""

@@ -11,8 +11,9 @@ stops the whole world at that point.
 
 Known differences from separate processes: the ranks share one random number
 generator (a model seeded before it is built gets the same values on every
-rank, as ranks build it one after another; dropout draws differ), and the
-environment variables are shared.
+rank, as ranks build it one after another; the random ops of a compiled step
+draw as in separate processes, ``cube.runtime.rng``), and the environment
+variables are shared.
 """
 from __future__ import annotations
 
