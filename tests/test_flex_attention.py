@@ -31,29 +31,30 @@ def by_sample(score, b, h, q_idx, kv_idx):   # reads the batch index: the batch 
 
 
 class Block(nn.Module):
-    def __init__(self, score_mod):
+    def __init__(self, score_mod, d=D):
         super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.q, self.k, self.v, self.o = (nn.Linear(D, D) for _ in range(4))
-        self.up, self.down = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
         self.score_mod = score_mod
+        self.d = d
 
     def forward(self, x):
-        b, s, _ = x.shape
+        b, s, d = x.shape
         h = self.norm(x)
-        q, k, v = (p(h).view(b, s, H, D // H).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (p(h).view(b, s, H, d // H).transpose(1, 2) for p in (self.q, self.k, self.v))
         mask = create_block_mask(causal, None, None, s, s, device=x.device)
         a = flex_attention(q, k, v, score_mod=self.score_mod, block_mask=mask)
-        x = x + self.o(a.transpose(1, 2).reshape(b, s, D))
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, d))
         return x + self.down(torch.relu(self.up(x)))
 
 
 class LM(nn.Module):
-    def __init__(self, score_mod=softcap, layers=2):
+    def __init__(self, score_mod=softcap, layers=2, d=D):
         super().__init__()
-        self.embed = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block(score_mod) for _ in range(layers))
-        self.head = nn.Linear(D, V)
+        self.embed = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList(Block(score_mod, d) for _ in range(layers))
+        self.head = nn.Linear(d, V)
 
     def forward(self, ids, labels):
         x = self.embed(ids)
@@ -95,7 +96,7 @@ def test_trains_exactly_under_every_plan_kind(policy, world, micro, nmicros):
 def test_on_a_gpu_the_compiled_kernels_train_as_the_plain_model(monkeypatch):
     monkeypatch.setenv("SINGLE_DEV_MODE", "1")
     torch.manual_seed(0)
-    model = LM()
+    model = LM(d=4 * 16)   # heads of 16 dims: inductor's flex_attention kernels take no fewer
     ids, labels = (t.cuda() for t in _batch())
     ref = copy.deepcopy(model).cuda()
     attend = torch.compile(flex_attention)

@@ -142,8 +142,9 @@ def _attend(xs: Sequence[torch.Tensor], spec: dict) -> Tuple[torch.Tensor, torch
     score = (lambda s, b, h, qi, ki: score_fn(s, b, h, qi, ki, *score_bufs)) if score_fn is not None else None
     options = dict(score_mod=score, block_mask=block_mask, scale=spec["scale"], enable_gqa=spec["gqa"],
                    kernel_options=spec["kernel_options"] or None)
-    # on a GPU the fused kernels: flex_attention compiled (eager runs the dense implementation)
-    attend = _compiled() if q.is_cuda else flex_attention
+    # on a GPU the fused kernels: flex_attention compiled (eager runs the dense implementation), where
+    # inductor has them (head dims of 16 and more)
+    attend = _compiled() if q.is_cuda and min(q.shape[-1], v.shape[-1]) >= 16 else flex_attention
     with device_check_off():
         if _AuxRequest is not None:
             out, aux = attend(q, k, v, **options, return_aux=_AuxRequest(lse=True))
