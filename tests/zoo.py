@@ -359,7 +359,8 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
 
 
 TRANSFORMERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "opt", "falcon",
-                "mixtral", "qwen2_moe", "deepseek_v2", "bert", "roberta", "t5", "bart", "vit", "swin"]
+                "mixtral", "qwen2_moe", "deepseek_v2", "bert", "roberta", "t5", "bart", "vit", "swin",
+                "tt_llama3", "tt_qwen3"]
 
 
 def tp_shares(name: str, tp: int) -> Dict[str, float]:

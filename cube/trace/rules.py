@@ -177,8 +177,16 @@ def flex_attention(op: IRFwOperation) -> str:
     rows = spec["batch_rows"]   # the captured tensors the functions pick the batch's rows of
     whole = rows is None or any(bufs[i].shape[0] != q.shape[0] for i in rows)
     b = "b^" if whole else "b"
-    h = "h" if (mqa or not gqa) and not spec["heads_read"] else "h^"
-    kh = "1" if mqa else h
+    frozen = "^" if spec["heads_read"] else ""
+    if mqa:   # one key/value head: the query heads split, each piece reading it whole
+        h, kh = "h" + frozen, "1"
+    elif gqa and q.shape[-3] % k.shape[-3] == 0:
+        # query head i reads key/value head i // g: the query heads are (key/value heads, g), split along
+        # the key/value heads (each piece its groups)
+        kh = "h" + frozen
+        h = f"(h{frozen} g^)"
+    else:
+        h = kh = "h" + (frozen if not gqa else "^")
     ins = [[b, h, "l^", "e^"], [b, kh, "s^", "e^"], [b, kh, "s^", "f"]]
     for t in op.inputs[3:3 + len(spec["given"])]:   # (batch, heads, query blocks[, key blocks])
         lead = ["1" if t.shape[0] == 1 else b if t.shape[0] == q.shape[0] else names(True),
