@@ -75,9 +75,10 @@ def test_gpt2_dropout_exact_4_ranks(tp, recompute):
                         seed=SEED, exact_rng=True))
 
 
-@pytest.mark.parametrize("plan", ["data", "tensor", "pipeline"])
-def test_bert_dropout_exact(plan):
-    _exact(_bert, plan, recompute=plan == "tensor")
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+@pytest.mark.parametrize("plan", ["data", "tensor", "pipeline", "3d"])
+def test_bert_dropout_exact(plan, recompute):
+    _exact(_bert, plan, recompute)
 
 
 def test_exact_leaves_the_generator_where_the_plain_model_does():
