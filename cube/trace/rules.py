@@ -755,9 +755,15 @@ class Registry:
     def annotate(self, op: IRFwOperation) -> None:
         """Sets ``op.anno`` (or ``op.anno_error``) from the rule for ``op.name``."""
         rule = self.rules.get(op.name)
-        if rule is None:
-            op.anno_error = f"cube has no partition rule for {op.name!r}"
-            return
+        if rule is None or rule is opaque:   # opaque: split nothing, the hand rule's placeholder
+            from cube.trace.derived import derive   # a rule from DTensor's strategies, each split checked
+            text = derive(op)
+            if text is not None:
+                rule = text
+                op.anno_derived = True
+            elif rule is None:
+                op.anno_error = f"cube has no partition rule for {op.name!r}"
+                return
         try:
             text = rule if isinstance(rule, str) else rule(op)
             anno = parse(text, len(op.inputs))
