@@ -88,3 +88,16 @@ def test_shutdown_leaves_no_communication_thread(tmp_path):
         got = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert any("gloo" in t for t in got["before"]), got   # the groups had threads to take down
         assert not [t for t in got["after"] if "gloo" in t], got
+
+
+def test_releasing_torch_default_groups_prints_no_deprecation_warning():
+    """The end of every multi-rank run walks torch.distributed's modules; touching the deprecated
+    ``torch.distributed.reduce_op`` there printed a FutureWarning each time."""
+    import warnings
+
+    import torch.distributed.nn.functional  # noqa: F401 - a module whose functions hold a group default
+    from cube.runtime import device
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        device._release_default_groups()
+    assert not [w for w in caught if "reduce_op" in str(w.message)], [str(w.message) for w in caught]

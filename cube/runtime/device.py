@@ -138,7 +138,9 @@ def _release_default_groups() -> None:
         if not name.startswith("torch.distributed") or not isinstance(namespace, dict):
             continue
         for f in list(namespace.values()):
-            if not isinstance(f, types.FunctionType):
+            # type(), not isinstance: isinstance reads __class__, which the deprecated torch.distributed.reduce_op
+            # answers with a FutureWarning printed at the end of every multi-rank run
+            if type(f) is not types.FunctionType:
                 continue
             if f.__defaults__ and any(isinstance(d, dist.ProcessGroup) for d in f.__defaults__):
                 f.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in f.__defaults__)
