@@ -199,10 +199,15 @@ def apply_policy(fn: Callable, graph: IRGraph, resource: Resource,
                          f"{shown}{more}\nAssign every op (and every piece it made) with graph.assign(op, device).")
     bad = [op for op in result.ops if any(d >= resource.ngpus for d in op.device)]
     if bad:
-        shown = "\n".join(f"  - {_describe(op)} on device {list(op.device)}" for op in bad[:20])
-        raise ValueError(f"policy {policy_name(fn)} placed ops on devices outside the world of "
-                         f"{resource.ngpus} (devices 0..{resource.ngpus - 1}):\n{shown}\n"
-                         f"Plan for resource.ngpus devices, or launch with more processes.")
+        needs = 1 + max(d for op in bad for d in op.device)
+        shown = "\n".join(f"  - {_describe(op)} on device {list(op.device)}" for op in bad[:5])
+        more = f"\n  ... and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(f"policy {policy_name(fn)} plans for {needs} devices, but the world has "
+                         f"{resource.ngpus}: launch {needs} ranks (torchrun --nproc_per_node={needs}, or "
+                         f"python -m cube.debug -n {needs} to run them in one process), or make the policy "
+                         f"follow resource.ngpus (cube.toolkit.grid(resource.ngpus, ...) sizes a mesh for "
+                         f"the world). Ops outside devices 0..{resource.ngpus - 1}, {len(bad)} in all:\n"
+                         f"{shown}{more}")
     return result
 
 
