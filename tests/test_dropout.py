@@ -276,3 +276,11 @@ def test_exact_draws_in_the_memory_order_of_the_single_devices_input():
     assert_exact(parity(model, (x,), PASData, 2, steps=2, opt="sgd", seed=SEED, exact_rng=True))
     with pytest.raises(ValueError, match=r"(?s)'native_dropout'.*only along dim 0"):
         cube.plan(model, (x,), functools.partial(PAS1F1B, nmicros=2), 2, exact_rng=True)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_gpt2_dropout_exact_under_zero(zero):
+    model, sample = _gpt2(4)
+    assert_exact(parity(model, sample, "policies.data:PASData", 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR,
+                        seed=SEED, exact_rng=True, zero=zero,
+                        build=lambda gen: cube.build_optimizer(gen, torch.optim.SGD, lr=1e-2)))
