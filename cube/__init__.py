@@ -13,6 +13,7 @@ import cube.runtime.data  # noqa: F401  (cube.runtime.data: a rank's part of the
 from cube.compiler import CompiledStep, Plan, Traced, compile, explain, load_model, plan, trace_model
 from cube.errors import CubeInternalError
 from cube.mesh import DeviceMesh
+from cube.models import CausalLM
 from cube.runtime.checkpoint import load_checkpoint, merge_checkpoint, save_checkpoint
 from cube.runtime.device import init
 from cube.runtime.metrics import Metrics
@@ -23,6 +24,6 @@ from cube.trace.export import TraceError
 
 from cube.version import __version__
 
-__all__ = ["compile", "plan", "trace_model", "Plan", "Traced", "load_model", "init", "register_op", "save_checkpoint", "merge_checkpoint",
+__all__ = ["compile", "plan", "trace_model", "Plan", "Traced", "load_model", "init", "register_op", "save_checkpoint", "merge_checkpoint", "CausalLM",
            "load_checkpoint", "build_optimizer", "clip_grad_norm_", "Metrics", "explain", "CompiledStep",
            "TraceError", "CubeInternalError", "DeviceMesh", "ir", "runtime", "schedule", "__version__"]

@@ -213,3 +213,19 @@ def test_hf_deepseek_v2_complex_rotary_data_parallel_moves_no_activations(tmp_pa
     lines = [line for line in (tmp_path / "plan.txt").read_text().splitlines() if line.startswith("sends per step:")]
     assert len(lines) == 2 and all("forward 0 B, backward 0 B" in line for line in lines), lines
     assert_exact(parity(model, (ids, ids.clone()), PASData, 2, steps=2, param_floor=zoo.PARAM_FLOOR))
+
+
+def test_the_loss_wrapper_ships_with_the_package():
+    """``cube.CausalLM`` (the big-model recipe's wrapper) is importable from the package; the example's
+    old import names the same class."""
+    import transformers
+
+    import cube
+    from examples.bigmodel.model import CausalLM
+    assert CausalLM is cube.CausalLM
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                                                 num_hidden_layers=1, num_attention_heads=2))
+    ids = torch.randint(0, 32, (2, 8))
+    assert torch.equal(cube.CausalLM(hf)(ids, ids), hf(input_ids=ids, labels=ids).loss)
+    assert all(n.startswith("model.") for n, _ in cube.CausalLM(hf).named_parameters())
