@@ -2,6 +2,7 @@
 simulation (one rank per class, data parallel folded, micro-batches extrapolated) equal to the full
 simulation, and the ``--hardware ... --json`` command line."""
 import json
+import re
 
 import pytest
 import torch
@@ -271,3 +272,15 @@ def test_cluster_search_from_the_command_line(tmp_path, capsys):
     assert captured.err.count("/3] tp") == 3   # one progress line per simulated plan
     with pytest.raises(SystemExit):
         main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget", "0"])
+
+
+def test_a_simulated_plan_says_its_throughput_and_what_it_assumed(tmp_path, capsys):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC.replace("n_layer=24", "n_layer=4").replace("256, 2048", "64, 2048"))
+    assert main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "16", "--policy", "PASMegatron",
+                 "--option", "tp=4", "--option", "pp=2", "--option", "nmicros=4"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"throughput: [\d.]+ TFLOP/s per device, MFU [\d.]+% of dgx-a100-80g's bf16 peak", out), out
+    assert re.search(r"assumed: 16 devices of dgx-a100-80g, policy PASMegatron, precision bf16, no ZeRO, recompute "
+                     r".*, micro-batches 4.*tp=4, pp=2", out), out

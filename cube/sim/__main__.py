@@ -61,6 +61,23 @@ def load_spec(spec: str):
     return out
 
 
+def _assumed(result, hw, args, options: dict, precision) -> str:
+    """The text output's last lines: throughput (TFLOP/s per device, MFU against the profile's peak) and
+    what the prediction assumed (precision, micro-batches, recompute, ZeRO, the policy's options)."""
+    from cube.sim.report import prediction
+    p = prediction(result, hw, args.ngpus, precision, 0.0, policy=args.policy, options=options)
+    mfu = f", MFU {p['mfu'] * 100:.1f}% of {hw.name}'s {precision or 'fp32'} peak" if p["mfu"] is not None else \
+        " (this host: no peak to measure MFU against)"
+    micro = p.get("micro_batches")
+    said = [f"precision {p['precision']}", f"ZeRO-{args.zero}" if args.zero else "no ZeRO",
+            f"recompute {options.get('recompute', 'as CUBE_RECOMPUTE or none')}",
+            f"micro-batches {options.get('nmicros', 'the policy default')}"
+            + (f" ({micro['simulated']} simulated, {micro['real']} extrapolated)" if micro else "")]
+    said += [f"{k}={v}" for k, v in options.items() if k not in ("recompute", "nmicros")]
+    return (f"throughput: {p['tflops_per_device']:.3g} TFLOP/s per device{mfu}\n"
+            f"assumed: {args.ngpus} devices of {hw.name}, policy {args.policy}, " + ", ".join(said))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m cube.sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +169,7 @@ def main(argv=None) -> int:
             if args.json == "-":
                 return 0
         print(result.summary())
+        print(_assumed(result, hw, args, options, precision))
         if args.trace:
             print(f"trace: {result.chrome_trace(args.trace)}")
         if args.memory:
