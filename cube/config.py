@@ -70,6 +70,16 @@ def peak_tflops() -> Optional[float]:
     return value
 
 
+def p2p_strict() -> bool:
+    """``CUBE_P2P_ORDER=strict``: point-to-point messages between two ranks match in posting order, tags
+    ignored (NCCL's rule), on gloo and in the in-process world too, so a schedule that relies on tags
+    fails on a CPU as it would on GPUs (``cube.runtime.p2p``). Default ``tags``: matched by tag."""
+    env = os.environ.get("CUBE_P2P_ORDER", "tags").strip().lower() or "tags"
+    if env not in ("tags", "strict"):
+        raise ValueError(f"CUBE_P2P_ORDER must be 'strict' or 'tags', got {env!r}")
+    return env == "strict"
+
+
 def fused_cut() -> bool:
     """``CUBE_FUSED_CUT=0``: keep fused projections (GPT-2's ``c_attn``, GPT-NeoX's ``query_key_value``)
     one matmul (``cube.trace.fused``); tensor parallel then keeps them whole. Default on: cut into one

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from cube import config
 from cube.runtime import session
 from cube.runtime.collectives import box_index, to_wire, wire
 from cube.runtime.compiled import outside_graph
@@ -60,12 +61,65 @@ def _world():
     return dist.GroupMember.WORLD
 
 
+class P2POrderError(RuntimeError):
+    """Under ``CUBE_P2P_ORDER=strict``, a receive met another message than the one it waits for: NCCL,
+    which pairs a send with a receive by posting order per pair of ranks, would pair them."""
+
+
+def order_error(src: int, dst: int, tag: int, sent: int) -> P2POrderError:
+    return P2POrderError(
+        f"CUBE_P2P_ORDER=strict: rank {dst}'s receive of message {tag % TAG_STRIDE} (micro-batch "
+        f"{tag // TAG_STRIDE}) from rank {src} meets that rank's send of message {sent % TAG_STRIDE} (micro-batch "
+        f"{sent // TAG_STRIDE}): the two ranks post their messages in other orders. NCCL pairs them by posting "
+        f"order, tags ignored, so on GPUs this step would hang or mix the values up. The schedule must post each "
+        f"pair's messages in one order on both ranks.")
+
+
+class _Checked:
+    """Strict order on gloo: a receive posted as a header (the sender's tag) and its payload, both under tag
+    0, so gloo matches them by posting order as NCCL does; waiting checks the header first."""
+
+    def __init__(self, header: torch.Tensor, works, src: int, tag: int):
+        self.header, self.works, self.src, self.tag = header, works, src, tag
+
+    def wait(self, timeout=None) -> bool:
+        self.works[0].wait()
+        if int(self.header[0]) != self.tag:
+            raise order_error(self.src, dist.get_rank(), self.tag, int(self.header[0]))
+        self.works[1].wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+class _Both:
+    def __init__(self, works, keep):
+        self.works, self.keep = works, keep   # keep: the header tensor lives until sent
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+
+def _strict_gloo(pg) -> bool:
+    return pg is not None and config.p2p_strict() and dist.get_backend() == "gloo"
+
+
 def _send_work(x: torch.Tensor, dst: int, tag: int):
     """Posts the send of ``x`` (contiguous, in wire memory) to global rank ``dst``: its work."""
     pg = _world()
     if pg is None:
         return dist.isend(x, dst, tag=tag)
-    return pg.send([torch.view_as_real(x) if x.is_complex() else x], dst, tag)
+    x = torch.view_as_real(x) if x.is_complex() else x
+    if _strict_gloo(pg):
+        header = torch.tensor([tag], dtype=torch.int64)
+        return _Both([pg.send([header], dst, 0), pg.send([x], dst, 0)], header)
+    return pg.send([x], dst, tag)
 
 
 def _recv_work(y: torch.Tensor, src: int, tag: int):
@@ -73,7 +127,11 @@ def _recv_work(y: torch.Tensor, src: int, tag: int):
     pg = _world()
     if pg is None:
         return dist.irecv(y, src, tag=tag)
-    return pg.recv([torch.view_as_real(y) if y.is_complex() else y], src, tag)
+    y = torch.view_as_real(y) if y.is_complex() else y
+    if _strict_gloo(pg):
+        header = torch.empty(1, dtype=torch.int64)
+        return _Checked(header, [pg.recv([header], src, 0), pg.recv([y], src, 0)], src, tag)
+    return pg.recv([y], src, tag)
 
 
 def _state() -> P2PState:

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from cube import config
+
 _local = threading.local()
 
 
@@ -82,7 +84,8 @@ class World:
         self.cond = threading.Condition()   # its lock is the baton: the rank holding it runs
         self.slots: Dict[tuple, Dict[int, object]] = {}
         self.seq: Dict[Tuple[int, tuple], int] = {}
-        self.mail: Dict[Tuple[int, int, int], List[torch.Tensor]] = {}
+        self.mail: Dict[tuple, list] = {}   # (src, dst, tag) -> tensors; strict order: (src, dst) -> (tag, tensor)
+        self.recvs_posted: Dict[Tuple[int, int], int] = {}   # strict order: receives posted per (src, dst)
         self.failed: Optional[str] = None
 
     # ---------------------------------------------------------------- waiting
@@ -113,13 +116,38 @@ class World:
 
     # ---------------------------------------------------------------- point to point
     def post(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        self.mail.setdefault((_me(), dst, tag), []).append(tensor.detach().clone())
+        if config.p2p_strict():   # NCCL's rule: one queue per pair, in posting order
+            self.mail.setdefault((_me(), dst), []).append((tag, tensor.detach().clone()))
+        else:
+            self.mail.setdefault((_me(), dst, tag), []).append(tensor.detach().clone())
         self.cond.notify_all()
 
     def take(self, src: int, tag: int) -> torch.Tensor:
+        if config.p2p_strict():
+            return self.take_at(src, tag, self.reserve(src))
         box = self.mail.setdefault((src, _me(), tag), [])
         self.wait_until(lambda: bool(box))
         return box.pop(0)
+
+    def reserve(self, src: int) -> int:
+        """Strict order: the place of this rank's next receive from ``src`` among that pair's messages
+        (a receive matches the send of the same place, whenever it is waited for)."""
+        key = (src, _me())
+        k = self.recvs_posted.get(key, 0)
+        self.recvs_posted[key] = k + 1
+        return k
+
+    def take_at(self, src: int, tag: int, k: int) -> torch.Tensor:
+        """Strict order: the ``k``-th message ``src`` sent this rank (the pair's messages stay in sending
+        order; each is dropped once taken)."""
+        box = self.mail.setdefault((src, _me()), [])
+        self.wait_until(lambda: len(box) > k)
+        sent, tensor = box[k]
+        box[k] = (sent, None)
+        if sent != tag:
+            from cube.runtime.p2p import order_error
+            raise order_error(src, _me(), tag, sent)
+        return tensor
 
 
 def _world() -> Optional[World]:
@@ -227,10 +255,15 @@ def recv(tensor, src=None, group=None, tag=0):
 class _Recv(_Done):
     def __init__(self, tensor, src, tag):
         self.tensor, self.src, self.tag, self.done = tensor, src, tag, False
+        # strict order: a receive's match is fixed when it is posted, as NCCL's
+        self.place = _world().reserve(src) if config.p2p_strict() else None
 
     def wait(self, timeout=None) -> bool:
         if not self.done:
-            recv(self.tensor, self.src, tag=self.tag)
+            if self.place is None:
+                recv(self.tensor, self.src, tag=self.tag)
+            else:
+                self.tensor.copy_(_world().take_at(self.src, self.tag, self.place))
             self.done = True
         return True
 
