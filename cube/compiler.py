@@ -39,6 +39,7 @@ from cube.runtime import compiled as rt_compiled
 from cube.runtime import data as rt_data
 from cube.runtime import device as rt_device
 from cube.runtime import materialize
+from cube.runtime import module as rt_module
 from cube.runtime import profile as rt_profile
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
@@ -303,11 +304,7 @@ class CompiledStep:
         compiled at the first batch of those shapes; every plan runs over ``model``'s parameters."""
         it = self.batches.take(dataloader)
         self.batches.pending = False
-        try:
-            batch = next(it)
-        except StopIteration:
-            raise ValueError("the dataloader is exhausted: the compiled step needs one more batch. "
-                             "Use an endless iterator or stop the loop before the data runs out.") from None
+        batch = rt_module.take(it)
         structure, sample = batch_structure(batch)
         shapes = tuple(tuple(t.shape) for t in sample)
         if structure != self.structure or len(shapes) != len(self.shapes):

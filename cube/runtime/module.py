@@ -195,6 +195,19 @@ def narrow(x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
     return x.narrow(dim, start, stop - start)
 
 
+def take(dataloader: Iterator):
+    """The dataloader's next batch.
+
+    Raises:
+        ValueError: the dataloader is exhausted.
+    """
+    try:
+        return next(dataloader)
+    except StopIteration:
+        raise ValueError("the dataloader is exhausted: the compiled step needs one more batch. "
+                         "Use an endless iterator or stop the loop before the data runs out.") from None
+
+
 def next_batch(dataloader: Iterator, device: torch.device, shapes: Sequence[tuple], structure: str):
     """Takes the next batch and checks it against the traced one.
 
@@ -202,11 +215,7 @@ def next_batch(dataloader: Iterator, device: torch.device, shapes: Sequence[tupl
         ValueError: the dataloader is exhausted, or the batch differs in structure
             or shape from the one the step was compiled for.
     """
-    try:
-        batch = next(dataloader)
-    except StopIteration:
-        raise ValueError("the dataloader is exhausted: the compiled step needs one more batch. "
-                         "Use an endless iterator or stop the loop before the data runs out.") from None
+    batch = take(dataloader)
     items = [batch] if structure == "tensor" else batch
     if structure == "tensor" and not isinstance(batch, torch.Tensor) or (
             structure == "tuple" and not isinstance(batch, (tuple, list))) or len(items) != len(shapes):
