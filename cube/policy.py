@@ -26,7 +26,7 @@ SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegat
            "PASHybrid": "policies.hybrid", "PASCol": "policies.gallery", "PASRow": "policies.gallery",
            "PAS1F1B": "policies.pipeline", "PASGPipe": "policies.pipeline",
            "PAS1F1BInterleaved": "policies.pipeline", "PASZBH1": "policies.pipeline",
-           "PASZBV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
+           "PASZBV": "policies.pipeline", "PASDualPipeV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
            "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto",
            "PASSpatial": "policies.spatial", "PASContext": "policies.context"}
 

@@ -222,7 +222,8 @@ def whole(graph: IRGraph, resource) -> IRGraph:
 
 
 SCHEDULES = {"1f1b": schedule.sched_1f1b, "gpipe": schedule.sched_gpipe, "zb-h1": schedule.sched_zb_h1,
-             "zbv": schedule.sched_zbv}
+             "zbv": schedule.sched_zbv, "dualpipev": schedule.sched_dualpipev}
+V_SCHEDULES = ("zbv", "dualpipev")   # two stages per pipeline rank, in a V
 
 
 def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
@@ -230,10 +231,10 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
 
     ``config`` holds ``dp``, ``tp``, ``pp`` and optionally ``starts`` (the index among the forward
     ops of each stage's first op; default: equal op counts), ``nmicros``, ``schedule`` (``1f1b``,
-    ``gpipe``, ``zb-h1`` or ``zbv``), ``recompute`` (True, ``"all"`` or block indices), ``sp`` (sequence parallel inside
+    ``gpipe``, ``zb-h1``, ``zbv`` or ``dualpipev``), ``recompute`` (True, ``"all"`` or block indices), ``sp`` (sequence parallel inside
     the tensor-parallel groups) and ``zero``.
     Stage ``s`` runs on the mesh's ``pp = s`` devices, data parallel over ``dp`` and tensor parallel
-    over ``tp``; ``zbv`` cuts ``2 pp`` stages instead, stage ``s`` on ``pp = min(s, 2 pp - 1 - s)``.
+    over ``tp``; ``zbv`` and ``dualpipev`` cut ``2 pp`` stages instead, stage ``s`` on ``pp = min(s, 2 pp - 1 - s)``.
 
     Raises:
         ValueError: the grid does not match the devices, a stage start is out of range or out of
@@ -265,7 +266,7 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
         meshes = mesh.slices("pp")
         stages = graph.staging([fw[i] for i in starts])
         place_data(graph, meshes)
-        if n > pp:   # ZB-V's V
+        if n > pp:   # ZB-V's and DualPipeV's V
             meshes = [meshes[r] for r in schedule.v_placement(n)]
         place_stages(graph, stages, meshes, dp=data, tp=tensor)
     apply_recompute(graph, config.get("recompute") or False)
@@ -275,5 +276,5 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
 
 
 def stage_count(pp: int, schedule_name: str) -> int:
-    """Stages of a ``pp``-deep pipeline under ``schedule_name`` (ZB-V: two per pipeline rank)."""
-    return 2 * pp if schedule_name == "zbv" else pp
+    """Stages of a ``pp``-deep pipeline under ``schedule_name`` (ZB-V, DualPipeV: two per pipeline rank)."""
+    return 2 * pp if schedule_name in V_SCHEDULES else pp

@@ -74,8 +74,9 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         ep: expert parallel degree, dividing ``dp``: the experts (weights with a leading expert
             dim) are split over groups of ``ep`` data-parallel neighbours, the tokens reach them
             by all-to-all (``cube.toolkit.expert_parallel``).
-        schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"`` or
-            ``"zbv"`` (two stages per pipeline rank in a V; ``nvirtual`` must be left out or 2).
+        schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"``,
+            ``"zbv"`` or ``"dualpipev"`` (the last two: two stages per pipeline rank in a V;
+            ``nvirtual`` must be left out or 2).
         cp: context parallel degree, dividing ``dp``: activations split along the sequence over
             groups of ``cp`` neighbours (inside ``tp``'s), self-attention as ring attention
             (``cube.toolkit.context_parallel``).
@@ -90,9 +91,10 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     mesh = _mesh(resource.ngpus, tp, pp)
     pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
     name = (schedule_name or "1f1b").lower()
-    if name not in ("1f1b", "zb-h1", "zbv"):
-        raise ValueError(f"PASMegatron: unknown schedule_name {schedule_name!r}; use '1f1b', 'zb-h1' or 'zbv'")
-    want = {"zb-h1": 1, "zbv": 2}.get(name)
+    if name not in ("1f1b", "zb-h1", "zbv", "dualpipev"):
+        raise ValueError(f"PASMegatron: unknown schedule_name {schedule_name!r}; use '1f1b', 'zb-h1', 'zbv' or "
+                         f"'dualpipev'")
+    want = {"zb-h1": 1, "zbv": 2, "dualpipev": 2}.get(name)
     if want is not None and nvirtual not in (None, want):
         raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
                          f"but nvirtual={nvirtual}; leave nvirtual out")
@@ -119,7 +121,7 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         splits = dict(edp=data, ep=expert_parallel(graph, data, mesh["ep"]), tp=tensor)
     meshes = mesh.slices("pp")
     place_data(graph, meshes, batch=("dp", "edp", "ep"))   # every stage reads the batch
-    if name == "zbv":
+    if name in ("zbv", "dualpipev"):
         meshes = [meshes[r] for r in schedule.v_placement(2 * pp)]
     place_stages(graph, stages, meshes, **splits)
     apply_recompute(graph, recompute)
@@ -127,6 +129,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         schedule.sched_zb_h1(graph, nmicros, pp)
     elif name == "zbv":
         schedule.sched_zbv(graph, nmicros, 2 * pp)
+    elif name == "dualpipev":
+        schedule.sched_dualpipev(graph, nmicros, 2 * pp)
     elif nvirtual > 1:
         schedule.sched_1f1b_interleaved(graph, nmicros, pp, nvirtual)
     else:

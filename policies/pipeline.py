@@ -1,4 +1,4 @@
-"""PAS1F1B / PASGPipe / PAS1F1BInterleaved / PASZBH1 / PASZBV: pipeline parallel, stages balanced by cost.
+"""PAS1F1B / PASGPipe / PAS1F1BInterleaved / PASZBH1 / PASZBV / PASDualPipeV: pipeline parallel, stages balanced by cost.
 
 The forward ops are cut into ``ngpus`` contiguous stages whose slowest stage
 is as fast as it can be (``cube.schedule.balance``: a dynamic program over an
@@ -17,6 +17,9 @@ the pipeline's fill and drain; ``nmicros`` must be a multiple of the device coun
 whose backward leaves the linear layers' weight gradients for later: ZB-H1 over
 ``ngpus`` stages (1F1B's memory, a third of its bubble), ZB-V over ``2 x ngpus``
 stages, stage ``k`` and ``2 ngpus - 1 - k`` on device ``k`` (nearly no bubble).
+``PASDualPipeV`` (DeepSeek-V3's DualPipe in a V) places stages as ZB-V does and
+runs the forward of one micro-batch beside the backward of another
+(``cube.schedule.sched_dualpipev``; ``nmicros >= 2 x ngpus``).
 """
 from typing import Callable, Optional
 
@@ -84,3 +87,11 @@ def PASZBV(graph: IRGraph, resource, cost: Cost = None, nmicros: Optional[int] =
     measured time (optional)."""
     return _pipeline(graph, resource, lambda g, m: schedule.sched_zbv(g, m, 2 * resource.ngpus), cost, nmicros,
                      recompute, nvirtual=2, v_shape=True)
+
+
+def PASDualPipeV(graph: IRGraph, resource, cost: Cost = None, nmicros: Optional[int] = None,
+                 recompute: Recompute = None) -> IRGraph:
+    """DualPipeV: ``2 x ngpus`` balanced stages in ZB-V's V (``cube.schedule.sched_dualpipev``); ``nmicros``
+    (default ``CUBE_MICROS``) at least ``2 x ngpus``; ``cost``: an op's measured time (optional)."""
+    return _pipeline(graph, resource, lambda g, m: schedule.sched_dualpipev(g, m, 2 * resource.ngpus), cost,
+                     nmicros, recompute, nvirtual=2, v_shape=True)

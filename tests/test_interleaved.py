@@ -148,11 +148,3 @@ def test_interleaved_schedule_equals_gradient_accumulation(model, policy, nproc,
     held = {name for r in results for name in r["names"]}
     assert held == set(results[0]["all_names"])
     assert all(r["held_numel"] < r["full_numel"] for r in results)   # each device holds its stages only
-
-
-def test_virtual_stages_refuse_nccl(monkeypatch):
-    from cube.runtime import pipeline
-    monkeypatch.setattr(pipeline.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(pipeline.dist, "get_backend", lambda group=None: "nccl")
-    with pytest.raises(NotImplementedError, match="virtual pipeline stages .* over gloo only"):
-        pipeline.run(None, [()], ["F0.s0", "B0.s0"])

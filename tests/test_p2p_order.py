@@ -102,3 +102,35 @@ def test_on_gloo_processes(strict, tmp_path):
         assert "ORDER CUBE_P2P_ORDER=strict: rank 1's receive of message 2" in outs[1], outs
     else:
         assert "MATCHED" in outs[1], outs
+
+
+def _both_receive_first():
+    """Each rank waits for the other's message before sending its own: no order of posting saves it."""
+    me = cube.debug.rank()
+    y = torch.empty(2)
+    p2p._recv_work(y, 1 - me, 5).wait()
+    p2p._send_work(torch.ones(2), 1 - me, 5).wait()
+
+
+def test_the_in_process_world_names_a_deadlock_instead_of_hanging():
+    with pytest.raises(RuntimeError, match=r"every rank waits and none can go on: rank 0 waits for a message with "
+                                           r"tag 5 from rank 1; rank 1 waits for a message with tag 5 from rank 0"):
+        cube.debug.run(_both_receive_first, 2)
+
+
+def test_an_ordered_channel_delivers_each_value_to_its_receive_in_any_order(monkeypatch):
+    """The pipeline's ordered channel: sent 1, 2, 3, read 3, 1, 2 (the earlier ones kept on the way)."""
+    monkeypatch.setenv("CUBE_P2P_ORDER", "strict")
+
+    def body():
+        from cube.runtime import session
+        st = session.current().p2p
+        if cube.debug.rank() == 0:
+            for t in (1, 2, 3):
+                p2p._channel_send(torch.full((t, 2), float(t)), 1, t).wait()
+            return None
+        got = {t: p2p._channel_take(st, 0, t, torch.device("cpu")) for t in (3, 1, 2)}
+        assert not st.mailbox
+        return {t: (tuple(y.shape), float(y[0, 0])) for t, y in got.items()}
+
+    assert cube.debug.run(body, 2)[1] == {3: ((3, 2), 3.0), 1: ((1, 2), 1.0), 2: ((2, 2), 2.0)}

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from cube import config
+from cube.errors import CubeInternalError
 from cube.runtime import session
 from cube.runtime.collectives import box_index, to_wire, wire
 from cube.runtime.compiled import outside_graph
@@ -134,6 +135,74 @@ def _recv_work(y: torch.Tensor, src: int, tag: int):
     return pg.recv([y], src, tag)
 
 
+# ---------------------------------------------------------------- the ordered channel
+def ordered() -> bool:
+    """Whether messages go over ordered channels: on NCCL, which pairs a send with a receive by
+    posting order per pair of ranks and ignores tags, and under ``CUBE_P2P_ORDER=strict``, which
+    makes gloo and the in-process world match that way.
+
+    Every message then travels as a header (its tag, dtype and shape) and its payload, in the order
+    the sender posts them; a receiver reads its channel from a peer in that order and keeps a
+    message another part of its program waits for (``P2PState.mailbox``) until it is asked for.
+    So the two ranks of a pair never have to post in the same order: a rank holding several
+    pipeline stages (interleaved 1F1B, ZB-V, DualPipeV) consumes a neighbour's messages in its own
+    schedule's order, and gradients sent in autograd's order arrive where they are awaited. The
+    price is one small header message per value, and no receive posted ahead (NCCL: a posted
+    receive would hold the pair's queue).
+    """
+    if config.p2p_strict():
+        return True
+    return dist.is_initialized() and "nccl" in str(dist.get_backend())
+
+
+CHANNEL_TAG = (1 << 30) - 3   # the ordered channel's messages all carry this tag: matched in order
+_HEADER = 12                  # int64 slots: tag, dtype, ndim, up to 9 sizes
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+           torch.float8_e5m2)
+
+
+def _raw_send(x: torch.Tensor, dst: int):
+    pg = _world()
+    x = torch.view_as_real(x) if x.is_complex() else x
+    return dist.isend(x, dst, tag=CHANNEL_TAG) if pg is None else pg.send([x], dst, CHANNEL_TAG)
+
+
+def _raw_recv(y: torch.Tensor, src: int):
+    pg = _world()
+    y = torch.view_as_real(y) if y.is_complex() else y
+    return dist.irecv(y, src, tag=CHANNEL_TAG) if pg is None else pg.recv([y], src, CHANNEL_TAG)
+
+
+def _channel_send(x: torch.Tensor, dst: int, tag: int):
+    """Posts ``x`` (contiguous, in wire memory) on the ordered channel to ``dst``: header, then payload."""
+    if x.ndim > _HEADER - 3:
+        raise CubeInternalError(f"a point-to-point value of {x.ndim} dims (at most {_HEADER - 3} travel)")
+    head = [tag, _DTYPES.index(x.dtype), x.ndim, *x.shape] + [0] * (_HEADER - 3 - x.ndim)
+    header = torch.tensor(head, dtype=torch.int64, device=x.device)
+    return _Both([_raw_send(header, dst), _raw_send(x, dst)], header)
+
+
+def _channel_take(st: P2PState, src: int, tag: int, device) -> torch.Tensor:
+    """The message ``tag`` from ``src``: kept from an earlier read, or read off the channel, keeping
+    the messages before it for whoever waits for them."""
+    kept = st.mailbox.pop((src, tag), None)
+    if kept is not None:
+        return kept
+    on = wire(device)
+    while True:
+        header = torch.empty(_HEADER, dtype=torch.int64, device=on)
+        _raw_recv(header, src).wait()
+        got, code, ndim, *sizes = header.tolist()
+        y = torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=on)
+        _raw_recv(y, src).wait()
+        if got == tag:
+            return y
+        if (src, got) in st.mailbox:
+            raise CubeInternalError(f"two messages with tag {got} from rank {src} in one step")
+        st.mailbox[(src, got)] = y
+
+
 def _state() -> P2PState:
     return session.current().p2p
 
@@ -157,7 +226,10 @@ def _tag(st: P2PState, tag: int) -> int:
 
 def _take(st: P2PState, src: int, tag: int, shape, dtype: torch.dtype, device) -> torch.Tensor:
     """The value of the receive ``(src, tag)`` (tag with its micro-batch offset): its posted
-    ``irecv`` if there is one, else a blocking receive."""
+    ``irecv`` if there is one, else a blocking receive (in order: see :func:`ordered`)."""
+    if ordered():
+        y = _channel_take(st, src, tag, device)
+        return y if y.device == device else y.to(device)
     posted = st.posted.pop((src, tag), None)
     if posted is not None:
         posted[0].wait()
@@ -170,6 +242,8 @@ def _take(st: P2PState, src: int, tag: int, shape, dtype: torch.dtype, device) -
 
 
 def _post(st: P2PState, src: int, tag: int, shape, dtype: torch.dtype, device) -> None:
+    if ordered():   # nothing is posted ahead: a pair's channel is read in its sender's order
+        return
     if (src, tag) not in st.posted:
         y = torch.empty(tuple(shape), dtype=dtype, device=wire(device))
         st.posted[(src, tag)] = (_recv_work(y, src, tag), y)
@@ -206,7 +280,7 @@ def early_gradients():
 def _isend(st: P2PState, x: torch.Tensor, dst: int, tag: int) -> None:
     """Posts a send; ``tag`` already carries the micro-batch offset."""
     x = to_wire(x.detach() if x.requires_grad else x)
-    st.pending.append((_send_work(x, dst, tag), x))
+    st.pending.append(((_channel_send if ordered() else _send_work)(x, dst, tag), x))
 
 
 class _Send(Function):
@@ -353,6 +427,9 @@ def _gather_forward(st: P2PState, x: Optional[torch.Tensor], remote, local, shap
         st.recvs.append((src, tag, tuple(e - s for s, e in place), dtype, device))
         tag = _tag(st, tag)
         dst = out[box_index(place)]
+        if ordered():
+            dst.copy_(_channel_take(st, src, tag, device))
+            continue
         posted = st.posted.pop((src, tag), None)
         if posted is not None:
             landing.append((posted[0], posted[1], dst))
@@ -464,12 +541,24 @@ def forget(state: Optional[P2PState] = None) -> None:
     st.posted.clear()
     st.pending.clear()
     st.stashed.clear()
+    st.mailbox.clear()
     st.markers.clear()
     st.recvs.clear()
 
 
 def untaken() -> List[Tuple[object, int]]:
-    """``(src, tag)`` of the receives posted ahead and not taken yet, and ``("stash", tag)`` of
-    stashed values and gradients nobody took."""
+    """``(src, tag)`` of the receives posted ahead (or read off an ordered channel) and not taken
+    yet, and ``("stash", tag)`` of stashed values and gradients nobody took."""
     st = _state()
-    return list(st.posted) + [("stash", tag) for tag, _ in st.stashed]
+    return list(st.posted) + list(st.mailbox) + [("stash", tag) for tag, _ in st.stashed]
+
+
+def send_value(x: torch.Tensor, dst: int, tag: int):
+    """Posts ``x`` (in wire memory) to ``dst`` outside autograd and returns its work; ``tag`` as is
+    (no micro-batch offset). On ordered channels it queues behind this rank's earlier messages to ``dst``."""
+    return (_channel_send if ordered() else _send_work)(x.contiguous(), dst, tag)
+
+
+def recv_value(src: int, tag: int, shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
+    """Receives the value :func:`send_value` sent with ``tag`` from ``src`` (blocking)."""
+    return _take(_state(), src, tag, shape, dtype, device)

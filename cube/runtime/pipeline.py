@@ -29,18 +29,20 @@ computes: before each forward, its own inputs' and the next forward's (the
 receives a stage's forward makes are learned from its first one and kept on
 the model); each send's gradient receive when the send is made. Over gloo,
 tags match the messages, so posting ahead is safe in any order. NCCL matches a
-pair's messages in the order they are posted instead: with one stage per rank
-each direction's messages are posted in the same order on both sides, but with
-virtual stages the order in which a rank posts receives from a neighbour
-(inputs of one stage, gradients of another, each posted ahead) is not
-guaranteed to be the order in which the neighbour sends them.
+pair's messages in the order they are posted instead, and a rank holding
+several stages consumes a neighbour's messages in its own schedule's order,
+not in the order the neighbour sends them (inputs of one stage, gradients of
+another; gradients sent in autograd's order). On NCCL, and under
+``CUBE_P2P_ORDER=strict`` on gloo and in the in-process world, messages
+therefore travel on ordered channels (``cube.runtime.p2p.ordered``): each with a
+header naming it, read in sending order and kept until asked for. Every
+schedule runs on them.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
 from cube.runtime import p2p, session, zb
 from cube.runtime.collectives import wire
@@ -93,13 +95,6 @@ def run(model, batches: Sequence[Sequence[torch.Tensor]], actions: Sequence[str]
         The sum over micro-batches of their loss shares (the loss of the global batch), on every rank.
     """
     steps = [parse_action(a) for a in actions]
-    if steps and steps[0][2] is not None and dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        # see the module docstring: posted out of order, two same-shaped activations could swap silently
-        raise NotImplementedError(
-            "cube runs virtual pipeline stages (interleaved 1F1B) over gloo only so far: NCCL matches a pair's "
-            "messages in the order they are posted, and with several stages per rank cube does not yet post "
-            "them in the same order on both sides. Use one stage per rank (PAS1F1B, or PASMegatron without "
-            "CUBE_VIRTUAL) with NCCL, or CUBE_BACKEND=gloo.")
     with session.running(model):   # the model's runtime state, also when called outside its step
         return _run(model, batches, steps, loss_from, loss_to, actions)
 
@@ -150,15 +145,12 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
     if loss_from is None:
         loss = torch.stack([x.detach() for x in losses]).sum()
         out = loss.to(wire(loss.device))
-        works = [dist.isend(out, dst, tag=LOSS_TAG) for dst in loss_to]
+        works = [p2p.send_value(out, dst, LOSS_TAG) for dst in loss_to]
         for w in works:
             w.wait()
         return loss
-    # received last, after every gradient from ``loss_from``: NCCL ignores tags and matches a
-    # pair's messages in the order they are posted, and the last stage sends its loss last
-    loss = torch.empty((), dtype=torch.float32, device=wire(model.device))
-    dist.recv(loss, loss_from, tag=LOSS_TAG)
-    return loss.to(model.device)
+    # sent last, after every gradient to this rank: on ordered channels it comes after them too
+    return p2p.recv_value(loss_from, LOSS_TAG, (), torch.float32, model.device)
 
 
 def _post_ahead(recvs: Dict[Optional[int], list], forwards: List[Tuple[int, Optional[int]]]) -> None:

@@ -117,6 +117,8 @@ class P2PState:
         recvs: ``(src, tag, shape, dtype, device)`` of the receives made since the last ``recorded``.
         early: post each send's gradient receive when the send is made.
         stashed: ``(tag, "value" or "grad") -> tensor`` waiting for a later stage of this rank.
+        mailbox: ``(src, tag) -> tensor``: on ordered channels (``cube.runtime.p2p.ordered``), messages
+            read off a peer's channel before the one awaited, kept until asked for.
     """
 
     pending: List[Tuple[Any, torch.Tensor]] = field(default_factory=list)
@@ -126,6 +128,7 @@ class P2PState:
     recvs: List[tuple] = field(default_factory=list)
     early: bool = False
     stashed: Dict[Tuple[int, str], torch.Tensor] = field(default_factory=dict)
+    mailbox: Dict[Tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

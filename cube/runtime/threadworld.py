@@ -32,6 +32,10 @@ from cube import config
 _local = threading.local()
 
 
+class Deadlock(RuntimeError):
+    """Every rank of the in-process world waits for another: the program cannot go on."""
+
+
 class RankFailed(RuntimeError):
     """Raised in ranks waiting for a rank that failed."""
 
@@ -87,14 +91,38 @@ class World:
         self.mail: Dict[tuple, list] = {}   # (src, dst, tag) -> tensors; strict order: (src, dst) -> (tag, tensor)
         self.recvs_posted: Dict[Tuple[int, int], int] = {}   # strict order: receives posted per (src, dst)
         self.failed: Optional[str] = None
+        self.waiting: Dict[int, str] = {}   # rank -> what it waits for
+        self.finished = 0                    # ranks whose function returned
+        self.progress = 0                    # messages and contributions made so far
 
     # ---------------------------------------------------------------- waiting
-    def wait_until(self, ready: Callable[[], bool]) -> None:
-        """Gives the baton to the other ranks until ``ready()`` (called holding the baton)."""
-        while not ready():
-            if self.failed is not None:
-                raise RankFailed(f"stopping rank {_me()} because {self.failed}")
-            self.cond.wait(timeout=1.0)
+    def wait_until(self, ready: Callable[[], bool], what: str = "") -> None:
+        """Gives the baton to the other ranks until ``ready()`` (called holding the baton).
+
+        Raises:
+            Deadlock: every rank waits (or has returned) and nothing was sent or contributed for
+                three rounds: none can go on. The message says what each waits for.
+        """
+        if ready():
+            return
+        me = _me()
+        self.waiting[me] = what or "a message"
+        try:
+            idle = 0
+            while not ready():
+                if self.failed is not None:
+                    raise RankFailed(f"stopping rank {me} because {self.failed}")
+                mark = self.progress
+                self.cond.wait(timeout=1.0)
+                if self.progress == mark and len(self.waiting) + self.finished == self.n and not ready():
+                    idle += 1
+                    if idle >= 3:
+                        raise Deadlock("every rank waits and none can go on: " + "; ".join(
+                            f"rank {r} waits for {w}" for r, w in sorted(self.waiting.items())))
+                else:
+                    idle = 0
+        finally:
+            del self.waiting[me]
 
     # ---------------------------------------------------------------- collectives
     def join(self, group, value) -> Tuple[tuple, Dict[int, object]]:
@@ -106,12 +134,13 @@ class World:
         key = (ranks, k)
         slot = self.slots.setdefault(key, {})
         slot[me] = value
+        self.progress += 1
         self.cond.notify_all()
         return ranks, slot
 
     def gathered(self, ranks: tuple, slot: Dict[int, object]) -> List[object]:
         """Every member's contribution in group rank order, once all have joined."""
-        self.wait_until(lambda: len(slot) == len(ranks))
+        self.wait_until(lambda: len(slot) == len(ranks), f"the other ranks of a collective on ranks {list(ranks)}")
         return [slot[r] for r in ranks]
 
     # ---------------------------------------------------------------- point to point
@@ -120,13 +149,14 @@ class World:
             self.mail.setdefault((_me(), dst), []).append((tag, tensor.detach().clone()))
         else:
             self.mail.setdefault((_me(), dst, tag), []).append(tensor.detach().clone())
+        self.progress += 1
         self.cond.notify_all()
 
     def take(self, src: int, tag: int) -> torch.Tensor:
         if config.p2p_strict():
             return self.take_at(src, tag, self.reserve(src))
         box = self.mail.setdefault((src, _me(), tag), [])
-        self.wait_until(lambda: bool(box))
+        self.wait_until(lambda: bool(box), f"a message with tag {tag} from rank {src}")
         return box.pop(0)
 
     def reserve(self, src: int) -> int:
@@ -141,7 +171,7 @@ class World:
         """Strict order: the ``k``-th message ``src`` sent this rank (the pair's messages stay in sending
         order; each is dropped once taken)."""
         box = self.mail.setdefault((src, _me()), [])
-        self.wait_until(lambda: len(box) > k)
+        self.wait_until(lambda: len(box) > k, f"message {k} from rank {src} (its receive of tag {tag})")
         sent, tensor = box[k]
         box[k] = (sent, None)
         if sent != tag:
@@ -463,6 +493,7 @@ def run(fn: Callable[[], object], n: int) -> List[object]:
                 if world.failed is None:
                     world.failed = f"rank {rank} failed: {type(e).__name__}: {e}"
             finally:
+                world.finished += 1
                 world.cond.notify_all()
 
     with _installed():

@@ -310,6 +310,89 @@ def sched_zbv(graph, nmicros: int, nstages: int) -> Schedule:
                                    "zbv", placement))
 
 
+def sched_dualpipev(graph, nmicros: int, nstages: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut to a V, as ``torch.distributed.pipelining`` ships it):
+    ``nstages = 2 x ranks`` in ZB-V's V placement, ``nmicros >= nstages``. Each rank runs the
+    forward of one micro-batch beside the backward of another (``F`` then ``B``, ``W`` of the same
+    stage: one issued pair, whose messages overlap the other's compute) in its steady phase, the
+    backward split into ``B`` and a deferred ``W`` (zero bubble) where the pipeline fills and drains.
+
+    Rank ``r`` of ``n``, stages ``s0 = r`` (down the V) and ``s1 = 2n - 1 - r`` (back up), in eight
+    phases: ``2(n - r - 1)`` forwards of ``s0``; ``r + 1`` pairs of forwards ``s0, s1``;
+    ``n - r - 1`` times a split backward of ``s1``, a pending ``W``, a forward of ``s1``; the main
+    phase, ``nmicros - 2n + r + 1`` times forward ``s0`` with backward ``s1``, then forward ``s1`` with
+    backward ``s0``; ``n - r - 1`` times backward ``s1``, forward ``s1`` with backward ``s0``; ``r + 1``
+    backwards of ``s1`` and ``s0`` (split from the middle on, odd ranks one earlier); ``n - r - 1``
+    times a pending ``W`` and a backward of ``s0``; the remaining ``W``'s."""
+    _check_args(nmicros, nstages, None)
+    if nstages % 2:
+        raise ValueError(f"DualPipeV places two stages on each rank: nstages ({nstages}) must be even "
+                         f"(2 x the number of ranks)")
+    if nmicros < nstages:
+        raise ValueError(f"DualPipeV needs at least as many micro-batches as stages: nmicros ({nmicros}) < "
+                         f"nstages ({nstages}); use nmicros >= {nstages} (CUBE_MICROS for the shipped policies)")
+    n = nstages // 2
+    ranks = [_dualpipev_rank(r, n, nmicros) for r in range(n)]
+    return _attach(graph, Schedule(nstages, nmicros, ranks, "dualpipev", v_placement(nstages)))
+
+
+def _dualpipev_rank(r: int, n: int, nmicros: int) -> List[Action]:
+    s0, s1 = r, 2 * n - 1 - r
+    acts: List[Action] = []
+    nxt = {("F", s0): 0, ("F", s1): 0, ("B", s0): 0, ("B", s1): 0}
+    waiting: List[Action] = []   # W's of split backwards, oldest first
+
+    def forward(st: int) -> None:
+        acts.append(Action("F", st, nxt[("F", st)]))
+        nxt[("F", st)] += 1
+
+    def backward(st: int, split: bool) -> None:
+        i = nxt[("B", st)]
+        nxt[("B", st)] += 1
+        acts.append(Action("B", st, i))
+        if split:
+            waiting.append(Action("W", st, i))
+        else:   # a full backward: its weight gradients at once
+            acts.append(Action("W", st, i))
+
+    def pending_w() -> None:
+        if waiting:
+            acts.append(waiting.pop(0))
+
+    for _ in range(2 * (n - r - 1)):
+        forward(s0)
+    for _ in range(r + 1):
+        forward(s0)
+        forward(s1)
+    for _ in range(n - r - 1):
+        backward(s1, split=True)
+        pending_w()
+        forward(s1)
+    for _ in range(nmicros - 2 * n + r + 1):
+        forward(s0)
+        backward(s1, split=False)
+        forward(s1)
+        backward(s0, split=False)
+    for _ in range(n - r - 1):
+        backward(s1, split=False)
+        forward(s1)
+        backward(s0, split=False)
+    split = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        backward(s1, split)
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        backward(s0, split)
+    for _ in range(n - r - 1):
+        pending_w()
+        backward(s0, split)
+    while waiting:
+        pending_w()
+    return acts
+
+
 def v_placement(nstages: int) -> Tuple[int, ...]:
     """ZB-V's stage -> pipeline rank map: stages ``k`` and ``nstages - 1 - k`` on rank ``k``."""
     return tuple(min(k, nstages - 1 - k) for k in range(nstages))
