@@ -4,7 +4,7 @@ setup(
     name="cube-compiler",
     version="0.1.0",
     description="Compile single-device PyTorch training into distributed training from a policy.",
-    packages=find_packages(include=["cube", "cube.*", "policies", "policies.*"]),
+    packages=find_packages(include=["cube", "cube.*"]),   # the policies ship as cube.policies
     package_data={"cube.sim.hardware": ["*.json"]},   # the shipped hardware profiles
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors", "rich"],
