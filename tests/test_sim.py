@@ -589,7 +589,7 @@ def test_sampler_sees_a_busy_program_during_its_span():
                                      "examples/text/train.py", "examples/onnx/train.py",
                                      "examples/spatial/train.py"])
 def test_the_readme_simulator_command_runs_on_every_example(example):
-    """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as the README shows."""
+    """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as docs/simulator.md shows."""
     import subprocess
     import sys
     from tests.launch import ROOT
