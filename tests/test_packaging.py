@@ -55,10 +55,35 @@ def test_the_compatibility_folder_has_a_module_for_every_policy_module():
     assert moved == kept, f"policies/ lacks {sorted(moved - kept)} or has extra {sorted(kept - moved)}"
 
 
-def test_cube_policies_imports_without_the_repository_on_the_path(tmp_path):
-    """An installed cube (here: the source tree on the path, run from elsewhere) has its policies."""
-    code = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
-            "from cube.policies.data import PASData; import cube.policy as p; print(p.load_policy('PASData') is PASData)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
-    assert out.stdout.strip() == "True", out.stderr
+def _installed_like(tmp_path) -> dict:
+    """An environment where ``cube`` is importable but the repository (and its ``policies/``
+    folder) is not on the path, as after ``pip install``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "cube").symlink_to(ROOT / "cube")
+    return {"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+
+
+def _python(code: str, cwd, env) -> str:
+    done = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_installed_cube_answers_the_old_import_with_cube_policies(tmp_path):
+    code = ("import cube, cube.policies.data, policies, policies.megatron3d\n"
+            "from policies.data import PASData\n"
+            "print(policies is cube.policies, PASData is cube.policies.data.PASData,\n"
+            "      policies.megatron3d is cube.policies.megatron3d, cube.policy.load_policy('PASData') is PASData)")
+    assert _python(code, tmp_path, _installed_like(tmp_path)) == "True True True True"
+
+
+def test_a_users_own_policies_module_wins(tmp_path):
+    env = _installed_like(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "policies.py").write_text("MINE = True\n")
+    assert _python("import sys, cube, policies; print(policies.MINE, 'cube.policies' in sys.modules)", work, env) == \
+        "True False"
+    assert _python("import cube\ntry:\n    import policies.data\nexcept ImportError:\n    print('refused')",
+                   work, env) == "refused"
