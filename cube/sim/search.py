@@ -200,13 +200,15 @@ def rank(cands: List[Candidate]) -> List[Candidate]:
 
 def table(cands: List[Candidate], top: Optional[int] = None) -> str:
     """The ranked plans as a text table."""
-    lines = [f"{'#':>3}  {'plan':<44} {'step ms':>9} {'peak MiB':>9}  note"]
-    for i, c in enumerate(cands[:top] if top else cands, 1):
+    shown = cands[:top] if top else cands
+    w = max([len("plan")] + [len(c.name) for c in shown])   # the plan column fits its longest name
+    lines = [f"{'#':>3}  {'plan':<{w}} {'step ms':>9} {'peak MiB':>9}  note"]
+    for i, c in enumerate(shown, 1):
         if c.result is None:
-            lines.append(f"{i:>3}  {c.name:<44} {'-':>9} {'-':>9}  {c.error}")
+            lines.append(f"{i:>3}  {c.name:<{w}} {'-':>9} {'-':>9}  {c.error}")
             continue
         note = "" if c.feasible else "over the memory cap"
-        lines.append(f"{i:>3}  {c.name:<44} {c.step_time * 1e3:>9.2f} {c.peak / 2**20:>9.1f}  {note}")
+        lines.append(f"{i:>3}  {c.name:<{w}} {c.step_time * 1e3:>9.2f} {c.peak / 2**20:>9.1f}  {note}")
     return "\n".join(lines)
 
 
