@@ -104,7 +104,7 @@ def batches(size: str, n: int) -> List[tuple]:
 def policy(tp: int = 2, pp: int = 2):
     import functools
 
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     return functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=NMICROS)
 
 

@@ -69,7 +69,7 @@ def measure(blocks: int, policy: str, ranks: int) -> dict:
     import torch
 
     import cube.compiler as compiler
-    import policies
+    import cube.policies as policies
     from examples.gpt.model import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=MODEL["vocab"], block_size=MODEL["seq"], n_layer=blocks,
@@ -119,7 +119,7 @@ def measure_rank(ranks: int = 64, tp: int = 8, pp: int = 8, nmicros: int = 8, se
     import cube.compiler as compiler
     from cube.policy import load_policy, policy_name
     from examples.bigmodel.model import CausalLM
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     cfg = LlamaConfig(**LLAMA7B, attn_implementation="eager", use_cache=False)
     with torch.device("meta"):
         model = CausalLM(LlamaForCausalLM(cfg))

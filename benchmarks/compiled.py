@@ -108,7 +108,7 @@ def main(quick: bool = False, backend: str = "inductor", cpu: bool = False, **se
     compile_s = 0.0
     with tempfile.TemporaryDirectory() as cache:
         for name, chosen in (("cube eager", None), ("cube compiled", backend)):
-            train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "policies.single:PASSingle", cache,
+            train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "cube.policies.single:PASSingle", cache,
                                             precision=cfg["precision"], backend=chosen)
             opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
 

@@ -1,6 +1,6 @@
 """What dropout's random numbers cost a cube step: off, default (keyed draws), ``exact_rng=True``.
 
-    python -m benchmarks.dropout [--quick] [--nproc 2] [--policy policies.megatron:PASMegatronTP]
+    python -m benchmarks.dropout [--quick] [--nproc 2] [--policy cube.policies.megatron:PASMegatronTP]
 
 One torchrun job (gloo on CPU) in which every rank trains the example GPT (4 layers, d256,
 T64, global batch 16, AdamW, dropout 0.1 on the residual stream and the attention weights)
@@ -32,7 +32,7 @@ from benchmarks.parallel import _batches, _Runner  # noqa: E402
 
 DEFAULTS = {"nproc": 2, "layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048,
             "steps": 10, "warmup": 2, "rounds": 3, "threads": 1, "dropout": 0.1,
-            "policy": "policies.data:PASData"}
+            "policy": "cube.policies.data:PASData"}
 QUICK = {"steps": 3, "warmup": 1, "rounds": 1}
 
 

@@ -142,7 +142,7 @@ def main(quick: bool = False, predict_on: str = None, kernels: str = None, **set
 
     loader = iter(lambda: batch, None)
     with tempfile.TemporaryDirectory() as cache:
-        train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "policies.single:PASSingle", cache,
+        train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "cube.policies.single:PASSingle", cache,
                                         precision="bf16")
         opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
 

@@ -69,7 +69,7 @@ def _cube_step(model, batch, cache: str, precision, fused: bool) -> Callable[[],
     os.environ["CUBE_FUSED_CUT"] = "1" if fused else "0"
     loader = iter(lambda: batch, None)
 
-    @cube.compile(model, loader, PAS="policies.single:PASSingle", cache_dir=cache, precision=precision)
+    @cube.compile(model, loader, PAS="cube.policies.single:PASSingle", cache_dir=cache, precision=precision)
     def train_iter(model, dataloader):
         ids, labels = next(dataloader)
         loss = model(ids, labels)

@@ -151,7 +151,7 @@ def _cube_way(name: str, model, batches, policy, cache: str, device) -> _Way:
 def PASRecomputeAll(graph, resource):
     """PASSingle with every transformer block recomputed."""
     from cube.ir.blocks import recompute_blocks
-    from policies.single import PASSingle
+    from cube.policies.single import PASSingle
     PASSingle(graph, resource)
     recompute_blocks(graph, "all")
     return graph
@@ -160,7 +160,7 @@ def PASRecomputeAll(graph, resource):
 def run(steps: int = 10, warmup: int = 2, rounds: int = 3, **cfg) -> List[dict]:
     """Measures the four ways; returns one row per way and one of ratios (see the module doc)."""
     import cube
-    from policies.single import PASSingle
+    from cube.policies.single import PASSingle
     device = cube.init().device   # cube runs on the GPU when there is one: torch does too
     cfg = {**DEFAULTS, **cfg}
     total = rounds * (steps + warmup) + 1

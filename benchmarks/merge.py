@@ -79,7 +79,7 @@ def _save(ckpt: Path, cache: Path, hidden: int, layers: int):
     ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(1))
     loader = iter([(ids, ids)] * 2)
 
-    @cube.compile(model, loader, PAS="policies.megatron:PASMegatronTP", cache_dir=cache)
+    @cube.compile(model, loader, PAS="cube.policies.megatron:PASMegatronTP", cache_dir=cache)
     def train_iter(model, dataloader):
         ids, labels = next(dataloader)
         loss = model(ids, labels)

@@ -125,10 +125,10 @@ def worker(args):
     runners = [
         ("DDP", _Runner(_torch_ddp(args, copy.deepcopy(base), _batches(args, total), rank, world))),
         ("cube PASData", _Runner(adamw_step(copy.deepcopy(base), _batches(args, total + 1),
-                                            "policies.data:PASData", cache)[0])),
+                                            "cube.policies.data:PASData", cache)[0])),
         ("DTensor TP", _Runner(_torch_tp(args, copy.deepcopy(base), _batches(args, total), world))),
         ("cube PASMegatronTP", _Runner(adamw_step(copy.deepcopy(base), _batches(args, total + 1),
-                                                  "policies.megatron:PASMegatronTP", cache)[0])),
+                                                  "cube.policies.megatron:PASMegatronTP", cache)[0])),
     ]
     for _ in range(args.rounds):
         for _, r in runners:

@@ -10,12 +10,12 @@ after ``warmup`` steps of each, interleaved round by round (each round runs
 ``steps`` steps of every way in turn; one by default) so machine noise hits all
 alike:
 
-- cube ``policies.pipeline:PAS1F1B`` (two stages balanced by
+- cube ``cube.policies.pipeline:PAS1F1B`` (two stages balanced by
   ``cube.schedule.balance``: embeddings, blocks 0-1 and block 2's attention |
   block 2's MLP, block 3, final norm, LM head and loss; the balance may cut a
   block after its attention's residual add) and ``torch.distributed.pipelining``
   ``PipelineStage`` + ``Schedule1F1B`` over the same split, and
-- cube ``policies.pipeline:PAS1F1BInterleaved`` (four balanced stages, two per
+- cube ``cube.policies.pipeline:PAS1F1BInterleaved`` (four balanced stages, two per
   rank, stage ``k`` on rank ``k % 2``) and ``ScheduleInterleaved1F1B`` over
   the same split, each rank building a ``PipelineStage`` for each of its stages.
 
@@ -92,8 +92,8 @@ DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab"
 MICROS = (4, 8)
 STAGES = 2    # ranks
 VIRTUAL = {"1F1B": 1, "interleaved": 2, "ZB-H1": 1, "ZB-V": 2}   # stages per rank of each kind of schedule
-POLICY = {"1F1B": "policies.pipeline:PAS1F1B", "interleaved": "policies.pipeline:PAS1F1BInterleaved",
-          "ZB-H1": "policies.pipeline:PASZBH1", "ZB-V": "policies.pipeline:PASZBV"}
+POLICY = {"1F1B": "cube.policies.pipeline:PAS1F1B", "interleaved": "cube.policies.pipeline:PAS1F1BInterleaved",
+          "ZB-H1": "cube.policies.pipeline:PASZBH1", "ZB-V": "cube.policies.pipeline:PASZBV"}
 TORCH = {"1F1B": "1F1B", "interleaved": "interleaved", "ZB-H1": None, "ZB-V": "ZB-V"}   # None: torch 1F1B's way
 
 

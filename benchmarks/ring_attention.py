@@ -135,7 +135,7 @@ def worker(args) -> None:
     """One rank of a torchrun job (``--mode cp``: cube's plan; ``torch``: torch's context parallel)."""
     import functools
 
-    from policies.context import PASContext
+    from cube.policies.context import PASContext
     cfg, rank = vars(args), int(os.environ.get("RANK", "0"))
     row = {"rank": rank}
     if cfg["mode"] == "torch":

@@ -55,18 +55,18 @@ from cube.sim.host import Sampler  # noqa: E402
 BATCH, SEQ, VOCAB = 16, 64, 2048
 # name, world, policy, micro-batches, ZeRO stage, recompute
 PLANS = [
-    ("PASData", 2, "policies.data:PASData", 1, 0, False),
-    ("PASData zero1", 2, "policies.data:PASData", 1, 1, False),
-    ("PASData zero3", 2, "policies.data:PASData", 1, 3, False),
-    ("PASData recompute", 2, "policies.data:PASData", 1, 0, True),
-    ("PASMegatronTP", 2, "policies.megatron:PASMegatronTP", 1, 0, False),
-    ("PAS1F1B m2", 2, "policies.pipeline:PAS1F1B", 2, 0, False),
-    ("PAS1F1B m4", 2, "policies.pipeline:PAS1F1B", 4, 0, False),
-    ("PASGPipe m4", 2, "policies.pipeline:PASGPipe", 4, 0, False),
-    ("PASData", 4, "policies.data:PASData", 1, 0, False),
-    ("PASHybrid tp2", 4, "policies.hybrid:PASHybrid", 1, 0, False),
-    ("PASMegatronTP", 4, "policies.megatron:PASMegatronTP", 1, 0, False),
-    ("PAS1F1B m4", 4, "policies.pipeline:PAS1F1B", 4, 0, False),
+    ("PASData", 2, "cube.policies.data:PASData", 1, 0, False),
+    ("PASData zero1", 2, "cube.policies.data:PASData", 1, 1, False),
+    ("PASData zero3", 2, "cube.policies.data:PASData", 1, 3, False),
+    ("PASData recompute", 2, "cube.policies.data:PASData", 1, 0, True),
+    ("PASMegatronTP", 2, "cube.policies.megatron:PASMegatronTP", 1, 0, False),
+    ("PAS1F1B m2", 2, "cube.policies.pipeline:PAS1F1B", 2, 0, False),
+    ("PAS1F1B m4", 2, "cube.policies.pipeline:PAS1F1B", 4, 0, False),
+    ("PASGPipe m4", 2, "cube.policies.pipeline:PASGPipe", 4, 0, False),
+    ("PASData", 4, "cube.policies.data:PASData", 1, 0, False),
+    ("PASHybrid tp2", 4, "cube.policies.hybrid:PASHybrid", 1, 0, False),
+    ("PASMegatronTP", 4, "cube.policies.megatron:PASMegatronTP", 1, 0, False),
+    ("PAS1F1B m4", 4, "cube.policies.pipeline:PAS1F1B", 4, 0, False),
 ]
 QUICK = [0, 1, 4, 5, 7, 8, 9, 11]
 

@@ -80,7 +80,7 @@ def _cube(cfg, dims, cache):
     import functools
 
     import cube
-    from policies.spatial import PASSpatial
+    from cube.policies.spatial import PASSpatial
     batches = _batches(cfg, cfg["steps"] + 3)
     it = iter(batches)
 

@@ -72,7 +72,7 @@ def _cube_zero3(args, model, batches, cache):
     import cube
     import torch
     it = iter(batches)
-    train_iter, gen = compile_gpt(model, it, "policies.data:PASData", cache, zero=3)
+    train_iter, gen = compile_gpt(model, it, "cube.policies.data:PASData", cache, zero=3)
     opt = cube.build_optimizer(gen, torch.optim.AdamW, zero=3, lr=1e-3)
     held = {}
 

@@ -24,6 +24,10 @@ from cube.trace.export import TraceError
 
 from cube.version import __version__
 
+from cube import compat
+
+compat.install()   # `import policies` (the old name of cube.policies) where no other module has that name
+
 __all__ = ["compile", "plan", "trace_model", "Plan", "Traced", "load_model", "init", "register_op", "save_checkpoint", "merge_checkpoint", "CausalLM",
            "load_checkpoint", "build_optimizer", "clip_grad_norm_", "Metrics", "explain", "CompiledStep",
            "TraceError", "CubeInternalError", "DeviceMesh", "ir", "runtime", "schedule", "__version__"]

@@ -97,28 +97,28 @@ def _positive_int(name: str, default: int) -> int:
 
 
 def tensor_parallel_degree(default: int = 2) -> int:
-    """``CUBE_TP``: the tensor-parallel degree of hybrid policies (``policies/hybrid.py``)."""
+    """``CUBE_TP``: the tensor-parallel degree of hybrid policies (``cube/policies/hybrid.py``)."""
     return _positive_int("CUBE_TP", default)
 
 
 def pipeline_degree(default: int = 2) -> int:
-    """``CUBE_PP``: the pipeline stages of ``PASMegatron`` (``policies/megatron3d.py``)."""
+    """``CUBE_PP``: the pipeline stages of ``PASMegatron`` (``cube/policies/megatron3d.py``)."""
     return _positive_int("CUBE_PP", default)
 
 
 def micro_batches(default: int = 4) -> int:
-    """``CUBE_MICROS``: micro-batches per step of the pipeline policies (``policies/pipeline.py``)."""
+    """``CUBE_MICROS``: micro-batches per step of the pipeline policies (``cube/policies/pipeline.py``)."""
     return _positive_int("CUBE_MICROS", default)
 
 
 def virtual_stages(default: int = 2) -> int:
-    """``CUBE_VIRTUAL``: pipeline stages per device of ``PAS1F1BInterleaved`` (``policies/pipeline.py``;
+    """``CUBE_VIRTUAL``: pipeline stages per device of ``PAS1F1BInterleaved`` (``cube/policies/pipeline.py``;
     ``PASMegatron`` reads it with default 1)."""
     return _positive_int("CUBE_VIRTUAL", default)
 
 
 def stage_ranks(default: Tuple[int, ...] = (1, 1)) -> Tuple[int, ...]:
-    """``CUBE_STAGE_RANKS=1,2``: devices per pipeline stage of ``PASPipeDream`` (``policies/pipedream.py``)."""
+    """``CUBE_STAGE_RANKS=1,2``: devices per pipeline stage of ``PASPipeDream`` (``cube/policies/pipedream.py``)."""
     env = os.environ.get("CUBE_STAGE_RANKS", "").strip()
     if not env:
         return default
@@ -156,7 +156,7 @@ def recompute() -> Optional[Union[str, Tuple[int, ...]]]:
 
 
 def auto_plan_path(default: str = "cube_auto_plan.json") -> str:
-    """``CUBE_AUTO_PLAN``: the plan file ``policies.auto.PASAuto`` reads (unset: ``default``)."""
+    """``CUBE_AUTO_PLAN``: the plan file ``cube.policies.auto.PASAuto`` reads (unset: ``default``)."""
     return os.environ.get("CUBE_AUTO_PLAN") or default
 
 

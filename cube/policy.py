@@ -21,18 +21,19 @@ class Resource:
     ngpus: int
 
 
-# shipped policy name -> the module of the ``policies`` package that defines it (imported only on use)
-SHIPPED = {"PASSingle": "policies.single", "PASData": "policies.data", "PASMegatronTP": "policies.megatron",
-           "PASHybrid": "policies.hybrid", "PASCol": "policies.gallery", "PASRow": "policies.gallery",
-           "PAS1F1B": "policies.pipeline", "PASGPipe": "policies.pipeline",
-           "PAS1F1BInterleaved": "policies.pipeline", "PASZBH1": "policies.pipeline",
-           "PASZBV": "policies.pipeline", "PASDualPipeV": "policies.pipeline", "PASMegatron": "policies.megatron3d",
-           "PASPipeDream": "policies.pipedream", "PASAuto": "policies.auto",
-           "PASSpatial": "policies.spatial", "PASContext": "policies.context"}
+# shipped policy name -> the module of the ``cube.policies`` package that defines it (imported only on use)
+SHIPPED = {"PASSingle": "cube.policies.single", "PASData": "cube.policies.data", "PASMegatronTP": "cube.policies.megatron",
+           "PASHybrid": "cube.policies.hybrid", "PASCol": "cube.policies.gallery", "PASRow": "cube.policies.gallery",
+           "PAS1F1B": "cube.policies.pipeline", "PASGPipe": "cube.policies.pipeline",
+           "PAS1F1BInterleaved": "cube.policies.pipeline", "PASZBH1": "cube.policies.pipeline",
+           "PASZBV": "cube.policies.pipeline", "PASDualPipeV": "cube.policies.pipeline",
+           "PASMegatron": "cube.policies.megatron3d",
+           "PASPipeDream": "cube.policies.pipedream", "PASAuto": "cube.policies.auto",
+           "PASSpatial": "cube.policies.spatial", "PASContext": "cube.policies.context"}
 
 
 def resolve(name: str) -> str:
-    """``"PASData"`` -> ``"policies.data:PASData"``; ``file.py:Name`` / ``module:Name`` pass through.
+    """``"PASData"`` -> ``"cube.policies.data:PASData"``; ``file.py:Name`` / ``module:Name`` pass through.
 
     Raises:
         ValueError: a bare name that is not a shipped policy.

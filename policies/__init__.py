@@ -1,8 +1,5 @@
-"""Expert policies: plain functions ``PAS(graph, resource, **options) -> graph``.
-
-The table of shipped names lives in ``cube.policy`` (``cube.policy.SHIPPED``), so cube
-resolves ``"PASData"`` without importing this package.
-"""
-from cube.policy import SHIPPED, resolve
-
-__all__ = ["SHIPPED", "resolve"]
+"""The shipped policies moved to ``cube.policies``; this folder keeps ``import policies`` and
+``from policies.data import PASData`` working from a checkout (each module here is the
+``cube.policies`` module of that name). It is not installed: write ``cube.policies``."""
+from cube.policies import *  # noqa: F401,F403
+from cube.policies import __all__  # noqa: F401

@@ -1,23 +1,7 @@
-"""PASHybrid: data parallel across groups of devices, Megatron tensor parallel inside each.
+"""``policies.hybrid`` is ``cube.policies.hybrid`` (the policies ship inside cube); kept for old imports."""
+import sys
 
-Devices form a ``dp x tp`` mesh (tensor parallel innermost: devices ``0..tp-1``
-hold batch part 0). ``tp`` defaults to ``CUBE_TP`` (2); ``dp = ngpus // tp``.
-"""
-from typing import Optional
+from cube.policies import hybrid as _moved
 
-from cube import config
-from cube.ir import IRGraph
-from cube.toolkit import Recompute, apply_recompute, data_parallel, grid, place_all, tensor_parallel
-
-
-def PASHybrid(graph: IRGraph, resource, tp: Optional[int] = None, recompute: Recompute = None) -> IRGraph:
-    """Data parallel over ``dp`` groups, tensor parallel over ``tp`` devices in each.
-
-    Args:
-        tp: tensor-parallel degree (default ``CUBE_TP``, 2).
-        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
-    """
-    mesh = grid(resource.ngpus, tp=tp or config.tensor_parallel_degree(), policy="PASHybrid")
-    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), tp=tensor_parallel(graph, mesh["tp"]))
-    apply_recompute(graph, recompute)
-    return graph
+globals().update({k: v for k, v in vars(_moved).items() if not k.startswith("__")})   # loaded by path
+sys.modules[__name__] = _moved   # imported by name: the very module cube.policies.hybrid

@@ -1,18 +1,7 @@
-"""PASSingle: the whole model on every device, each running the full batch.
+"""``policies.single`` is ``cube.policies.single`` (the policies ship inside cube); kept for old imports."""
+import sys
 
-With one device this is plain single-device training. With more, every rank
-runs the same full step, so results match and no communication is needed.
-"""
-from cube.ir import IRGraph
-from cube.toolkit import Recompute, apply_recompute, whole
+from cube.policies import single as _moved
 
-
-def PASSingle(graph: IRGraph, resource, recompute: Recompute = None) -> IRGraph:
-    """Every op whole on every device.
-
-    Args:
-        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
-    """
-    whole(graph, resource)
-    apply_recompute(graph, recompute)
-    return graph
+globals().update({k: v for k, v in vars(_moved).items() if not k.startswith("__")})   # loaded by path
+sys.modules[__name__] = _moved   # imported by name: the very module cube.policies.single

@@ -78,7 +78,7 @@ def test_missing_partial_sum_is_an_error():
 
 def test_row_linear_adds_its_bias_once():
     model, sample = build("mlp")
-    graph, _ = trace_and_plan(model, sample, "tuple", load_policy("policies.gallery:PASRow"), 2)
+    graph, _ = trace_and_plan(model, sample, "tuple", load_policy("cube.policies.gallery:PASRow"), 2)
     lin = [op for op in graph.nodes() if op.name == "linear"]
     layouts = [piece_layout(p) for p in lin[:2]]
     assert layouts[0].unread == () and layouts[1].unread == (2,)
@@ -99,7 +99,7 @@ def _count(plan):
 
 
 def test_data_parallel_plan_communicates_only_the_loss_and_gradients():
-    graph, plans = _plan("gpt_nobias", "policies.data:PASData", 2)
+    graph, plans = _plan("gpt_nobias", "cube.policies.data:PASData", 2)
     for r, plan in plans.items():
         assert _count(plan) == {}                 # nothing moves inside forward or backward
         assert plan.loss_sum == (0, 1)            # the loss parts are summed while backward runs
@@ -110,7 +110,7 @@ def test_data_parallel_plan_communicates_only_the_loss_and_gradients():
 
 
 def test_megatron_plan_is_two_sums_forward_and_two_backward_per_block():
-    graph, plans = _plan("gpt_nobias", "policies.megatron:PASMegatronTP", 2)
+    graph, plans = _plan("gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2)
     nblocks = 2
     for plan in plans.values():
         steps = _count(plan)
@@ -124,7 +124,7 @@ def test_megatron_plan_is_two_sums_forward_and_two_backward_per_block():
 @pytest.mark.parametrize("name", ["hf_llama", "hf_gpt2"])
 def test_megatron_finds_pairs_in_hf_models_without_module_names(name):
     pytest.importorskip("transformers")
-    graph, plans = _plan(name, "policies.megatron:PASMegatronTP", 2)
+    graph, plans = _plan(name, "cube.policies.megatron:PASMegatronTP", 2)
     split = {op.module_path.rsplit(".", 1)[-1] for op in graph.nodes()
              if op.name in ("linear", "addmm") and op.split is not None}
     want = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} if name == "hf_llama" \
@@ -133,7 +133,7 @@ def test_megatron_finds_pairs_in_hf_models_without_module_names(name):
 
 
 def test_hybrid_groups_form_a_grid():
-    graph, plans = _plan("gpt_nobias", "policies.hybrid:PASHybrid", 4)
+    graph, plans = _plan("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4)
     assert {ranks for _, ranks in plans[0].reduce} == {(0, 2)}
     assert {ranks for _, ranks in plans[3].reduce} == {(1, 3)}
     # rank 1 talks to its tensor-parallel partner 0 inside the step, and to its data-parallel

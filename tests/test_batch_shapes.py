@@ -36,10 +36,10 @@ def _zero_sgd(gen):
 
 
 @pytest.mark.parametrize("policy,world,options,kw", [
-    ("policies.data:PASData", 2, {}, {}),
-    ("policies.pipeline:PAS1F1B", 2, {"nmicros": 2}, {}),
-    ("policies.megatron:PASMegatronTP", 2, {"recompute": True}, {}),
-    ("policies.data:PASData", 2, None, {"zero": 2, "build": _zero_sgd}),
+    ("cube.policies.data:PASData", 2, {}, {}),
+    ("cube.policies.pipeline:PAS1F1B", 2, {"nmicros": 2}, {}),
+    ("cube.policies.megatron:PASMegatronTP", 2, {"recompute": True}, {}),
+    ("cube.policies.data:PASData", 2, None, {"zero": 2, "build": _zero_sgd}),
 ], ids=["data", "pipeline", "tensor-recompute", "data-zero2"])
 def test_three_lengths_and_a_short_last_batch_train_exactly(policy, world, options, kw, caplog):
     model, _ = zoo.build("gpt2")
@@ -51,10 +51,10 @@ def test_three_lengths_and_a_short_last_batch_train_exactly(policy, world, optio
 def test_a_shape_past_max_shapes_is_refused_naming_the_fix(caplog):
     model, _ = zoo.build("gpt2")
     with pytest.raises(RuntimeError, match=r"new shape after 2 \(max_shapes=2\).*bucketing"):
-        _run(model, _batches([(4, 16), (4, 12), (4, 8)]), "policies.single:PASSingle", 1, caplog, max_shapes=2)
+        _run(model, _batches([(4, 16), (4, 12), (4, 8)]), "cube.policies.single:PASSingle", 1, caplog, max_shapes=2)
 
 
 def test_max_shapes_must_be_a_positive_integer():
     with pytest.raises(ValueError, match="max_shapes must be a positive integer"):
-        cube.compile(torch.nn.Linear(2, 2), iter([torch.zeros(1, 2)]), PAS="policies.single:PASSingle",
+        cube.compile(torch.nn.Linear(2, 2), iter([torch.zeros(1, 2)]), PAS="cube.policies.single:PASSingle",
                      max_shapes=0)

@@ -15,7 +15,7 @@ import torch.nn as nn
 import cube
 import cube.debug
 from cube.runtime import piece
-from policies.data import PASData
+from cube.policies.data import PASData
 from tests.launch import ROOT, torchrun
 from tests.models import build, hf_llama
 from tests.workers import bigmodel_worker as worker
@@ -313,7 +313,7 @@ def _four_stage_run(cache, loader_of):
     """A 4-stage pipeline (tp1 x pp4, 2 micro-batches) of 3 steps, one global batch of 8 sequences
     each; each rank's loader is ``loader_of(rank, data)``. Returns (per rank: next() calls, losses,
     data part) and eager's losses."""
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     gen = torch.Generator().manual_seed(1)
     data = []
     for _ in range(3):

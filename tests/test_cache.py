@@ -3,7 +3,7 @@ import torch
 
 import cube
 from examples.mlp.linears import MLP
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 from tests.parity import compile_step
 
 

@@ -24,7 +24,7 @@ import cube
 import cube.debug
 from cube.runtime.checkpoint import merge_checkpoint
 from examples.mlp.linears import MLP
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 from tests.launch import ROOT, torchrun
 from tests.models import HFCausalLM, build
 from tests.parity import compile_step, rel
@@ -65,12 +65,12 @@ def runs(tmp_path_factory):
         torchrun(WORKER, nproc, ["gpt_nobias", policy, out, *args], env=env)
         return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
-    a = run("a", "policies.hybrid:PASHybrid", 4, ["--save", d / "ckpt_a", "--save-after", 2, "--steps", 4],
+    a = run("a", "cube.policies.hybrid:PASHybrid", 4, ["--save", d / "ckpt_a", "--save-after", 2, "--steps", 4],
             env={"CUBE_TP": "2"})
     b = run("b", "tests/extra_policies.py:PAS1F1B", 2, ["--load", d / "ckpt_a", "--offset", 2, "--nmicros", 4,
                                                        "--save", d / "ckpt_b", "--save-after", 1, "--steps", 2])
-    c = run("c", "policies.megatron:PASMegatronTP", 2, ["--load", d / "ckpt_b", "--offset", 6, "--steps", 1])
-    z = run("z", "policies.data:PASData", 2, ["--load", d / "ckpt_a", "--offset", 2, "--zero", 2,
+    c = run("c", "cube.policies.megatron:PASMegatronTP", 2, ["--load", d / "ckpt_b", "--offset", 6, "--steps", 1])
+    z = run("z", "cube.policies.data:PASData", 2, ["--load", d / "ckpt_a", "--offset", 2, "--zero", 2,
                                               "--save", d / "ckpt_z", "--save-after", 2, "--steps", 2])
     return d, a, b, c, z
 
@@ -152,9 +152,9 @@ def test_merge_without_the_model_orders_parameters_as_the_model_does(runs):
 
 # ---------------------------------------------------------------------- Hugging Face Llama, path alone
 HF_PLANS = {   # tag: (policy, ZeRO stage, micro-batches a step)
-    "tp": ("policies.megatron:PASMegatronTP", 0, 1),
-    "zero3": ("policies.data:PASData", 3, 1),
-    "pipeline": ("policies.pipeline:PAS1F1B", 0, 4),
+    "tp": ("cube.policies.megatron:PASMegatronTP", 0, 1),
+    "zero3": ("cube.policies.data:PASData", 3, 1),
+    "pipeline": ("cube.policies.pipeline:PAS1F1B", 0, 4),
 }
 
 

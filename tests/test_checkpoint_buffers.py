@@ -25,8 +25,8 @@ import cube.debug
 from cube.runtime import piece
 from cube.runtime import safetensors_file as sfile
 from cube.runtime.checkpoint import merge_checkpoint
-from policies.data import PASData
-from policies.single import PASSingle
+from cube.policies.data import PASData
+from cube.policies.single import PASSingle
 from tests.parity import compile_step, rel
 
 LR = 1e-3

@@ -31,18 +31,18 @@ def _sgd(model):
 
 CASES = [
     # (id, model, policy, ranks, keyword arguments of tests.inprocess.parity, tolerance)
-    ("mlp-data", "mlp", "policies.data:PASData", 2, {}, 1e-5),
-    ("gpt-data", "gpt_nobias", "policies.data:PASData", 2, {}, 1e-5),
-    ("gpt-megatron", "gpt_nobias", "policies.megatron:PASMegatronTP", 2, {}, 1e-5),
+    ("mlp-data", "mlp", "cube.policies.data:PASData", 2, {}, 1e-5),
+    ("gpt-data", "gpt_nobias", "cube.policies.data:PASData", 2, {}, 1e-5),
+    ("gpt-megatron", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, {}, 1e-5),
     # a recompute run holding collectives: checkpointed eagerly, its method compiled between them
-    ("gpt-megatron-recompute", "gpt_nobias", "policies.megatron:PASMegatronTP", 2,
+    ("gpt-megatron-recompute", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2,
      {"options": {"recompute": "all"}}, 1e-5),
-    ("gpt-data-recompute", "gpt_nobias", "policies.data:PASData", 2, {"options": {"recompute": "all"}}, 1e-5),
+    ("gpt-data-recompute", "gpt_nobias", "cube.policies.data:PASData", 2, {"options": {"recompute": "all"}}, 1e-5),
     # two stages per rank: stage_<k> methods, sends, receives and stashes between them
     ("gpt-interleaved", "gpt4_nobias", "tests/extra_policies.py:PAS1F1BInterleaved", 2, {"nmicros": 4}, 1e-5),
-    ("mlp-zero3", "mlp", "policies.data:PASData", 2, {"zero": 3, "build": _sgd}, 1e-5),
-    ("gpt-megatron-bf16", "gpt_nobias", "policies.megatron:PASMegatronTP", 2, {"precision": "bf16"}, AS_EAGER),
-    ("mlp-data-fp16", "mlp", "policies.data:PASData", 2, {"precision": "fp16", "build": _sgd}, AS_EAGER),
+    ("mlp-zero3", "mlp", "cube.policies.data:PASData", 2, {"zero": 3, "build": _sgd}, 1e-5),
+    ("gpt-megatron-bf16", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, {"precision": "bf16"}, AS_EAGER),
+    ("mlp-data-fp16", "mlp", "cube.policies.data:PASData", 2, {"precision": "fp16", "build": _sgd}, AS_EAGER),
 ]
 
 
@@ -62,7 +62,7 @@ def test_compiled_plan_trains_like_the_plain_model(name, policy, world, kw, tol)
 
 def test_inductor_on_one_rank_trains_like_the_plain_model():
     model, sample = build("mlp")
-    assert_exact(parity(model, sample, "policies.single:PASSingle", 1, backend="inductor"))
+    assert_exact(parity(model, sample, "cube.policies.single:PASSingle", 1, backend="inductor"))
 
 
 # ------------------------------------------------------------------ what is compiled
@@ -116,14 +116,14 @@ def test_graphs_hold_only_computation_and_the_plan_is_unchanged(tmp_path):
     model, sample = build("gpt_nobias")
     _GRAPHS.clear()
     backend = _recording_backend()
-    ranks = _train(model, sample, "policies.megatron:PASMegatronTP", 2, tmp_path, backend)
+    ranks = _train(model, sample, "cube.policies.megatron:PASMegatronTP", 2, tmp_path, backend)
     forwards = [gm for kind, gm in _GRAPHS if kind == "forward"]
     backwards = [gm for kind, gm in _GRAPHS if kind == "backward"]
     # every collective breaks the graph: several pieces per rank, each with its backward
     assert len(forwards) >= 4 and len(backwards) >= 4, (len(forwards), len(backwards))
     targets = {str(n.target) for _, gm in _GRAPHS for n in gm.graph.nodes if n.op == "call_function"}
     assert {t for t in targets if not t.startswith(("aten.", "prims."))} <= {"<built-in function getitem>"}, targets
-    eager = _train(model, sample, "policies.megatron:PASMegatronTP", 2, tmp_path, None)
+    eager = _train(model, sample, "cube.policies.megatron:PASMegatronTP", 2, tmp_path, None)
     for (step, gen, losses), (estep, egen, elosses) in zip(ranks, eager):
         assert step.backend == backend and gen.BACKEND == backend and egen.BACKEND is None
         assert step.key == estep.key and step.source == estep.source   # wrapped at load: same code, same cache entry
@@ -210,16 +210,16 @@ def test_bad_backend_is_a_clear_error(tmp_path):
     model, sample = build("mlp")
     with pytest.raises(ValueError, match=r"backend 'indcutor' is not a torch.compile backend; valid names: .*"
                                          r"aot_eager.*inductor"):
-        cube.compile(model, iter([sample]), PAS="policies.single:PASSingle", cache_dir=tmp_path, backend="indcutor")
+        cube.compile(model, iter([sample]), PAS="cube.policies.single:PASSingle", cache_dir=tmp_path, backend="indcutor")
     with pytest.raises(TypeError, match="backend must be None .* or the name of a torch.compile backend"):
-        cube.compile(model, iter([sample]), PAS="policies.single:PASSingle", cache_dir=tmp_path, backend=torch.compile)
+        cube.compile(model, iter([sample]), PAS="cube.policies.single:PASSingle", cache_dir=tmp_path, backend=torch.compile)
 
 
 def test_default_is_eager(tmp_path):
     model, sample = build("mlp")
     it = iter([sample, sample])
 
-    @cube.compile(model, it, PAS="policies.single:PASSingle", cache_dir=tmp_path)
+    @cube.compile(model, it, PAS="cube.policies.single:PASSingle", cache_dir=tmp_path)
     def train_iter(model, dataloader):
         data = next(dataloader)
         loss = model(*data)

@@ -12,7 +12,7 @@ from tests.launch import ROOT, _env, parity_across_ranks
 
 CASES = [
     # (model, policy, ranks, micro-batches, environment)
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),       # data x tensor parallel
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),       # data x tensor parallel
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1BData", 4, 4, {}),          # 1F1B pipeline x data parallel
 ]
 

@@ -41,7 +41,7 @@ def test_ops_without_a_rule_get_one_from_dtensor_and_its_splits():
     assert ins[1].endswith("^") and not ins[0].endswith("^") and not ins[2].endswith("^"), roll
 
 
-@pytest.mark.parametrize("policy", ["policies.data:PASData", "policies.megatron:PASMegatronTP"])
+@pytest.mark.parametrize("policy", ["cube.policies.data:PASData", "cube.policies.megatron:PASMegatronTP"])
 def test_derived_rules_train_exactly(policy):
     torch.manual_seed(0)
     assert_exact(parity(Mixed(), _batch(), policy, 2, steps=2, opt="sgd", strict=policy.endswith("PASData")))

@@ -68,7 +68,7 @@ def test_gpt2_dropout_exact(plan, recompute):
 def test_gpt2_dropout_exact_4_ranks(tp, recompute):
     """tp x pp (PLANS["3d"]), and data x pipeline, where a micro-batch's rows of the global batch's
     mask are a slice of each data-parallel part (``micro_batches(interleave=2)``)."""
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = _gpt2(2)
     policy = functools.partial(PASMegatron, tp=tp, pp=2, nmicros=2, recompute="all" if recompute else False)
     assert_exact(parity(model, sample, policy, 4, steps=2, nmicros=2, opt="sgd", param_floor=PARAM_FLOOR,
@@ -99,7 +99,7 @@ def test_exact_refuses_what_it_cannot_reproduce():
         def forward(self, x):
             return (self.lin(x) + torch.rand_like(x)).sum()
 
-    from policies.data import PASData
+    from cube.policies.data import PASData
     with pytest.raises(ValueError, match=r"(?s)exact_rng=True.*'rand_like'"):
         cube.plan(Noisy(), torch.randn(4, 8), PASData, 2, exact_rng=True)
     cube.plan(Noisy(), torch.randn(4, 8), PASData, 2)   # the default mode keys its draws instead
@@ -155,7 +155,7 @@ def _masks(policy, world: int, steps: int = 2):
 
 
 def test_default_masks_data_parallel_ranks_differ():
-    from policies.data import PASData
+    from cube.policies.data import PASData
     seen = _masks(PASData, 2)
     for key, (box0, m0) in seen[0].items():
         box1, m1 = seen[1][key]
@@ -166,7 +166,7 @@ def test_default_masks_data_parallel_ranks_differ():
 
 
 def test_default_masks_split_pieces_differ_replicas_agree():
-    from policies.megatron import PASMegatronTP
+    from cube.policies.megatron import PASMegatronTP
     seen = _masks(PASMegatronTP, 2)
     split = replicated = 0
     for key, (box0, m0) in seen[0].items():
@@ -189,7 +189,7 @@ def test_default_mode_seed_derivation():
     assert len(keys) == 6 and all(0 <= k < 2 ** 63 for k in keys)
 
 
-@pytest.mark.parametrize("policy,nmicros", [("policies.megatron:PASMegatronTP", 1), ("policies.pipeline:PAS1F1B", 2)],
+@pytest.mark.parametrize("policy,nmicros", [("cube.policies.megatron:PASMegatronTP", 1), ("cube.policies.pipeline:PAS1F1B", 2)],
                          ids=["tensor", "pipeline"])
 def test_exact_across_processes(policy, nmicros, tmp_path):
     """gloo ranks, each with its own default generator seeded alike: the plain model's numbers too."""
@@ -228,7 +228,7 @@ def _trained(model, sample, policy, world: int, **compile_kw):
 def test_default_mode_recompute_redraws_the_same_masks():
     """Recompute re-runs a block's dropout in backward: it must drop what forward dropped, so the
     step equals the step without recompute, number for number."""
-    from policies.data import PASData
+    from cube.policies.data import PASData
     model, sample = _gpt2(4)
     plain = _trained(model, sample, functools.partial(PASData, recompute=False), 2)
     again = _trained(model, sample, functools.partial(PASData, recompute="all"), 2)
@@ -238,7 +238,7 @@ def test_default_mode_recompute_redraws_the_same_masks():
 
 
 def test_exact_forward_outside_the_step_is_refused():
-    from policies.data import PASData
+    from cube.policies.data import PASData
     model, sample = _gpt2(4)
 
     def body():
@@ -269,8 +269,8 @@ class _Strided(nn.Module):
 
 
 def test_exact_draws_in_the_memory_order_of_the_single_devices_input():
-    from policies.data import PASData
-    from policies.pipeline import PAS1F1B
+    from cube.policies.data import PASData
+    from cube.policies.pipeline import PAS1F1B
     torch.manual_seed(0)
     model, x = _Strided(), torch.randn(4, 8, 16)
     assert_exact(parity(model, (x,), PASData, 2, steps=2, opt="sgd", seed=SEED, exact_rng=True))
@@ -281,6 +281,6 @@ def test_exact_draws_in_the_memory_order_of_the_single_devices_input():
 @pytest.mark.parametrize("zero", [1, 3])
 def test_gpt2_dropout_exact_under_zero(zero):
     model, sample = _gpt2(4)
-    assert_exact(parity(model, sample, "policies.data:PASData", 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR,
+    assert_exact(parity(model, sample, "cube.policies.data:PASData", 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR,
                         seed=SEED, exact_rng=True, zero=zero,
                         build=lambda gen: cube.build_optimizer(gen, torch.optim.SGD, lr=1e-2)))

@@ -21,14 +21,14 @@ WORKER = str(ROOT / "tests" / "workers" / "parity_worker.py")
 
 CASES = [
     # (model, policy, ranks, micro-batches, environment)
-    ("views", "policies.data:PASData", 2, 1, {}),
-    ("hf_t5", "policies.data:PASData", 2, 1, {}),
-    ("hf_bart", "policies.data:PASData", 2, 1, {}),
-    ("hf_t5", "policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),
-    ("hf_bart", "policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),
-    ("hf_t5", "policies.pipeline:PAS1F1B", 2, 4, {}),
+    ("views", "cube.policies.data:PASData", 2, 1, {}),
+    ("hf_t5", "cube.policies.data:PASData", 2, 1, {}),
+    ("hf_bart", "cube.policies.data:PASData", 2, 1, {}),
+    ("hf_t5", "cube.policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),
+    ("hf_bart", "cube.policies.hybrid:PASHybrid", 4, 1, {"CUBE_TP": "2"}),
+    ("hf_t5", "cube.policies.pipeline:PAS1F1B", 2, 4, {}),
     # SGD: as below (an AVX-512 host reads 1.4e-5 for one bias element under AdamW)
-    ("hf_bart", "policies.pipeline:PAS1F1B", 2, 4, {"CUBE_PARITY_OPT": "sgd"}),
+    ("hf_bart", "cube.policies.pipeline:PAS1F1B", 2, 4, {"CUBE_PARITY_OPT": "sgd"}),
     ("hf_t5", "tests/extra_policies.py:PAS1F1BData", 4, 4, {}),
     # SGD: with AdamW one bias element whose gradient is near zero turns the pipeline's other
     # summation order into a visible update (1.4e-5); the gradients themselves agree to 2e-7

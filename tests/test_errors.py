@@ -7,7 +7,7 @@ import cube
 from cube.compiler import generate_code
 from cube.ir import IRDataOperation
 from examples.mlp.linears import MLP
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 from tests.parity import compile_step
 
 
@@ -127,7 +127,7 @@ def test_bad_policy_strings():
     with pytest.raises(ValueError, match="no policy file"):
         generate_code(MLP(8, 1), torch.randn(2, 8), "nowhere/policy.py:PASX")
     with pytest.raises(ValueError, match=r"has no policy 'PASMissing'; it has \['PASSingle'\]"):
-        generate_code(MLP(8, 1), torch.randn(2, 8), "policies.single:PASMissing")
+        generate_code(MLP(8, 1), torch.randn(2, 8), "cube.policies.single:PASMissing")
     with pytest.raises(TypeError, match="PAS must be a callable"):
         generate_code(MLP(8, 1), torch.randn(2, 8), 42)
 
@@ -135,8 +135,8 @@ def test_bad_policy_strings():
 def test_policy_string_forms_load(tmp_path):
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    a = generate_code(MLP(8, 1), torch.randn(2, 8), "policies.single:PASSingle")
-    b = generate_code(MLP(8, 1), torch.randn(2, 8), f"{root}/policies/single.py:PASSingle")
+    a = generate_code(MLP(8, 1), torch.randn(2, 8), "cube.policies.single:PASSingle")
+    b = generate_code(MLP(8, 1), torch.randn(2, 8), f"{root}/cube/policies/single.py:PASSingle")
     assert a == b
 
 
@@ -216,7 +216,7 @@ def test_batch_of_non_tensors(tmp_path):
 def test_multi_rank_plan_without_torchrun(tmp_path):
     """Generated code of a 2-rank plan, loaded in a single process (world size 1)."""
     import importlib.util
-    src = generate_code(MLP(8, 1), torch.randn(4, 8), "policies.data:PASData", world_size=2)[0]
+    src = generate_code(MLP(8, 1), torch.randn(4, 8), "cube.policies.data:PASData", world_size=2)[0]
     path = tmp_path / "rank0.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("cube_gen_two_ranks", path)

@@ -78,10 +78,10 @@ def test_traced_as_one_op_with_batch_and_head_splits_and_a_constant_mask():
 
 
 @pytest.mark.parametrize("policy,world,micro,nmicros", [
-    ("policies.data:PASData", 2, 4, 1),
-    ("policies.megatron:PASMegatronTP", 2, 4, 1),
-    ("policies.pipeline:PAS1F1B", 2, 2, 2),
-    ("policies.pipeline:PAS1F1B", 2, 1, 2),
+    ("cube.policies.data:PASData", 2, 4, 1),
+    ("cube.policies.megatron:PASMegatronTP", 2, 4, 1),
+    ("cube.policies.pipeline:PAS1F1B", 2, 2, 2),
+    ("cube.policies.pipeline:PAS1F1B", 2, 1, 2),
 ], ids=["data", "tensor", "pipeline", "pipeline-one-sample"])
 def test_trains_exactly_under_every_plan_kind(policy, world, micro, nmicros):
     torch.manual_seed(0)
@@ -108,7 +108,7 @@ def test_on_a_gpu_the_compiled_kernels_train_as_the_plain_model(monkeypatch):
     monkeypatch.setenv("SINGLE_DEV_MODE", "1")
     batches = iter(lambda: (ids, labels), None)
 
-    @cube.compile(model.cuda(), batches, PAS="policies.single:PASSingle", use_cache=False)
+    @cube.compile(model.cuda(), batches, PAS="cube.policies.single:PASSingle", use_cache=False)
     def step(model, data):
         loss = model(*next(data))
         loss.backward()
@@ -126,7 +126,7 @@ def test_a_score_function_reading_the_batch_index_keeps_the_batch_whole_and_stay
     ops = [op for op in cube.trace_model(LM(by_sample, layers=1), _batch()).graph.ops if op.name == "flex_attention"]
     assert str(ops[0].anno).startswith("b^ h l^ e^"), ops[0].anno
     with flex.device_check_off():
-        errors = parity(LM(by_sample, layers=1), _batch(), "policies.megatron:PASMegatronTP", 2, steps=2, opt="sgd")
+        errors = parity(LM(by_sample, layers=1), _batch(), "cube.policies.megatron:PASMegatronTP", 2, steps=2, opt="sgd")
     assert_exact(errors)
 
 
@@ -158,9 +158,9 @@ def _documents(n=4):
 
 
 @pytest.mark.parametrize("policy,world,micro,nmicros", [
-    ("policies.data:PASData", 2, 4, 1),
-    ("policies.megatron:PASMegatronTP", 2, 4, 1),
-    ("policies.pipeline:PAS1F1B", 2, 2, 2),
+    ("cube.policies.data:PASData", 2, 4, 1),
+    ("cube.policies.megatron:PASMegatronTP", 2, 4, 1),
+    ("cube.policies.pipeline:PAS1F1B", 2, 2, 2),
 ], ids=["data", "tensor", "pipeline"])
 def test_a_document_mask_built_from_the_batch_is_made_per_piece_and_exact(policy, world, micro, nmicros):
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ import cube
 import cube.debug
 from cube.ir import IRFwOperation
 from cube.runtime import piece
-from policies.megatron import PASMegatronTP
+from cube.policies.megatron import PASMegatronTP
 from tests.inprocess import assert_exact, parity
 from tests.models import HFCausalLM
 from tests.parity import rel
@@ -149,7 +149,7 @@ def test_blocks_the_pass_takes_or_leaves(how, blocks):
     assert [r[0] for r in regions] == blocks
     torch.manual_seed(0)
     model = _Fused(how)
-    assert_exact(parity(model, (x, y), "policies.single:PASSingle", 1, steps=2))
+    assert_exact(parity(model, (x, y), "cube.policies.single:PASSingle", 1, steps=2))
     assert_exact(parity(model, (x, y), PASMegatronTP, 2, steps=2))
 
 
@@ -206,8 +206,8 @@ PLANS = {   # id: (model, policy, world, optimizer)
     "phi3_tp4": ("phi3", PASMegatronTP, 4, "sgd"),   # k and v: 2 heads over 4 ranks, gathered
     "gpt2_tp2_pp2": ("gpt2", "megatron3d", 4, "sgd"),
     "phi3_tp2_pp2": ("phi3", "megatron3d", 4, "sgd"),
-    "gpt2_data": ("gpt2", "policies.data:PASData", 2, "sgd"),
-    "gpt2_single": ("gpt2", "policies.single:PASSingle", 1, "sgd"),
+    "gpt2_data": ("gpt2", "cube.policies.data:PASData", 2, "sgd"),
+    "gpt2_single": ("gpt2", "cube.policies.single:PASSingle", 1, "sgd"),
 }
 
 
@@ -216,7 +216,7 @@ def test_plans_train_like_the_single_device_model(plan):
     name, policy, world, opt = PLANS[plan]
     nmicros = 1
     if policy == "megatron3d":
-        from policies.megatron3d import PASMegatron
+        from cube.policies.megatron3d import PASMegatron
         policy, nmicros = functools.partial(PASMegatron, tp=2, pp=2, nmicros=2), 2
     assert_exact(parity(MODELS[name](), sample(), policy, world, steps=2, nmicros=nmicros, opt=opt,
                         param_floor=1e-3))
@@ -237,7 +237,7 @@ def test_gpt2_adamw_with_sub_parameter_biases():
 def test_gpt2_zero3_data_parallel():
     def build(gen):
         return cube.build_optimizer(gen, torch.optim.SGD, lr=1e-2)
-    assert_exact(parity(gpt2(), sample(), "policies.data:PASData", 2, steps=2, opt="sgd", build=build,
+    assert_exact(parity(gpt2(), sample(), "cube.policies.data:PASData", 2, steps=2, opt="sgd", build=build,
                         zero=3, param_floor=1e-3))
 
 

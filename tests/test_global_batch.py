@@ -19,8 +19,8 @@ import torch.nn as nn
 
 import cube
 import cube.debug
-from policies.megatron3d import PASMegatron
-from policies.pipeline import PAS1F1B, PASGPipe
+from cube.policies.megatron3d import PASMegatron
+from cube.policies.pipeline import PAS1F1B, PASGPipe
 from tests.launch import parity_across_ranks
 from tests.models import build
 from tests.inprocess import eager_reference, optimizer
@@ -111,7 +111,7 @@ def test_megatron_pp2_dp2_counts_ignored_labels_on_the_whole_batch():
 # pp2-tp1-dp2) and with 2 in one process (test_megatron_pp2_dp2_counts_ignored_labels_on_the_whole_batch)
 @pytest.mark.slow
 def test_megatron_pp2_dp_tp_on_gloo_ranks(tmp_path):
-    results = parity_across_ranks("gpt_nobias", "policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
+    results = parity_across_ranks("gpt_nobias", "cube.policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
                                   nmicros=2, optimizer="adamw", env={"CUBE_TP": "1", "CUBE_PP": "2"})
     for r in results:
         assert r["loss_err"] <= RTOL and r["param_err"] <= RTOL, r

@@ -13,7 +13,7 @@ import torch
 
 from cube.compiler import generate_code
 from examples.mlp.linears import MLP
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("CUBE_UPDATE_GOLDEN") == "1"
@@ -59,9 +59,9 @@ def test_linears_replicated_two_ranks_match_golden():
 
 def test_linears_partitioned_plans_golden():
     """Data, Megatron, column and row plans of the linears example on 2 ranks (rank 1's code)."""
-    from policies.data import PASData
-    from policies.gallery import PASCol, PASRow
-    from policies.megatron import PASMegatronTP
+    from cube.policies.data import PASData
+    from cube.policies.gallery import PASCol, PASRow
+    from cube.policies.megatron import PASMegatronTP
     generated = {}
     for label, policy in (("data", PASData), ("megatron", PASMegatronTP), ("col", PASCol), ("row", PASRow)):
         torch.manual_seed(0)

@@ -21,8 +21,8 @@ RTOL = 1e-5
 NCCL_CASES = [
     # (policy, zero, precision, micro-batches); world size 1 under torchrun: NCCL (ZeRO needs two
     # ranks, which share the GPU over gloo below)
-    ("policies.data:PASData", 0, "", 1),
-    ("policies.data:PASData", 0, "bf16", 1),
+    ("cube.policies.data:PASData", 0, "", 1),
+    ("cube.policies.data:PASData", 0, "bf16", 1),
 ]
 
 
@@ -40,9 +40,9 @@ def test_nccl_world_size_one_equals_plain_model_on_the_gpu(policy, zero, precisi
 
 COMPILED_CASES = [
     # (policy, ranks, precision, env): cube.compile(backend="inductor") on the GPU, the plain model eager
-    ("policies.data:PASData", 1, "", {}),
-    ("policies.data:PASData", 1, "bf16", {}),
-    ("policies.megatron:PASMegatronTP", 2, "", {"CUBE_BACKEND": "gloo"}),
+    ("cube.policies.data:PASData", 1, "", {}),
+    ("cube.policies.data:PASData", 1, "bf16", {}),
+    ("cube.policies.megatron:PASMegatronTP", 2, "", {"CUBE_BACKEND": "gloo"}),
 ]
 
 
@@ -62,14 +62,14 @@ def test_inductor_compiled_plan_equals_plain_model_on_the_gpu(policy, nproc, pre
 
 SHARED_CASES = [
     # (model, policy, ranks, zero, micro-batches, env); gloo ranks sharing cuda:0
-    ("gpt_nobias", "policies.data:PASData", 2, 2, 1, {}),
-    ("gpt_nobias", "policies.data:PASData", 2, 3, 1, {}),
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 0, 1, {"CUBE_TP": "2"}),
-    ("gpt_nobias", "policies.megatron:PASMegatronTP", 2, 0, 1, {}),
+    ("gpt_nobias", "cube.policies.data:PASData", 2, 2, 1, {}),
+    ("gpt_nobias", "cube.policies.data:PASData", 2, 3, 1, {}),
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4, 0, 1, {"CUBE_TP": "2"}),
+    ("gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, 0, 1, {}),
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1B", 2, 0, 4, {}),
-    ("gpt_nobias", "policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),
-    ("gpt4_nobias", "policies.pipeline:PAS1F1BInterleaved", 2, 0, 4, {}),
-    ("gpt_deep", "policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),   # repeated trace
+    ("gpt_nobias", "cube.policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),
+    ("gpt4_nobias", "cube.policies.pipeline:PAS1F1BInterleaved", 2, 0, 4, {}),
+    ("gpt_deep", "cube.policies.megatron3d:PASMegatron", 4, 0, 4, {"CUBE_TP": "2", "CUBE_PP": "2"}),   # repeated trace
 ]
 
 
@@ -89,7 +89,7 @@ def test_gloo_ranks_sharing_the_gpu_equal_plain_model(model, policy, nproc, zero
 @pytest.mark.parametrize("precision", ["", "bf16"])
 def test_training_step_never_waits_for_the_gpu(precision, tmp_path):
     torchrun(ROOT / "tests" / "workers" / "sync_worker.py", 1,
-             ["policies.data:PASData", tmp_path, 0, precision], env=GPU)
+             ["cube.policies.data:PASData", tmp_path, 0, precision], env=GPU)
     r = json.loads((Path(tmp_path) / "rank0.json").read_text())
     assert r["device"] == "cuda:0", r
     assert r["error"] == "", r["error"]
@@ -99,5 +99,5 @@ def test_training_step_never_waits_for_the_gpu(precision, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() != 1, reason="needs exactly one visible GPU")
 def test_nccl_needs_a_gpu_per_rank(tmp_path):
     with pytest.raises(AssertionError, match="NCCL cannot put two ranks on one GPU"):
-        parity_across_ranks("gpt_nobias", "policies.data:PASData", 2, tmp_path, steps=1,
+        parity_across_ranks("gpt_nobias", "cube.policies.data:PASData", 2, tmp_path, steps=1,
                             env={**GPU, "CUBE_BACKEND": "nccl"})

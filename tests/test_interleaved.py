@@ -14,8 +14,8 @@ from cube import config
 from cube.compiler import generate_code
 from cube.runtime import p2p
 from cube.schedule import sched_1f1b_interleaved
-from policies import resolve
-from policies.pipeline import PAS1F1BInterleaved
+from cube.policies import resolve
+from cube.policies.pipeline import PAS1F1BInterleaved
 from tests.launch import parity_across_ranks
 from tests.models import build
 from tests.tiers import tiered
@@ -32,7 +32,7 @@ def _methods(source: str) -> dict:
 def test_each_device_runs_its_stages_as_methods_in_the_schedule_order():
     """2 devices x 2 stages of the 4-block GPT: device r holds stages r and r + 2, one block each;
     the tied embedding (stage 0) and LM head (stage 3) sum their gradient over both devices."""
-    assert resolve("PAS1F1BInterleaved") == "policies.pipeline:PAS1F1BInterleaved"
+    assert resolve("PAS1F1BInterleaved") == "cube.policies.pipeline:PAS1F1BInterleaved"
     model, sample = build("gpt4_nobias")
     src = generate_code(model, sample, PAS1F1BInterleaved, world_size=2)
     schedule = str(sched_1f1b_interleaved(None, 4, 2, 2)).splitlines()
@@ -103,7 +103,7 @@ def test_bad_interleaved_settings_are_clear_errors(monkeypatch):
 def test_stages_placed_off_their_pipeline_rank_are_a_clear_error():
     from cube import schedule
     from cube.ir import IRDataOperation
-    from policies.pipeline import balanced_starts
+    from cube.policies.pipeline import balanced_starts
 
     def PASMisplaced(graph, resource):   # stages 0, 1 on device 0 and 2, 3 on device 1
         stages = graph.staging(balanced_starts(graph, 4))
@@ -123,13 +123,13 @@ def test_stages_placed_off_their_pipeline_rank_are_a_clear_error():
 
 CASES = [
     # (model, policy, ranks, optimizer, environment)
-    ("gpt4_nobias", "policies.pipeline:PAS1F1BInterleaved", 2, "adamw", {}),
+    ("gpt4_nobias", "cube.policies.pipeline:PAS1F1BInterleaved", 2, "adamw", {}),
     # stages cut inside blocks: values stashed between a device's stages, blocks recomputed
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1BInterleaved", 2, "adamw", {"CUBE_RECOMPUTE": "all"}),
     # each stage data parallel over two devices
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1BInterleavedData", 4, "adamw", {}),
     # PASMegatron pp=2 x tp=2 with two stages per pipeline rank (exact under SGD, see test_parallel)
-    ("gpt4_nobias", "policies.megatron3d:PASMegatron", 4, "sgd", {"CUBE_TP": "2", "CUBE_PP": "2", "CUBE_VIRTUAL": "2"}),
+    ("gpt4_nobias", "cube.policies.megatron3d:PASMegatron", 4, "sgd", {"CUBE_TP": "2", "CUBE_PP": "2", "CUBE_VIRTUAL": "2"}),
 ]
 IDS = [f"{c[1].split(':')[1]}-{c[2]}" for c in CASES]
 # the slow tier (CUBE_SLOW=1): stages over two devices each, which PASMegatron-4 checks (tensor parallel

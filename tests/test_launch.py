@@ -35,7 +35,7 @@ def test_linears_single_dev_mode_and_torchrun_agree(one, tmp_path):
 # the default tier: the example's replicated plan under torchrun (above), replicas in the plan fuzzer
 @pytest.mark.slow
 def test_replicated_plan_on_two_ranks_equals_plain_model(tmp_path):
-    for r in parity_across_ranks("gpt", "policies.single:PASSingle", 2, tmp_path):
+    for r in parity_across_ranks("gpt", "cube.policies.single:PASSingle", 2, tmp_path):
         assert r["loss_err"] <= 1e-6, r
         assert r["param_err"] <= 1e-6, r
 

@@ -10,7 +10,7 @@ import torch
 from cube.ir import IRDataOperation, IRFwOperation
 from cube.ir.follow import batch_flow, place
 from cube.passes.exchange import exchange, subtract
-from policies.pipedream import PASPipeDream
+from cube.policies.pipedream import PASPipeDream
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 

@@ -271,7 +271,7 @@ def _tiny_gpt():
 def test_flops_per_token_counts_the_single_device_model_once(tmp_path):
     """2 pipeline stages: each rank holds part of the GPT (the tied embedding on both);
     every rank's Metrics counts all its parameters, the tied weight once."""
-    from policies.pipeline import PAS1F1B
+    from cube.policies.pipeline import PAS1F1B
     user, batch = _tiny_gpt()
     want = sum(p.numel() for p in user.parameters())   # parameters() lists the tied weight once
 

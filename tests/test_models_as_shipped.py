@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cube
-from policies.data import PASData
-from policies.pipeline import PAS1F1B
+from cube.policies.data import PASData
+from cube.policies.pipeline import PAS1F1B
 from tests import zoo
 from tests.inprocess import assert_exact, parity
 from tests.test_checkpoint_buffers import SEQ, VOCAB, RotaryLM

@@ -17,7 +17,7 @@ import transformers.integrations.moe  # noqa: F401  (registers transformers::gro
 
 import cube
 from cube.ir.follow import batch_flow
-from policies.pipeline import PAS1F1B
+from cube.policies.pipeline import PAS1F1B
 from tests.inprocess import parity
 
 V, S, D, E, K, FF = 32, 6, 8, 4, 2, 16

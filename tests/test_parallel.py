@@ -14,23 +14,23 @@ RTOL = 1e-5
 
 CASES = [
     # (model, policy, ranks)
-    ("mlp", "policies.data:PASData", 2),
-    ("mlp", "policies.megatron:PASMegatronTP", 2),
-    ("mlp", "policies.gallery:PASCol", 2),
-    ("mlp", "policies.gallery:PASRow", 4),
-    ("mlp", "policies.data:PASData", 4),
-    ("mlp", "policies.megatron:PASMegatronTP", 4),
-    ("mlp", "policies.hybrid:PASHybrid", 4),
-    ("gpt_nobias", "policies.data:PASData", 2),
-    ("gpt_nobias", "policies.megatron:PASMegatronTP", 2),
-    ("gpt_nobias", "policies.data:PASData", 4),
-    ("gpt_nobias", "policies.megatron:PASMegatronTP", 4),
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4),
-    ("hf_llama", "policies.data:PASData", 2),
-    ("hf_llama", "policies.megatron:PASMegatronTP", 2),
-    ("hf_llama", "policies.data:PASData", 4),
-    ("hf_llama", "policies.megatron:PASMegatronTP", 4),
-    ("hf_llama", "policies.hybrid:PASHybrid", 4),
+    ("mlp", "cube.policies.data:PASData", 2),
+    ("mlp", "cube.policies.megatron:PASMegatronTP", 2),
+    ("mlp", "cube.policies.gallery:PASCol", 2),
+    ("mlp", "cube.policies.gallery:PASRow", 4),
+    ("mlp", "cube.policies.data:PASData", 4),
+    ("mlp", "cube.policies.megatron:PASMegatronTP", 4),
+    ("mlp", "cube.policies.hybrid:PASHybrid", 4),
+    ("gpt_nobias", "cube.policies.data:PASData", 2),
+    ("gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2),
+    ("gpt_nobias", "cube.policies.data:PASData", 4),
+    ("gpt_nobias", "cube.policies.megatron:PASMegatronTP", 4),
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4),
+    ("hf_llama", "cube.policies.data:PASData", 2),
+    ("hf_llama", "cube.policies.megatron:PASMegatronTP", 2),
+    ("hf_llama", "cube.policies.data:PASData", 4),
+    ("hf_llama", "cube.policies.megatron:PASMegatronTP", 4),
+    ("hf_llama", "cube.policies.hybrid:PASHybrid", 4),
     # values crossing device groups (send/recv; no micro-batches yet), with the tied embedding
     # and LM head of the GPT in different groups
     ("mlp", "tests/extra_policies.py:PASTwoStages", 2),
@@ -40,7 +40,7 @@ CASES = [
     # a value changing its split dim between ops (all-to-all)
     ("mlp", "tests/extra_policies.py:PASSwap", 4),
     # context parallel: ring attention's point-to-point messages between processes
-    ("gpt_nobias", "policies.context:PASContext", 4),
+    ("gpt_nobias", "cube.policies.context:PASContext", 4),
 ]
 IDS = [f"{m}-{p.split(':')[1]}-{n}" for m, p, n in CASES]
 # the slow tier (CUBE_SLOW=1): each plan's checks are covered by a default-tier case
@@ -81,7 +81,7 @@ def test_data_parallel_losses_on_the_model_zoo(model, tmp_path):
     bias before softmax, a conv bias before BatchNorm), which AdamW moves by round-off."""
     if model.startswith("hf_"):
         pytest.importorskip("transformers")
-    for r in parity_across_ranks(model, "policies.data:PASData", 2, tmp_path):
+    for r in parity_across_ranks(model, "cube.policies.data:PASData", 2, tmp_path):
         assert r["loss_err"] <= RTOL, r
 
 
@@ -98,8 +98,8 @@ PIPELINES = [
     ("gpt_nobias", "PAS1F1BTensor", 4, "sgd"),
     ("hf_llama", "PAS1F1B", 2, "adamw"),
     # the shipped policies: stages balanced by op cost, 4 micro-batches (CUBE_MICROS)
-    ("gpt_nobias", "policies.pipeline:PAS1F1B", 4, "adamw"),
-    ("mlp", "policies.pipeline:PASGPipe", 2, "adamw"),
+    ("gpt_nobias", "cube.policies.pipeline:PAS1F1B", 4, "adamw"),
+    ("mlp", "cube.policies.pipeline:PASGPipe", 2, "adamw"),
 ]
 PIPELINE_IDS = [f"{m}-{p.split(':')[-1]}-{n}-{o}" for m, p, n, o in PIPELINES]
 PIPELINE_SLOW = {
@@ -107,7 +107,7 @@ PIPELINE_SLOW = {
     "gpt_nobias-PAS1F1B-4-adamw0", "gpt_nobias-PASGPipe-4-adamw",
     # the same launch is tests/test_debug.py's multi-process run, which checks the same
     "gpt_nobias-PAS1F1BData-4-adamw",
-    # pp2 x tp2: policies.megatron3d:PASMegatron in tests/test_pipeline_policies.py and
+    # pp2 x tp2: cube.policies.megatron3d:PASMegatron in tests/test_pipeline_policies.py and
     # tests/test_trace_repeat.py
     "gpt_nobias-PAS1F1BTensor-4-sgd",
 }

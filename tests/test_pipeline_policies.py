@@ -11,8 +11,8 @@ import re
 import pytest
 
 from cube.compiler import generate_code
-from policies import resolve
-from policies.megatron3d import PASMegatron, degrees
+from cube.policies import resolve
+from cube.policies.megatron3d import PASMegatron, degrees
 from tests.launch import parity_across_ranks
 from tests.models import build
 from tests.tiers import tiered
@@ -21,7 +21,7 @@ RTOL = 1e-5
 
 
 def test_megatron_is_shipped():
-    assert resolve("PASMegatron") == "policies.megatron3d:PASMegatron"
+    assert resolve("PASMegatron") == "cube.policies.megatron3d:PASMegatron"
 
 
 def test_three_dimensional_plan_on_eight_ranks():
@@ -77,7 +77,7 @@ SLOW = {"pp1-tp2-dp2"}
 @pytest.mark.multirank
 @pytest.mark.parametrize("name,tp,pp,optimizer", tiered(CASES, [c[0] for c in CASES], SLOW))
 def test_megatron_equals_the_step_on_the_global_batch(name, tp, pp, optimizer, tmp_path):
-    results = parity_across_ranks("gpt_nobias", "policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
+    results = parity_across_ranks("gpt_nobias", "cube.policies.megatron3d:PASMegatron", 4, tmp_path, steps=3,
                                   nmicros=4, optimizer=optimizer,
                                   env={"CUBE_TP": tp, "CUBE_PP": pp, "CUBE_MICROS": "4"})
     for r in results:

@@ -16,9 +16,9 @@ TOL = 1e-3
 
 CASES = [
     # (model, policy, ranks, precision, zero, micro-batches)
-    ("gpt_nobias", "policies.megatron:PASMegatronTP", 2, "bf16", 0, 1),
+    ("gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, "bf16", 0, 1),
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1B", 2, "fp16", 0, 4),
-    ("gpt_nobias", "policies.data:PASData", 2, "fp16", 2, 1),
+    ("gpt_nobias", "cube.policies.data:PASData", 2, "fp16", 2, 1),
 ]
 
 
@@ -37,7 +37,7 @@ def _fp16_model(tmp_path):
     from tests.models import build
     from tests.parity import compile_step
     model, sample = build("mlp")
-    step = compile_step(model, iter([sample, sample]), "policies.single:PASSingle", tmp_path, precision="fp16")
+    step = compile_step(model, iter([sample, sample]), "cube.policies.single:PASSingle", tmp_path, precision="fp16")
     return step, cube.load_model(), sample
 
 
@@ -79,4 +79,4 @@ def test_loss_scale_grows_after_clean_steps():
 
 def test_bad_precision_is_a_clear_error():
     with pytest.raises(ValueError, match="precision must be None, 'bf16' or 'fp16'"):
-        cube.compile(torch.nn.Linear(2, 2), iter([]), PAS="policies.single:PASSingle", precision="fp8")
+        cube.compile(torch.nn.Linear(2, 2), iter([]), PAS="cube.policies.single:PASSingle", precision="fp8")

@@ -13,7 +13,7 @@ def _profile(tmp_path, monkeypatch, which):
     monkeypatch.setenv("CUBE_PROFILE_DIR", str(tmp_path / "traces"))
     monkeypatch.setenv("CUBE_PROFILE_STEPS", "1")
     model, sample = build("mlp")
-    step = compile_step(model, iter([sample] * 3), "policies.single:PASSingle", tmp_path / "cache")
+    step = compile_step(model, iter([sample] * 3), "cube.policies.single:PASSingle", tmp_path / "cache")
     gen = cube.load_model()
     assert "runtime.profile.region('layers.0 " in step.source   # regions named after the model
     for _ in range(3):

@@ -18,9 +18,9 @@ from cube.compiler import generate_code
 from cube.ir import IRDataOperation, IRFwOperation
 from cube.ir.blocks import block_of, blocks, recompute_blocks
 from cube.trace import build_graph, export
-from policies.data import PASData
-from policies.pipeline import PAS1F1B
-from policies.single import PASSingle
+from cube.policies.data import PASData
+from cube.policies.pipeline import PAS1F1B
+from cube.policies.single import PASSingle
 from tests.launch import parity_across_ranks
 from tests.models import build
 from tests.parity import compile_step
@@ -81,7 +81,7 @@ def test_codegen_checkpoints_each_marked_block():
 
 def test_collectives_inside_a_run_are_rerun_whole():
     """Tensor parallel blocks hold all-reduces: checkpoint's early stop is off for them."""
-    from policies.megatron import PASMegatronTP
+    from cube.policies.megatron import PASMegatronTP
     model, sample = build("gpt_nobias")
     src = generate_code(model, sample, _with_recompute(PASMegatronTP), world_size=2)[0]
     body = _methods(src)["_recompute_0"]
@@ -92,7 +92,7 @@ def test_collectives_inside_a_run_are_rerun_whole():
 def test_pipeline_transfers_stay_outside_runs(monkeypatch):
     """The stage cut falls inside block 1: its sends and receives move to the edge of the run,
     so each stage checkpoints its part of the block once and never re-runs a transfer."""
-    import policies.pipeline as pipeline   # balanced stages cut between blocks: cut inside one by hand
+    import cube.policies.pipeline as pipeline   # balanced stages cut between blocks: cut inside one by hand
     monkeypatch.setattr(pipeline, "balanced_starts", lambda graph, n, cost=None: [
         graph.select(ntype=IRFwOperation)[0],
         next(op for op in graph.select(name="layer_norm") if op.module_path == "layers.1.ln_2")])
@@ -187,9 +187,9 @@ def test_recompute_keeps_loss_and_gradients_and_saves_less(tmp_path):
 
 RANKS = [
     # (policy, ranks, micro-batches): CUBE_RECOMPUTE=all on the shipped policies
-    ("policies.data:PASData", 2, 1),
-    ("policies.megatron:PASMegatronTP", 2, 1),   # all-reduces inside the runs, re-run in backward
-    ("policies.pipeline:PAS1F1B", 2, 4),          # sends/recvs at the edges of the runs
+    ("cube.policies.data:PASData", 2, 1),
+    ("cube.policies.megatron:PASMegatronTP", 2, 1),   # all-reduces inside the runs, re-run in backward
+    ("cube.policies.pipeline:PAS1F1B", 2, 4),          # sends/recvs at the edges of the runs
 ]
 
 

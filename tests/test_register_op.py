@@ -5,7 +5,7 @@ import torch.nn as nn
 import cube
 from cube.compiler import generate_code
 from cube.trace import build_graph, export
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 from tests.parity import check_parity
 
 

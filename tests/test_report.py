@@ -26,7 +26,7 @@ def test_report_of_a_pipeline_with_tensor_parallel_stages(tmp_path):
 
 def test_report_of_data_parallel_lists_gradient_sums(tmp_path):
     model, sample = build("mlp")
-    cube.explain(model, sample, "policies.data:PASData", 2, tmp_path, zero=3)
+    cube.explain(model, sample, "cube.policies.data:PASData", 2, tmp_path, zero=3)
     text = (tmp_path / "plan.txt").read_text()
     assert "ZeRO-3" in text.splitlines()[0]
     assert "gradients summed after backward (reducer):" in text and "over (0, 1)" in text
@@ -39,8 +39,8 @@ def test_compile_logs_phases_cache_and_plan_summary_once(tmp_path, caplog):
     from tests.parity import compile_step
     model, sample = build("mlp")
     with caplog.at_level(logging.INFO, logger="cube"):
-        compile_step(model, iter([sample]), "policies.single:PASSingle", tmp_path)
-        compile_step(model, iter([sample]), "policies.single:PASSingle", tmp_path)
+        compile_step(model, iter([sample]), "cube.policies.single:PASSingle", tmp_path)
+        compile_step(model, iter([sample]), "cube.policies.single:PASSingle", tmp_path)
     lines = [r.getMessage() for r in caplog.records if r.name == "cube"]
     assert sum("compiled plan" in m and "trace" in m and "codegen" in m for m in lines) == 1, lines
     assert sum("reused plan" in m for m in lines) == 1, lines
@@ -50,6 +50,6 @@ def test_compile_logs_phases_cache_and_plan_summary_once(tmp_path, caplog):
 def test_quiet_by_default(tmp_path, capsys):
     from tests.parity import compile_step
     model, sample = build("mlp")
-    compile_step(model, iter([sample]), "policies.single:PASSingle", tmp_path)
+    compile_step(model, iter([sample]), "cube.policies.single:PASSingle", tmp_path)
     captured = capsys.readouterr()
     assert "cube:" not in captured.out and "cube:" not in captured.err

@@ -25,7 +25,7 @@ import cube
 import cube.debug
 from cube.ir import ring as geometry
 from cube.runtime import ring
-from policies.context import PASContext
+from cube.policies.context import PASContext
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 from tests.parity import rel
@@ -294,7 +294,7 @@ def test_simulator_predicts_a_context_parallel_plan():
 def test_megatron_with_context_parallel_trains_like_eager(kw, ngpus):
     """``PASMegatron(cp=...)``: the sequence split over cp inside each pipeline stage (beside tp),
     attention as the ring on every stage, stages handing sequence pieces to each other."""
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = build("gpt_nobias")
     policy = functools.partial(PASMegatron, nmicros=2, **kw)
     plan = cube.plan(model, sample, policy, ngpus)
@@ -303,7 +303,7 @@ def test_megatron_with_context_parallel_trains_like_eager(kw, ngpus):
 
 
 def test_megatron_context_parallel_bad_degrees_are_a_clear_error():
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = build("gpt_nobias")
     with pytest.raises(ValueError, match=r"PASMegatron: cp=3 must divide the data parallel degree dp=4"):
         cube.plan(model, sample, functools.partial(PASMegatron, tp=1, pp=1, cp=3), 4)

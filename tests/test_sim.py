@@ -17,7 +17,7 @@ from cube.sim import engine, search
 from cube.sim.program import ACCUMULATE, Ins, Program
 from cube.sim.simulate import build_programs
 from examples.gpt.model import GPT, GPTConfig
-from policies.auto import plan
+from cube.policies.auto import plan
 
 F, B = 1.0, 2.0   # seconds of each linear's forward and backward
 
@@ -126,7 +126,7 @@ def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute)
 
 
     def policy(graph, resource):
-        from policies.single import PASSingle
+        from cube.policies.single import PASSingle
         graph = PASSingle(graph, resource, recompute=False)
         if recompute:   # the block's body, norm to the second linear, run again in backward
             body = ("layer_norm", "linear", "relu")
@@ -469,7 +469,7 @@ def test_search_ranks_plans_and_emits_a_policy_that_compiles(tmp_path, monkeypat
     path = search.write_plan(best, str(tmp_path / "plan.json"))
     monkeypatch.setenv("CUBE_AUTO_PLAN", path)
     micro = tuple(t[:best.config["micro_batch"]] for t in batch)
-    sources = generate_code(model, micro, "policies.auto:PASAuto", world_size=2,
+    sources = generate_code(model, micro, "cube.policies.auto:PASAuto", world_size=2,
                             zero=3 if best.config["zero"] == 3 else 0)
     assert set(sources) == {0, 1} and all("class GenModel" in s for s in sources.values())
     # every kind of plan the search proposes compiles
@@ -477,18 +477,18 @@ def test_search_ranks_plans_and_emits_a_policy_that_compiles(tmp_path, monkeypat
         if c.result is not None and c.config["pp"] > 1:
             monkeypatch.setenv("CUBE_AUTO_PLAN", search.write_plan(c, str(tmp_path / "pipe.json")))
             micro = tuple(t[:c.config["micro_batch"]] for t in batch)
-            assert "runtime.pipeline.run" in generate_code(model, micro, "policies.auto:PASAuto", world_size=2)[0]
+            assert "runtime.pipeline.run" in generate_code(model, micro, "cube.policies.auto:PASAuto", world_size=2)[0]
             break
 
 
 def test_auto_policy_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("CUBE_AUTO_PLAN", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="run `python -m cube.sim"):
-        generate_code(TwoLinears(), torch.randn(8, 8), "policies.auto:PASAuto", world_size=2)
+        generate_code(TwoLinears(), torch.randn(8, 8), "cube.policies.auto:PASAuto", world_size=2)
     (tmp_path / "p.json").write_text(json.dumps({"dp": 4, "tp": 1, "pp": 1}))
     monkeypatch.setenv("CUBE_AUTO_PLAN", str(tmp_path / "p.json"))
     with pytest.raises(ValueError, match="launch 4 processes or search again"):
-        generate_code(TwoLinears(), torch.randn(8, 8), "policies.auto:PASAuto", world_size=2)
+        generate_code(TwoLinears(), torch.randn(8, 8), "cube.policies.auto:PASAuto", world_size=2)
 
 
 SPEC = '''
@@ -519,7 +519,7 @@ def test_command_line_simulates_a_policy_and_searches(tmp_path, capsys, monkeypa
     assert "predicted step time" in out and (tmp_path / "t.json").exists()
     assert main([f"{spec}:build", *common, "--search", "--mem-cap", "1", "--top", "5"]) == 0
     out = capsys.readouterr().out
-    assert "best:" in out and "policies.auto:PASAuto" in out
+    assert "best:" in out and "cube.policies.auto:PASAuto" in out
     cfg = json.loads((tmp_path / "cube_auto_plan.json").read_text())
     assert cfg["dp"] * cfg["tp"] * cfg["pp"] == 2 and cfg["predicted_step_ms"] > 0
     with pytest.raises(ValueError, match=r"defines no function nope\(\)"):
@@ -534,7 +534,7 @@ def test_command_line_simulates_a_policy_and_searches(tmp_path, capsys, monkeypa
 
 def test_auto_plan_is_part_of_the_code_cache_key(tmp_path, monkeypatch):
     from cube.policy import policy_source
-    from policies.auto import PASAuto
+    from cube.policies.auto import PASAuto
     path = tmp_path / "plan.json"
     monkeypatch.setenv("CUBE_AUTO_PLAN", str(path))
     sources = []
@@ -589,7 +589,7 @@ def test_sampler_sees_a_busy_program_during_its_span():
                                      "examples/text/train.py", "examples/onnx/train.py",
                                      "examples/spatial/train.py"])
 def test_the_readme_simulator_command_runs_on_every_example(example):
-    """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as the README shows."""
+    """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as docs/simulator.md shows."""
     import subprocess
     import sys
     from tests.launch import ROOT

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from policies.single import PASSingle
+from cube.policies.single import PASSingle
 from tests.models import MODELS, build
 from tests.parity import check_parity
 

@@ -8,7 +8,7 @@ import torch
 
 import cube
 from cube.codegen.report import step_bytes
-from policies.megatron3d import PASMegatron
+from cube.policies.megatron3d import PASMegatron
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import cube
 import cube.debug
 from examples.spatial.model import Stencil, UNet
-from policies.spatial import PASSpatial
+from cube.policies.spatial import PASSpatial
 from tests.inprocess import assert_exact, parity
 from tests.parity import global_batches, rel
 
@@ -128,7 +128,7 @@ def _trained_buffers(model, sample, policy, world, steps=2):
 
 
 @pytest.mark.parametrize("policy,world", [(functools.partial(PASSpatial, dims="HW"), 4),
-                                          ("policies.data:PASData", 2)], ids=["spatial-2x2", "batch-2"])
+                                          ("cube.policies.data:PASData", 2)], ids=["spatial-2x2", "batch-2"])
 def test_batch_norm_running_stats_equal_single_device(policy, world):
     torch.manual_seed(0)
     model, sample = CASES["cnn"]()
@@ -387,7 +387,7 @@ def _batch_by_h(graph, resource):
 
 
 @pytest.mark.parametrize("policy,world", [(functools.partial(PASSpatial, dims="HW"), 4),
-                                          ("policies.data:PASData", 2), (_batch_by_h, 4)],
+                                          ("cube.policies.data:PASData", 2), (_batch_by_h, 4)],
                          ids=["spatial-2x2", "batch-2", "batch-2-x-H-2"])
 def test_instance_norm_running_stats_equal_single_device(policy, world):
     """Instance norm's running statistics average over the whole batch: split along the batch

@@ -15,7 +15,7 @@ import torch
 
 from cube.runtime import p2p
 from cube.schedule import sched_dualpipev, sched_zbv, validate
-from policies.pipeline import PAS1F1BInterleaved, PASDualPipeV, PASZBH1, PASZBV
+from cube.policies.pipeline import PAS1F1BInterleaved, PASDualPipeV, PASZBH1, PASZBV
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 from tests.tiers import tiered
@@ -91,7 +91,7 @@ def test_schedule_trains_like_eager_in_strict_order(strict, name, policy, world,
 def test_megatron_dualpipev_with_tensor_parallel_in_strict_order(strict):
     """tp2 inside each of the V's stages, pp2: the tensor-parallel collectives and the pipeline's
     ordered channels on the same ranks."""
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = build("gpt4_nobias")
     plan = functools.partial(PASMegatron, tp=2, pp=2, nmicros=4, schedule_name="dualpipev")
     assert_exact(parity(model, sample, plan, 4, steps=2, nmicros=4, opt="sgd"))
@@ -135,7 +135,7 @@ def test_nccl_runs_every_schedule_on_ordered_channels(monkeypatch):
 def test_the_simulator_runs_dualpipev():
     from cube.sim import CommModel, FixedCosts
     from cube.sim.api import simulate_policy
-    from policies.pipeline import PAS1F1B
+    from cube.policies.pipeline import PAS1F1B
     model, sample = build("gpt4_nobias")
     batch = tuple(torch.cat([t] * 8) for t in sample)
     costs = FixedCosts(fw=0.0, bw=0.0, by_name={"linear": (1.0, 2.0)})

@@ -120,7 +120,7 @@ def test_row_wise_chain_runs_on_unmerged_dims_and_keeps_every_split():
 def test_row_wise_chain_trains_exactly(policy, world, nmicros):
     import functools
 
-    from policies.pipeline import PAS1F1B
+    from cube.policies.pipeline import PAS1F1B
     plan = functools.partial(PAS1F1B, nmicros=nmicros) if policy == "PAS1F1B" else policy
     assert_exact(parity(Rows(), _rows_batch(4 // nmicros), plan, world, steps=2, nmicros=nmicros))
 

@@ -62,7 +62,7 @@ def test_training_through_a_repeated_trace_equals_the_plain_model(tmp_path):
     model, sample = _gpt_deep()
     gen = torch.Generator().manual_seed(1)
     batches = [tuple(torch.randint(0, 128, t.shape, generator=gen) for t in sample) for _ in range(3)]
-    check_parity(model, batches, 3, "policies.single:PASSingle", tmp_path, rtol=1e-5)
+    check_parity(model, batches, 3, "cube.policies.single:PASSingle", tmp_path, rtol=1e-5)
 
 
 @pytest.mark.multirank
@@ -70,7 +70,7 @@ def test_repeated_trace_under_tensor_and_pipeline_parallelism(tmp_path):
     # SGD: with AdamW this 9-block model under pp2 x tp2 drifts by 1.3e-4 in the worst parameter,
     # the same with the whole export (CUBE_TRACE_REPEAT=0): AdamW's sign-like updates of near-zero
     # gradients amplify round-off from the split sums; SGD agrees to 2e-8
-    results = parity_across_ranks("gpt_deep", "policies.megatron3d:PASMegatron", 4, tmp_path, steps=3, nmicros=4,
+    results = parity_across_ranks("gpt_deep", "cube.policies.megatron3d:PASMegatron", 4, tmp_path, steps=3, nmicros=4,
                                   optimizer="sgd", env={"CUBE_TP": "2", "CUBE_PP": "2"})
     for r in results:
         assert r["loss_err"] <= 1e-5, r

@@ -66,11 +66,11 @@ def test_two_compiles_interleaved_step_by_step_each_equal_eager(tmp_path):
 
     def rank() -> Dict[str, List[Dict[str, float]]]:
         mlp_data, gpt_data = iter(mlp_batches), iter(gpt_batches)
-        mlp_step = cube.compile(copy.deepcopy(mlp), mlp_data, PAS="policies.data:PASData", cache_dir=tmp_path,
+        mlp_step = cube.compile(copy.deepcopy(mlp), mlp_data, PAS="cube.policies.data:PASData", cache_dir=tmp_path,
                                 zero=1)(_step)
         mlp_model = cube.load_model()
         mlp_opt = cube.build_optimizer(mlp_model, torch.optim.AdamW, lr=1e-3)   # ZeRO-1, from the plan
-        gpt_step = cube.compile(copy.deepcopy(gpt), gpt_data, PAS="policies.pipeline:PAS1F1B", cache_dir=tmp_path,
+        gpt_step = cube.compile(copy.deepcopy(gpt), gpt_data, PAS="cube.policies.pipeline:PAS1F1B", cache_dir=tmp_path,
                                 options={"nmicros": nmicros})(_step)
         gpt_model = cube.load_model()   # the latest compile's
         if type(cube.load_model(mlp_step)) is not type(mlp_model):

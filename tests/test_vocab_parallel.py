@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import cube
 import cube.debug
 from cube.runtime import vocab
-from policies.megatron3d import PASMegatron
+from cube.policies.megatron3d import PASMegatron
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 from tests.parity import global_batches, rel

@@ -17,14 +17,14 @@ RTOL = 1e-5
 
 CASES = [
     # (model, policy, ranks, zero, clip, environment, micro-batches)
-    ("mlp", "policies.data:PASData", 2, 1, 0.0, {}, 1),
-    ("mlp", "policies.data:PASData", 2, 2, 0.0, {}, 1),
-    ("mlp", "policies.data:PASData", 2, 3, 0.05, {}, 1),
-    ("gpt_nobias", "policies.data:PASData", 2, 2, 0.05, {}, 1),
-    ("gpt_nobias", "policies.data:PASData", 2, 3, 0.0, {"CUBE_RECOMPUTE": "all"}, 1),
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 1, 0.05, {"CUBE_TP": "2"}, 1),
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 2, 0.0, {"CUBE_TP": "2"}, 1),
-    ("gpt_nobias", "policies.hybrid:PASHybrid", 4, 3, 0.0, {"CUBE_TP": "2"}, 1),
+    ("mlp", "cube.policies.data:PASData", 2, 1, 0.0, {}, 1),
+    ("mlp", "cube.policies.data:PASData", 2, 2, 0.0, {}, 1),
+    ("mlp", "cube.policies.data:PASData", 2, 3, 0.05, {}, 1),
+    ("gpt_nobias", "cube.policies.data:PASData", 2, 2, 0.05, {}, 1),
+    ("gpt_nobias", "cube.policies.data:PASData", 2, 3, 0.0, {"CUBE_RECOMPUTE": "all"}, 1),
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4, 1, 0.05, {"CUBE_TP": "2"}, 1),
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4, 2, 0.0, {"CUBE_TP": "2"}, 1),
+    ("gpt_nobias", "cube.policies.hybrid:PASHybrid", 4, 3, 0.0, {"CUBE_TP": "2"}, 1),
     ("gpt_nobias", "tests/extra_policies.py:PAS1F1BData", 4, 2, 0.05, {}, 4),
 ]
 IDS = [f"{m}-{p.split(':')[1]}-{n}-zero{z}{'-clip' if c else ''}{'-recompute' if 'CUBE_RECOMPUTE' in e else ''}"
@@ -71,7 +71,7 @@ def _single_model(tmp_path, zero=0):
     from tests.models import build
     from tests.parity import compile_step
     model, sample = build("mlp")
-    compile_step(model, iter([sample]), "policies.single:PASSingle", tmp_path, zero=zero)
+    compile_step(model, iter([sample]), "cube.policies.single:PASSingle", tmp_path, zero=zero)
     return cube.load_model()
 
 
@@ -116,7 +116,7 @@ def _data_parallel(zero: int, steps: int, build_zero=None):
         stages[cube.debug.rank()] = getattr(opt, "stage", 0)
         return opt
     model, sample = build("mlp")
-    errors = parity(model, sample, "policies.data:PASData", 2, steps=steps, opt="adamw", build=build_opt, zero=zero)
+    errors = parity(model, sample, "cube.policies.data:PASData", 2, steps=steps, opt="adamw", build=build_opt, zero=zero)
     return [(stages[r], loss_err, param_err) for r, (loss_err, param_err) in enumerate(errors)]
 
 
@@ -151,7 +151,7 @@ def test_bad_zero_arguments(tmp_path):
     with pytest.raises(TypeError, match="torch.optim.Optimizer class"):
         cube.build_optimizer(model, "adamw", zero=0)
     with pytest.raises(ValueError, match="zero must be 0, 1, 2 or 3"):
-        cube.compile(model, iter([]), PAS="policies.single:PASSingle", zero=5)
+        cube.compile(model, iter([]), PAS="cube.policies.single:PASSingle", zero=5)
 
 
 def test_zero3_plan_gathers_before_first_use():
@@ -160,10 +160,10 @@ def test_zero3_plan_gathers_before_first_use():
     from cube.compiler import generate_code
     from tests.models import build
     model, sample = build("mlp")
-    src = generate_code(model, sample, "policies.data:PASData", 2, zero=3)[0]
+    src = generate_code(model, sample, "cube.policies.data:PASData", 2, zero=3)[0]
     assert "    ZERO = 3" in src
     assert src.index("self.zero_begin()") < src.index("self.zero_wait(self.layers_0_weight, self.layers_0_bias)")
     for name in ("layers_0_weight", "layers_3_bias"):
         waits = [line for line in src.splitlines() if "zero_wait" in line and f"self.{name}" in line]
         assert len(waits) == 1, waits
-    assert "zero_wait" not in generate_code(model, sample, "policies.data:PASData", 2)[0]
+    assert "zero_wait" not in generate_code(model, sample, "cube.policies.data:PASData", 2)[0]

@@ -10,7 +10,7 @@ import torch
 
 from cube.schedule import Schedule, custom, sched_1f1b, sched_zb_h1, sched_zbv, validate
 from cube.schedule.schedules import Action
-from policies.pipeline import PASZBH1, PASZBV
+from cube.policies.pipeline import PASZBH1, PASZBV
 from tests.inprocess import assert_exact, parity
 from tests.models import build
 
@@ -84,7 +84,7 @@ def test_generated_code_defers_the_weight_gradients_of_linear_layers_only():
     assert "aten.layer_norm.default(" in src[1]   # other parameters' gradients stay in B
     # nobody waits for the first stage's input gradients: its backward stays whole
     assert "runtime.zb" not in src[0] and "aten.linear.default(" in src[0]
-    plain = generate_code(model, batch, "policies.pipeline:PAS1F1B", world_size=2)
+    plain = generate_code(model, batch, "cube.policies.pipeline:PAS1F1B", world_size=2)
     assert not any("runtime.zb" in s for s in plain.values())
 
 
@@ -156,7 +156,7 @@ def test_zero_bubble_trains_like_eager(policy, world, nmicros, opt, recompute):
 def test_zero_bubble_under_bf16_autocast_matches_1f1b():
     """Under autocast the deferred weight gradient is computed in the forward's dtype, as autograd
     does: ZB-H1 and 1F1B train the same bf16 model to the same parameters."""
-    from policies.pipeline import PAS1F1B
+    from cube.policies.pipeline import PAS1F1B
     model, sample = build("gpt4_nobias")
     a = parity(model, sample, functools.partial(PASZBH1, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
     b = parity(model, sample, functools.partial(PAS1F1B, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
@@ -169,7 +169,7 @@ def test_the_simulator_runs_w_actions_in_the_bubble():
     shorter steps than 1F1B on the same stages, as their W fill the drain."""
     from cube.sim import CommModel, FixedCosts
     from cube.sim.api import simulate_policy
-    from policies.pipeline import PAS1F1B
+    from cube.policies.pipeline import PAS1F1B
     model, sample = build("gpt4_nobias")
     batch = tuple(torch.cat([t] * 8) for t in sample)
     costs = FixedCosts(fw=0.0, bw=0.0, by_name={"linear": (1.0, 2.0)})
@@ -189,7 +189,7 @@ def test_the_simulator_runs_w_actions_in_the_bubble():
 def test_zbv_stages_placed_round_robin_are_a_clear_error():
     from cube import schedule
     from cube.compiler import generate_code
-    from policies.pipeline import _pipeline
+    from cube.policies.pipeline import _pipeline
 
     def round_robin(graph, resource):   # interleaved placement (stage k on device k % 2) under ZB-V
         return _pipeline(graph, resource, lambda g, m: schedule.sched_zbv(g, m, 4), None, 4, False, nvirtual=2)
@@ -207,7 +207,7 @@ MEGATRON = [("zb-h1", "sgd"), ("zbv", "sgd")]
 @pytest.mark.parametrize("name,opt", MEGATRON, ids=[c[0] for c in MEGATRON])
 def test_megatron_pp2_tp2_with_zero_bubble_trains_like_eager(name, opt):
     """Tensor parallel inside the stages: the column and row pieces' weight gradients wait for W too."""
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = build("gpt4_nobias")
     plan = functools.partial(PASMegatron, tp=2, pp=2, nmicros=4, schedule_name=name)
     assert_exact(parity(model, sample, plan, 4, steps=2, nmicros=4, opt=opt))
@@ -215,7 +215,7 @@ def test_megatron_pp2_tp2_with_zero_bubble_trains_like_eager(name, opt):
 
 def test_megatron_refuses_a_zero_bubble_schedule_with_other_virtual_stages():
     from cube.compiler import generate_code
-    from policies.megatron3d import PASMegatron
+    from cube.policies.megatron3d import PASMegatron
     model, sample = build("gpt4_nobias")
     batch = tuple(torch.cat([t] * 4) for t in sample)
     with pytest.raises(ValueError, match="schedule_name='zbv' runs 2 stage.*nvirtual=3"):

@@ -15,7 +15,7 @@ import torch
 import cube
 import cube.debug
 from cube.runtime import piece
-from policies.megatron3d import PASMegatron
+from cube.policies.megatron3d import PASMegatron
 from tests import zoo
 from tests.workers.bigmodel_worker import single_device
 

@@ -295,12 +295,12 @@ class Plan:
 
 
 PLANS: Dict[str, Plan] = {
-    "single": Plan("policies.single:PASSingle", 1),
-    "data": Plan("policies.data:PASData", 2),
-    "tensor": Plan("policies.megatron:PASMegatronTP", 2),
-    "pipeline": Plan("policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=2),
-    "pipeline_1": Plan("policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=1),
-    "3d": Plan("policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 2), ("nmicros", 2)), nmicros=2, micro=2),
+    "single": Plan("cube.policies.single:PASSingle", 1),
+    "data": Plan("cube.policies.data:PASData", 2),
+    "tensor": Plan("cube.policies.megatron:PASMegatronTP", 2),
+    "pipeline": Plan("cube.policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=2),
+    "pipeline_1": Plan("cube.policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=1),
+    "3d": Plan("cube.policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 2), ("nmicros", 2)), nmicros=2, micro=2),
 }
 
 _BN = "batch norm's statistics over a micro-batch are not the global batch's"
@@ -369,7 +369,7 @@ def tp_shares(name: str, tp: int) -> Dict[str, float]:
     import math
 
     import cube
-    from policies.megatron import PASMegatronTP
+    from cube.policies.megatron import PASMegatronTP
     model, batch = build(name)
     held: Dict[str, int] = {}
     for t, box in cube.plan(model, batch, PASMegatronTP, tp, ranks=[0]).program[0].plan.attrs:

@@ -2,7 +2,7 @@
 writes the trained weights back into the original graph.
 
 The package needs ``onnx`` only when used (``pip install 'cube-compiler[onnx]'``); ``import cube``
-never imports it. Operators: ``python -m cube.onnx ops`` (the table in the README).
+never imports it. Operators: ``python -m cube.onnx ops`` (the table in docs/onnx.md).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def supported_ops():
 
 
 def ops_table() -> str:
-    """The markdown table of ``supported_ops()`` (the README's)."""
+    """The markdown table of ``supported_ops()`` (docs/onnx.md's)."""
     lines = ["| ONNX operator | versions (opsets 13-21) | notes |", "|---|---|---|"]
     for name, versions, note in supported_ops():
         lines.append(f"| {name} | {', '.join(map(str, versions))} | {note} |")

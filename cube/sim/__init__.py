@@ -9,7 +9,7 @@
   plans codegen would print, with schedules, gradient buckets, ZeRO and
   recompute: step time, peak memory per rank, a Chrome trace.
 - ``search`` (``cube.sim.search``): data x tensor x pipeline plans, micro-batches,
-  recompute and ZeRO, ranked; the best becomes ``policies.auto.PASAuto``.
+  recompute and ZeRO, ranked; the best becomes ``cube.policies.auto.PASAuto``.
 - ``cluster_search`` (``cube.sim.cluster_search``): ``PASMegatron`` plans on a
   hardware profile's cluster (thousands of devices, simulated symmetrically)
   under the device's memory, found by a budgeted climb.

@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     search.write_plan(best, args.out)
     zero = best.config.get("zero", 0)
     print(f"\nbest: {best.name}: {best.step_time * 1e3:.2f} ms, {best.peak / 2**20:.1f} MiB; plan written to "
-          f"{args.out}\nuse it: CUBE_AUTO_PLAN={args.out} with PAS='policies.auto:PASAuto'"
+          f"{args.out}\nuse it: CUBE_AUTO_PLAN={args.out} with PAS='cube.policies.auto:PASAuto'"
           + (", cube.compile(..., zero=3)" if zero == 3 else "")
           + (f", cube.build_optimizer(model, torch.optim.AdamW, zero={zero})" if zero else "")
           + (f"; the dataloader yields the global batch, which each step cuts into "

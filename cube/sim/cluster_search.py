@@ -336,13 +336,15 @@ def _layers(model, sample, structure, precision, traces: dict) -> int:
 
 def table(ranked: List[Tried], world: int, top: Optional[int] = None) -> str:
     """The ranked plans as a text table (TFLOP/s per device: the model's FLOPs, forward x 3)."""
-    lines = [f"{'#':>3}  {'plan':<44} {'step s':>9} {'peak GiB':>9} {'TFLOP/s':>8}  note"]
-    for i, c in enumerate(ranked[:top] if top else ranked, 1):
+    shown = ranked[:top] if top else ranked
+    w = max([len("plan")] + [len(c.plan.name) for c in shown])   # the plan column fits its longest name
+    lines = [f"{'#':>3}  {'plan':<{w}} {'step s':>9} {'peak GiB':>9} {'TFLOP/s':>8}  note"]
+    for i, c in enumerate(shown, 1):
         if c.result is None:
-            lines.append(f"{i:>3}  {c.plan.name:<44} {'-':>9} {'-':>9} {'-':>8}  {c.error}")
+            lines.append(f"{i:>3}  {c.plan.name:<{w}} {'-':>9} {'-':>9} {'-':>8}  {c.error}")
             continue
         tflops = c.result.model_flops / c.step_time / world / 1e12
         note = ", ".join(n for n in ("over the memory cap" if not c.feasible else "",
                                      "given" if c.origin == "given" else "") if n)
-        lines.append(f"{i:>3}  {c.plan.name:<44} {c.step_time:>9.3f} {c.peak / 2**30:>9.1f} {tflops:>8.1f}  {note}")
+        lines.append(f"{i:>3}  {c.plan.name:<{w}} {c.step_time:>9.3f} {c.peak / 2**30:>9.1f} {tflops:>8.1f}  {note}")
     return "\n".join(lines)

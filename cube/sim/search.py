@@ -1,6 +1,6 @@
 """Searching plans: data x tensor x pipeline degrees, micro-batches, recompute and ZeRO, simulated.
 
-Every candidate is a ``policies.auto`` configuration (the grid of ``PASData``,
+Every candidate is a ``cube.policies.auto`` configuration (the grid of ``PASData``,
 ``PASMegatronTP``, ``PASHybrid`` and the pipeline policies, with stages balanced
 by ``cube.sim.stages``) at the same global batch, one step each: a pipeline
 of ``m`` micro-batches plans the trace of a micro-batch of ``batch / m``
@@ -132,7 +132,7 @@ class _Tracer:
 
 
 def planned(tracer: _Tracer, cfg: dict) -> IRGraph:
-    """The graph of ``cfg`` after ``policies.auto.plan``: the policy on the global batch's trace, and
+    """The graph of ``cfg`` after ``cube.policies.auto.plan``: the policy on the global batch's trace, and
     for a pipeline again on its micro-batch's (``Traced.place``); a step is one global batch."""
     from cube.toolkit import grid_plan as plan
     return tracer.whole().place(lambda g, r: plan(g, r, cfg), cfg["world"], zero=3 if cfg.get("zero") == 3 else 0)
@@ -200,18 +200,20 @@ def rank(cands: List[Candidate]) -> List[Candidate]:
 
 def table(cands: List[Candidate], top: Optional[int] = None) -> str:
     """The ranked plans as a text table."""
-    lines = [f"{'#':>3}  {'plan':<44} {'step ms':>9} {'peak MiB':>9}  note"]
-    for i, c in enumerate(cands[:top] if top else cands, 1):
+    shown = cands[:top] if top else cands
+    w = max([len("plan")] + [len(c.name) for c in shown])   # the plan column fits its longest name
+    lines = [f"{'#':>3}  {'plan':<{w}} {'step ms':>9} {'peak MiB':>9}  note"]
+    for i, c in enumerate(shown, 1):
         if c.result is None:
-            lines.append(f"{i:>3}  {c.name:<44} {'-':>9} {'-':>9}  {c.error}")
+            lines.append(f"{i:>3}  {c.name:<{w}} {'-':>9} {'-':>9}  {c.error}")
             continue
         note = "" if c.feasible else "over the memory cap"
-        lines.append(f"{i:>3}  {c.name:<44} {c.step_time * 1e3:>9.2f} {c.peak / 2**20:>9.1f}  {note}")
+        lines.append(f"{i:>3}  {c.name:<{w}} {c.step_time * 1e3:>9.2f} {c.peak / 2**20:>9.1f}  {note}")
     return "\n".join(lines)
 
 
 def write_plan(cand: Candidate, path: str) -> str:
-    """Writes the configuration ``policies.auto.PASAuto`` reads (with the prediction); returns the path."""
+    """Writes the configuration ``cube.policies.auto.PASAuto`` reads (with the prediction); returns the path."""
     cfg = dict(cand.config, predicted_step_ms=round(cand.step_time * 1e3, 3),
                predicted_peak_mib=round(cand.peak / 2**20, 1))
     with open(path, "w") as f:

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cube  # noqa: E402
 from cube.models import CausalLM  # noqa: E402
-from policies.megatron3d import PASMegatron  # noqa: E402
+from cube.policies.megatron3d import PASMegatron  # noqa: E402
 
 
 class Batches:

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cube  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
-from policies import resolve  # noqa: E402
+from cube.policies import resolve  # noqa: E402
 
 
 class StepBatches:
@@ -76,7 +76,7 @@ def _save(ckpt: Path, model, optimizer, step: int, rank: int) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="PASSingle",
-                        help="a policy in policies/ (e.g. PASSingle), or 'file.py:Name' / 'module:Name'")
+                        help="a shipped policy (e.g. PASSingle), or 'file.py:Name' / 'module:Name'")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--heads", type=int, default=4)

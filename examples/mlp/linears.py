@@ -37,11 +37,11 @@ def main(argv=None):
     import logging
 
     import cube
-    from policies import resolve
+    from cube.policies import resolve
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="PASSingle",
-                        help="a policy in policies/ (e.g. PASSingle), or 'file.py:Name' / 'module:Name'")
+                        help="a shipped policy (e.g. PASSingle), or 'file.py:Name' / 'module:Name'")
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=16)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import cube  # noqa: E402
 from examples.spatial.model import Stencil, UNet  # noqa: E402
-from policies.spatial import PASSpatial  # noqa: E402
+from cube.policies.spatial import PASSpatial  # noqa: E402
 
 
 class StepBatches:

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import cube  # noqa: E402
 from examples.gpt.model import GPT, GPTConfig  # noqa: E402
 from examples.text.data import VOCAB_SIZE, TextData, decode, encode  # noqa: E402
-from policies import resolve  # noqa: E402
+from cube.policies import resolve  # noqa: E402
 
 VAL_SEED = 1   # the validation batches' seed (the train batches use --seed)
 
@@ -102,7 +102,7 @@ def generate(model: GPT, prompt: str, n: int, temperature: float = 0.8, seed: in
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", default="PASSingle",
-                        help="a policy in policies/ (e.g. PASData), or 'file.py:Name' / 'module:Name'")
+                        help="a shipped policy (e.g. PASData), or 'file.py:Name' / 'module:Name'")
     parser.add_argument("--data", default=None, metavar="PATH",
                         help="a text file to train on (default: the standard library's docstrings)")
     parser.add_argument("--layers", type=int, default=4)

@@ -32,10 +32,10 @@ LR = 1e-3
 def policy(name: str):
     """(policy, micro-batches per step) for a policy name."""
     if name == "megatron":
-        from policies.megatron3d import PASMegatron
+        from cube.policies.megatron3d import PASMegatron
         return functools.partial(PASMegatron, tp=2, pp=2, nmicros=2), 2
     if name == "hybrid":
-        from policies.hybrid import PASHybrid
+        from cube.policies.hybrid import PASHybrid
         return functools.partial(PASHybrid, tp=2), 1
     raise ValueError(f"unknown policy {name!r}: megatron or hybrid")
 

@@ -22,7 +22,7 @@ def main():
     rank = int(os.environ["RANK"])
     bad = (sample[0][:-1],) if rank == 1 else sample   # one row short on rank 1
     loader = iter([sample, bad, sample])
-    step = compile_step(model, loader, "policies.data:PASData", sys.argv[1])
+    step = compile_step(model, loader, "cube.policies.data:PASData", sys.argv[1])
     gen = cube.load_model()
     step(gen, loader)
     print(f"rank {rank}: first step done", flush=True)

@@ -38,7 +38,7 @@ def main():
     outdir = sys.argv[1]
     model, sample = build("gpt_nobias")
     loader = iter(global_batches(sample, 2, 1))
-    step = compile_step(model, loader, "policies.data:PASData", os.path.join(outdir, "cache"), zero=2)
+    step = compile_step(model, loader, "cube.policies.data:PASData", os.path.join(outdir, "cache"), zero=2)
     cmodel = cube.load_model()
     env = cube.init()
     opt = cube.build_optimizer(cmodel, torch.optim.SGD, zero=2, lr=1e-2)

@@ -1,0 +1,138 @@
+"""PASMegatron: data x tensor x pipeline parallel (Megatron-LM's 3D plan) with 1F1B.
+
+The forward ops are cut into ``pp`` balanced stages (``cube.schedule.balance``,
+between transformer layers). Each stage runs on ``dp x tp`` devices: data
+parallel over ``dp`` groups and, inside each group, tensor parallel over ``tp``
+devices as ``PASMegatronTP`` plans it (column/row linear pairs, attention by
+heads, found from the graph's structure). The devices form a ``(pp, dp, tp)``
+``DeviceMesh``: tensor parallel innermost, pipeline outermost, as Megatron
+orders ranks. A step takes ``nmicros`` micro-batches (``CUBE_MICROS``, default
+4) through the 1F1B schedule. With ``nvirtual=v`` (``CUBE_VIRTUAL``, default 1)
+the ops are cut into ``pp x v`` stages instead, stage ``k`` on the devices of
+pipeline rank ``k % pp``, run by interleaved 1F1B (``nmicros`` then a multiple
+of ``pp``). ``schedule="zb-h1"`` runs ZB-H1 over the ``pp`` stages and
+``schedule="zbv"`` ZB-V over ``2 x pp`` stages in a V (``cube.schedule``: the
+zero-bubble schedules, whose W fill the pipeline's waits).
+
+Degrees: ``tp`` and ``pp`` (``CUBE_TP``, ``CUBE_PP``, default 2 each); ``dp =
+ngpus // (tp * pp)``. With ``pp = 1`` it is ``PASHybrid`` with gradient
+accumulation over the micro-batches. ``cp`` (context parallel) and ``ep``
+(expert parallel) take their devices from ``dp``, as Megatron-LM's ranks do
+(order ``pp, dp, cp, tp``: tp innermost, then cp).
+
+``vocab_parallel`` (default True) splits the vocabulary over ``tp`` as Megatron-LM
+does: the LM head by its output rows, its logits kept split up to a
+vocabulary-parallel cross entropy (``cube.runtime.vocab``: all-reduces of each
+row's maximum, sum of exponentials and target logit; backward local), and the
+input embedding (tied or not) by rows. Without it the vocabulary's weights, the
+largest single tensor of a language model, are whole on every tensor-parallel
+rank; ``vocab_parallel=False`` keeps that plan (the loss then runs whole on
+gathered logits), e.g. for a loss the vocabulary split cannot compute (class
+weights, probability targets: those stay whole by themselves).
+"""
+from typing import Callable, Optional
+
+from cube import config, schedule
+from cube.ir import IRGraph
+from cube.schedule.balance import stage_starts
+from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, grid,
+                          place_data, place_stages, sequence_parallel, tensor_parallel)
+
+
+def degrees(ngpus: int, tp: Optional[int] = None, pp: Optional[int] = None) -> tuple:
+    """``(dp, tp, pp)`` for ``ngpus`` devices (``tp``/``pp`` from ``CUBE_TP``/``CUBE_PP`` when not given).
+
+    Raises:
+        ValueError: ``tp * pp`` does not divide ``ngpus``.
+    """
+    mesh = _mesh(ngpus, tp, pp)
+    return mesh["dp"].size, mesh["tp"].size, mesh["pp"].size
+
+
+def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
+    return grid(ngpus, tp=tp or config.tensor_parallel_degree(), pp=pp or config.pipeline_degree(),
+                policy="PASMegatron")
+
+
+def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
+                nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
+                recompute: Recompute = None, sp: bool = False, ep: int = 1,
+                schedule_name: Optional[str] = None, cp: int = 1, vocab_parallel: bool = True) -> IRGraph:
+    """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
+
+    Args:
+        tp: tensor-parallel degree (default ``CUBE_TP``).
+        pp: pipeline-parallel degree (default ``CUBE_PP``).
+        nmicros: micro-batches per step (default ``CUBE_MICROS``).
+        cost: an op's forward plus backward time, for balancing the stages
+            (default: the FLOPs/bytes estimate of ``cube.schedule.balance``).
+        nvirtual: stages per pipeline rank (default ``CUBE_VIRTUAL``, else 1); more than one
+            runs interleaved 1F1B.
+        recompute: blocks to recompute (``cube.toolkit.apply_recompute``; default ``CUBE_RECOMPUTE``).
+        sp: sequence parallel: norms, dropout and residual adds between the tensor-parallel
+            regions run on ``1/tp`` of the sequence (``cube.toolkit.sequence_parallel``).
+        ep: expert parallel degree, dividing ``dp``: the experts (weights with a leading expert
+            dim) are split over groups of ``ep`` data-parallel neighbours, the tokens reach them
+            by all-to-all (``cube.toolkit.expert_parallel``).
+        schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"``,
+            ``"zbv"`` or ``"dualpipev"`` (the last two: two stages per pipeline rank in a V;
+            ``nvirtual`` must be left out or 2).
+        cp: context parallel degree, dividing ``dp``: activations split along the sequence over
+            groups of ``cp`` neighbours (inside ``tp``'s), self-attention as ring attention
+            (``cube.toolkit.context_parallel``).
+        vocab_parallel: split the LM head, its cross entropy and the input embedding over the
+            vocabulary across ``tp`` (module docstring); False keeps them whole on every tp rank.
+
+    Raises:
+        ValueError: the degrees do not fit the devices, ``ep`` or ``cp`` does not divide ``dp``,
+            both ``ep`` and ``cp`` are asked for, an unknown schedule, or ZB-H1/ZB-V with another
+            ``nvirtual``.
+    """
+    mesh = _mesh(resource.ngpus, tp, pp)
+    pp, nmicros = mesh["pp"].size, nmicros or config.micro_batches()
+    name = (schedule_name or "1f1b").lower()
+    if name not in ("1f1b", "zb-h1", "zbv", "dualpipev"):
+        raise ValueError(f"PASMegatron: unknown schedule_name {schedule_name!r}; use '1f1b', 'zb-h1', 'zbv' or "
+                         f"'dualpipev'")
+    want = {"zb-h1": 1, "zbv": 2, "dualpipev": 2}.get(name)
+    if want is not None and nvirtual not in (None, want):
+        raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
+                         f"but nvirtual={nvirtual}; leave nvirtual out")
+    nvirtual = want or nvirtual or config.virtual_stages(default=1)
+    stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
+    if cp != 1 and ep != 1:
+        raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "
+                         f"parallel together are not planned yet: ask for one of them")
+    if cp != 1:
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1 or mesh["dp"].size % cp:
+            raise ValueError(f"PASMegatron: cp={cp!r} must divide the data parallel degree dp={mesh['dp'].size} "
+                             f"(devices / (tp * pp)); the sequence is split over groups of cp ranks")
+        mesh = mesh.factor("dp", dp=mesh["dp"].size // cp, cp=cp)
+    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"], vocab=vocab_parallel)
+    if sp:
+        tensor = sequence_parallel(graph, tensor, mesh["tp"])
+    context = {"cp": context_parallel(graph, mesh["cp"])} if cp != 1 else {}
+    splits = dict(dp=data, **context, tp=tensor)
+    if ep != 1:
+        if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:
+            raise ValueError(f"PASMegatron: ep={ep!r} must divide the data parallel degree dp={mesh['dp'].size} "
+                             f"(devices / (tp * pp)); the experts are split over groups of ep data-parallel ranks")
+        mesh = mesh.factor("dp", edp=mesh["dp"].size // ep, ep=ep)
+        splits = dict(edp=data, ep=expert_parallel(graph, data, mesh["ep"]), tp=tensor)
+    meshes = mesh.slices("pp")
+    place_data(graph, meshes, batch=("dp", "edp", "ep"))   # every stage reads the batch
+    if name in ("zbv", "dualpipev"):
+        meshes = [meshes[r] for r in schedule.v_placement(2 * pp)]
+    place_stages(graph, stages, meshes, **splits)
+    apply_recompute(graph, recompute)
+    if name == "zb-h1":
+        schedule.sched_zb_h1(graph, nmicros, pp)
+    elif name == "zbv":
+        schedule.sched_zbv(graph, nmicros, 2 * pp)
+    elif name == "dualpipev":
+        schedule.sched_dualpipev(graph, nmicros, 2 * pp)
+    elif nvirtual > 1:
+        schedule.sched_1f1b_interleaved(graph, nmicros, pp, nvirtual)
+    else:
+        schedule.sched_1f1b(graph, nmicros, pp)
+    return graph
