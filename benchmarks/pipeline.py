@@ -1,5 +1,5 @@
-"""cube's 1F1B, interleaved 1F1B and zero-bubble (ZB-H1, ZB-V) pipelines side by side with
-torch.distributed.pipelining, in one torchrun job.
+"""cube's 1F1B, interleaved 1F1B, zero-bubble (ZB-H1, ZB-V) and DualPipeV pipelines side by side
+with torch.distributed.pipelining, in one torchrun job.
 
     python -m benchmarks.pipeline [--quick] [--rounds 20] [--steps 1]
 
@@ -55,7 +55,8 @@ Measures, each the median over steps of the slowest rank's time:
   Zero-bubble schedules shrink the fill and drain: with F, B and W taking a
   third of ``T / m`` each, ZB-H1's is ``(p - 1) / 3`` micro-steps instead of
   ``p - 1`` (``T x (m + (p - 1) / 3) / m``), and ZB-V's the idle unit steps of
-  its schedule grid (``cube.schedule.sched_zbv(...).steps()`` against ``6 m``).
+  its schedule grid (``cube.schedule.sched_zbv(...).steps()`` against ``6 m``); DualPipeV's
+  likewise from ``sched_dualpipev`` (against torch's ``ScheduleDualPipeV`` on the same V).
 - ``bound_share``: ``bound_ms / pipeline_ms`` (1.0 reaches the bound).
 - ``bubble`` and ``bound_bubble``: the share of the pipeline part a rank waits,
   ``1 - T / pipeline_ms``, and the same at the bound, ``1 - T / bound_ms``.
@@ -63,8 +64,8 @@ Measures, each the median over steps of the slowest rank's time:
 Ratios (ms/step): ``cube / torch`` (1F1B, target <= 0.95), ``cube interleaved /
 torch interleaved`` (target <= 0.95), ``cube interleaved / torch 1F1B``
 (below 1 when cube's interleaving beats torch's plain 1F1B), ``cube ZB-H1 /
-torch 1F1B`` (target <= 0.90 at m = 4) and ``cube ZB-V / torch ZB-V`` (target
-<= 0.95). cube's bound share
+torch 1F1B`` (target <= 0.90 at m = 4), ``cube ZB-V / torch ZB-V`` and ``cube DualPipeV /
+torch DualPipeV`` (target <= 0.95), and ``cube DualPipeV / cube 1F1B``. cube's bound share
 target is >= 0.90.
 """
 from __future__ import annotations
@@ -91,25 +92,29 @@ from benchmarks._torchrun import compile_gpt, port  # noqa: E402
 DEFAULTS = {"layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048}
 MICROS = (4, 8)
 STAGES = 2    # ranks
-VIRTUAL = {"1F1B": 1, "interleaved": 2, "ZB-H1": 1, "ZB-V": 2}   # stages per rank of each kind of schedule
+VIRTUAL = {"1F1B": 1, "interleaved": 2, "ZB-H1": 1, "ZB-V": 2, "DualPipeV": 2}   # stages per rank of each schedule
 POLICY = {"1F1B": "cube.policies.pipeline:PAS1F1B", "interleaved": "cube.policies.pipeline:PAS1F1BInterleaved",
-          "ZB-H1": "cube.policies.pipeline:PASZBH1", "ZB-V": "cube.policies.pipeline:PASZBV"}
-TORCH = {"1F1B": "1F1B", "interleaved": "interleaved", "ZB-H1": None, "ZB-V": "ZB-V"}   # None: torch 1F1B's way
+          "ZB-H1": "cube.policies.pipeline:PASZBH1", "ZB-V": "cube.policies.pipeline:PASZBV",
+          "DualPipeV": "cube.policies.pipeline:PASDualPipeV"}
+TORCH = {"1F1B": "1F1B", "interleaved": "interleaved", "ZB-H1": None, "ZB-V": "ZB-V",
+         "DualPipeV": "DualPipeV"}   # None: torch 1F1B's way
+V_KINDS = ("ZB-V", "DualPipeV")   # stages in a V
 
 
 def _rank_of(kind: str, k: int, nstages: int) -> int:
-    """The rank of stage ``k``: in a V for ZB-V, else ``k % STAGES``."""
+    """The rank of stage ``k``: in a V for ZB-V and DualPipeV, else ``k % STAGES``."""
     from cube.schedule import v_placement
-    return v_placement(nstages)[k] if kind == "ZB-V" else k % STAGES
+    return v_placement(nstages)[k] if kind in V_KINDS else k % STAGES
 
 
 def _bound_steps(kind: str, m: int) -> float:
     """Micro-steps of ``T / m`` each that the pipeline part takes at its bound (see the docstring)."""
     if kind == "ZB-H1":
         return m + (STAGES - 1) / 3
-    if kind == "ZB-V":
-        from cube.schedule import sched_zbv
-        return m * sched_zbv(None, m, 2 * STAGES).steps() / (6 * m)
+    if kind in V_KINDS:
+        from cube.schedule import sched_dualpipev, sched_zbv
+        make = sched_zbv if kind == "ZB-V" else sched_dualpipev
+        return m * make(None, m, 2 * STAGES).steps() / (6 * m)
     return m + (STAGES - 1) / VIRTUAL[kind]
 
 
@@ -241,17 +246,19 @@ def _bounds(every: List[Dict[int, List[int]]], layers: int) -> List[int]:
 def _torch_way(cfg: dict, m: int, base, bounds: List[int], rank: int, kind: str) -> _Way:
     """torch.distributed.pipelining over the stages of ``bounds``: ``Schedule1F1B`` with one stage per
     rank, ``ScheduleInterleaved1F1B`` with several (stage ``k`` on rank ``k % STAGES``), or
-    ``ScheduleZBVZeroBubble`` (``kind`` ZB-V: stages in a V)."""
+    ``ScheduleZBVZeroBubble`` or ``ScheduleDualPipeV`` (``kind`` ZB-V, DualPipeV: stages in a V)."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B,
-                                              ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV,
+                                              ScheduleInterleaved1F1B, ScheduleZBVZeroBubble)
     mods = _stage_modules(copy.deepcopy(base), bounds)
     n = len(mods)
     mine = [k for k in range(n) if _rank_of(kind, k, n) == rank]
     stages = [PipelineStage(mods[k], k, n, torch.device("cpu")) for k in mine]
     if kind == "ZB-V":
         sched = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
+    elif kind == "DualPipeV":
+        sched = ScheduleDualPipeV(stages, n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
     elif len(stages) == 1:
         sched = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=_loss_fn, scale_grads=True)
     else:
@@ -395,7 +402,9 @@ def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
                              ("cube interleaved", "torch 1F1B", ""),
                              ("cube ZB-H1", "torch 1F1B", "<= 0.90" if m == 4 else ""),
                              ("cube ZB-H1", "cube 1F1B", ""),
-                             ("cube ZB-V", "torch ZB-V", "<= 0.95")):
+                             ("cube ZB-V", "torch ZB-V", "<= 0.95"),
+                             ("cube DualPipeV", "torch DualPipeV", "<= 0.95"),
+                             ("cube DualPipeV", "cube 1F1B", "")):
             rows.append({"benchmark": "pipeline", "name": f"{a} / {b} m={m}", "micro_batches": m,
                          "time_ratio": got[a] / got[b], **({"target": target} if target else {})})
     return rows
@@ -427,7 +436,7 @@ def report(rows: List[dict], cfg: dict, nsteps: int) -> None:
           f"{cfg['batch']}, {STAGES} ranks (gloo, CPU), median of {nsteps} steps")
     for kind in VIRTUAL:
         bounds = next(r["stage_blocks"] for r in rows if r["name"].startswith(f"cube {kind} "))
-        where = "in a V" if kind == "ZB-V" else f"stage k on rank k % {STAGES}"
+        where = "in a V" if kind in V_KINDS else f"stage k on rank k % {STAGES}"
         print(f"{kind} stages ({where}): {_describe(bounds)}")
     print(f"{'way':<26}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'bubble':>8}{'bound':>7}"
           f"{'loss0':>10}")

@@ -20,7 +20,7 @@ from cube.ir import IRDataOperation, IRFwOperation
 from cube.ir.blocks import rerun_hazard
 from tests.fuzz.plan import Factor, Place, Plan
 
-SCHEDULES = (None, None, "1f1b", "gpipe", "interleaved")
+SCHEDULES = (None, None, None, "1f1b", "gpipe", "interleaved", "zb-h1", "zbv", "dualpipev")
 
 
 def rng_for(model: str, seed: int, part: str) -> random.Random:
@@ -39,6 +39,8 @@ def skeleton(model: str, seed: int) -> Plan:
     nranks = rng.randint(1, min(ndev, 3))
     if schedule == "interleaved":
         nmicros = rng.choice([m for m in range(nranks, 5) if m % nranks == 0])
+    elif schedule == "dualpipev":   # at least as many micro-batches as its 2 x nranks stages
+        nmicros = rng.randint(2 * nranks, 2 * nranks + 2)
     else:
         nmicros = rng.randint(1, 4)
     bounds = sorted(rng.sample(range(1, ndev), nranks - 1)) if nranks > 1 else []
@@ -52,7 +54,7 @@ def fill(plan: Plan, graph, model: str, seed: int) -> Plan:
     rng = rng_for(model, seed, "fill")
     fw = graph.select(ntype=IRFwOperation)
     ngroups = len(plan.groups)
-    nstages = ngroups * (2 if plan.schedule == "interleaved" else 1)
+    nstages = ngroups * (2 if plan.schedule in ("interleaved", "zbv", "dualpipev") else 1)
     if plan.schedule:
         plan.cuts = tuple([0] + sorted(rng.sample(range(1, len(fw)), nstages - 1)))
     plan.base = tuple(rng.choice(["dp", "dp", "tp", "rep"]) if len(g) > 1 else "rep" for g in plan.groups)
@@ -81,7 +83,7 @@ def _shuffled(rng: random.Random, group) -> Tuple[int, ...]:
 def _group_for(rng: random.Random, plan: Plan, i: int) -> Tuple[int, ...]:
     """The devices op ``i`` may run on: its stage's group, any group without a schedule."""
     if plan.schedule:
-        return _shuffled(rng, plan.groups[plan.stage_of(i) % len(plan.groups)])
+        return _shuffled(rng, plan.groups[plan.group_of(i)])
     if rng.random() < 0.5:
         return _shuffled(rng, range(plan.ndev))
     size = rng.randint(1, plan.ndev)

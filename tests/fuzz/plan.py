@@ -22,6 +22,8 @@ from cube.ir import IRDataOperation, IRFwOperation
 Factor = Tuple[Optional[int], Optional[int], int]
 
 
+V_SCHEDULES = ("zbv", "dualpipev")   # two stages per pipeline group, stage k on group min(k, 2n - 1 - k)
+
 @dataclass(frozen=True)
 class Place:
     """Where one op runs: ``devices`` in piece order, ``factors`` outer first (see the module doc)."""
@@ -40,7 +42,8 @@ class Plan:
 
     Attributes:
         ndev: world size.
-        schedule: None (one batch per step, no schedule), "1f1b", "gpipe" or "interleaved".
+        schedule: None (one batch per step, no schedule), "1f1b", "gpipe", "interleaved", "zb-h1", "zbv" or
+            "dualpipev" (the last two: two stages per group in a V).
         nmicros: micro-batches per step (1 without a schedule).
         groups: devices of each pipeline rank (one group, all devices, without a schedule).
         cuts: forward-op positions where stages start (the first is 0); stage ``k``
@@ -70,6 +73,13 @@ class Plan:
 
     def stage_of(self, pos: int) -> int:
         return max(k for k, c in enumerate(self.cuts) if c <= pos)
+
+    def group_of(self, pos: int) -> int:
+        """The pipeline group running forward op ``pos``: its stage's, round robin, or in a V (ZB-V, DualPipeV)."""
+        k = self.stage_of(pos)
+        if self.schedule in V_SCHEDULES:
+            return min(k, self.nstages - 1 - k)
+        return k % len(self.groups)
 
     def describe(self, fw: Optional[Sequence[IRFwOperation]] = None) -> str:
         """The plan as readable text; ``fw`` (the graph's forward ops) adds op names and modules."""
@@ -150,7 +160,7 @@ def apply(plan: Plan, graph) -> None:
         graph.staging([fw[c] for c in plan.cuts])
     ngroups = len(plan.groups)
     for i, node in enumerate(fw):
-        k = plan.stage_of(i) % ngroups
+        k = plan.group_of(i)
         where = plan.ops.get(i) or base_place(graph, plan.base[k], plan.groups[k], flows, node)
         place(graph, node, where)
     if plan.schedule == "1f1b":
@@ -159,6 +169,12 @@ def apply(plan: Plan, graph) -> None:
         sched.sched_gpipe(graph, plan.nmicros, plan.nstages)
     elif plan.schedule == "interleaved":
         sched.sched_1f1b_interleaved(graph, plan.nmicros, ngroups, plan.nstages // ngroups)
+    elif plan.schedule == "zb-h1":
+        sched.sched_zb_h1(graph, plan.nmicros, plan.nstages)
+    elif plan.schedule == "zbv":
+        sched.sched_zbv(graph, plan.nmicros, plan.nstages)
+    elif plan.schedule == "dualpipev":
+        sched.sched_dualpipev(graph, plan.nmicros, plan.nstages)
     elif plan.schedule is not None:
         raise AssertionError(f"plan error: unknown schedule {plan.schedule!r}")
 
