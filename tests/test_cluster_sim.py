@@ -284,3 +284,20 @@ def test_a_simulated_plan_says_its_throughput_and_what_it_assumed(tmp_path, caps
     assert re.search(r"throughput: [\d.]+ TFLOP/s per device, MFU [\d.]+% of dgx-a100-80g's bf16 peak", out), out
     assert re.search(r"assumed: 16 devices of dgx-a100-80g, policy PASMegatron, precision bf16, no ZeRO, recompute "
                      r".*, micro-batches 4.*tp=4, pp=2", out), out
+
+
+def test_the_cluster_search_tries_every_schedule_and_each_one_is_a_policy_option():
+    """ZB-H1, ZB-V and DualPipeV are moves of the climb; a V schedule holds two stages per pipeline
+    rank (so at most half the blocks' ranks), and DualPipeV at least 2 pp micro-batches."""
+    from cube.sim.cluster_search import Space, moves
+    space = Space(world=64, batch=128, layers=8, node=8)
+    base = space.plan(tp=1, pp=4, micro_batch=1)
+    got = {what: p for what, p, _ in moves(space, base) if what.startswith("schedule ")}
+    assert set(got) == {"schedule zb-h1", "schedule zbv", "schedule dualpipev"}
+    assert got["schedule dualpipev"].options()["schedule_name"] == "dualpipev"
+    assert "dualpipev" in got["schedule dualpipev"].name and "--option schedule_name=dualpipev" in \
+        got["schedule dualpipev"].command()
+    assert space.plan(tp=1, pp=8, micro_batch=1, schedule="zbv") is None        # 16 stages > 8 blocks
+    assert space.plan(tp=1, pp=4, micro_batch=2, schedule="dualpipev") is None  # 4 micro-batches < 8 stages
+    assert space.plan(tp=1, pp=4, micro_batch=2, schedule="zbv") is not None
+    assert space.plan(tp=8, pp=1, micro_batch=1, schedule="zb-h1").schedule == "1f1b"   # no pipeline

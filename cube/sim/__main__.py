@@ -208,6 +208,9 @@ def _cluster_search(model, batch, args, hw, precision, cap) -> int:
     from cube.sim import cluster_search
     ranked = cluster_search.search(model, batch, args.ngpus, hw, precision, mem_cap=cap, budget=args.budget)
     print(cluster_search.table(ranked, args.ngpus, args.top))
+    if hw.kind == "gpu":   # what a user launching there needs to know before launching
+        print("every plan above runs on NCCL: pipelines with several stages per rank (interleaved, ZB-V, "
+              "DualPipeV) move their activations on ordered channels (cube.runtime.p2p.ordered)")
     best = next((c for c in ranked if c.feasible), None)
     if best is None:
         print(f"no plan fits {(cap or hw.memory_bytes) / 2**30:.0f} GiB per device: raise --mem-cap or --budget, "

@@ -3,7 +3,9 @@
 Each candidate is a ``PASMegatron`` plan (``Plan``): tensor parallel over
 ``tp`` devices inside a node (consecutive ranks tiling a node, at most 8),
 ``pp`` pipeline ranks holding ``nvirtual`` stages each (one, or two
-interleaved; ``pp * nvirtual`` at most the model's blocks), data parallel
+interleaved; ``pp * nvirtual`` at most the model's blocks) under one of the
+schedules 1F1B, ZB-H1, ZB-V or DualPipeV (the last two: two stages per rank in
+a V; every one runs on NCCL, ``cube.runtime.p2p.ordered``), data parallel
 over the rest (``dp``), micro-batches of ``micro_batch`` samples (``nmicros =
 batch / (dp * micro_batch)`` per step), every block recomputed or none, ZeRO-1
 (the distributed optimizer) or not, and sequence parallel or not. Each is
@@ -23,7 +25,7 @@ thousands of devices), so the search is a climb, ``budget`` plans at most:
   pipeline ranks, whose static memory leaves half the cap free; interleaved,
   recompute, micro-batches of one sample) are simulated first;
 - from the best plan so far it simulates the neighbours (one knob changed:
-  ZeRO, sequence parallel, interleaving, the pipeline depth, the tensor
+  ZeRO, sequence parallel, interleaving, the schedule, the pipeline depth, the tensor
   parallel degree, the micro-batch size, recompute; ``moves``; the knob that
   last helped first) and moves to the first that is better: within the cap
   and faster, or, among plans over the cap, needing less memory;
@@ -52,6 +54,8 @@ MAX_TP = 8                # tensor parallel degrees searched, at most (inside a 
 SEED_STATIC_SHARE = 0.5   # a seed's static memory leaves half the cap to activations and buffers
 MICRO_BATCHES = (1, 2, 4, 8, 16)   # micro-batch sizes searched
 REPAIR_OVER = 1.5         # a plan over the cap is given less memory when it needs at most this much of it
+SCHEDULES = ("1f1b", "zb-h1", "zbv", "dualpipev")   # PASMegatron's schedule_name values searched
+V_SCHEDULES = ("zbv", "dualpipev")                  # two stages per pipeline rank, in a V
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class Plan:
     recompute: bool = True
     zero: int = 0
     sp: bool = False
+    schedule: str = "1f1b"
 
     def options(self) -> dict:
         """The keyword options of ``PASMegatron``."""
@@ -74,6 +79,8 @@ class Plan:
                "recompute": "all" if self.recompute else False}
         if self.nvirtual > 1:
             out["nvirtual"] = self.nvirtual
+        if self.schedule != "1f1b":
+            out["schedule_name"] = self.schedule
         if self.sp:
             out["sp"] = True
         return out
@@ -83,6 +90,8 @@ class Plan:
         parts = [f"tp{self.tp} pp{self.pp} dp{self.dp} b{self.micro_batch} m{self.nmicros}"]
         if self.nvirtual > 1:
             parts.append(f"v{self.nvirtual}")
+        if self.schedule != "1f1b":
+            parts.append(self.schedule)
         parts.append("recompute" if self.recompute else "no-recompute")
         if self.zero:
             parts.append(f"zero{self.zero}")
@@ -109,7 +118,7 @@ class Space:
     micro_batches: Tuple[int, ...] = MICRO_BATCHES
 
     def plan(self, tp: int, pp: int, micro_batch: int, nvirtual: int = 1, recompute: bool = True,
-             zero: int = 0, sp: bool = False) -> Optional[Plan]:
+             zero: int = 0, sp: bool = False, schedule: str = "1f1b") -> Optional[Plan]:
         """The plan of these choices, None when they do not fit the devices, the batch or the model."""
         if tp not in self.tps() or pp < 1 or self.world % (tp * pp) or micro_batch not in self.micro_batches:
             return None
@@ -123,7 +132,13 @@ class Space:
             return None
         if (zero and dp == 1) or (sp and tp == 1):
             return None
-        return Plan(tp, pp, dp, micro_batch, nmicros, nvirtual if pp > 1 else 1, recompute, zero, sp)
+        if schedule != "1f1b":   # ZB-H1 one stage per rank; ZB-V and DualPipeV two, in a V
+            v = 2 if schedule in V_SCHEDULES else 1
+            if pp == 1 or nvirtual > 1 or pp * v > max(self.layers, 1) or \
+                    (schedule == "dualpipev" and nmicros < 2 * pp):
+                return None
+        return Plan(tp, pp, dp, micro_batch, nmicros, nvirtual if pp > 1 else 1, recompute, zero, sp,
+                    schedule if pp > 1 else "1f1b")
 
     def tps(self) -> List[int]:
         """Tensor parallel degrees: groups of consecutive ranks that tile a node, at most ``MAX_TP``."""
@@ -150,7 +165,7 @@ def moves(space: Space, p: Plan) -> Iterator[Tuple[str, Optional[Plan], bool]]:
     """The neighbours of ``p``: ``(what changed, the plan or None, whether it only adds memory)``."""
     def at(**kw):
         merged = dict(tp=p.tp, pp=p.pp, micro_batch=p.micro_batch, nvirtual=p.nvirtual, recompute=p.recompute,
-                      zero=p.zero, sp=p.sp)
+                      zero=p.zero, sp=p.sp, schedule=p.schedule)
         merged.update(kw)
         return space.plan(**merged)
 
@@ -158,7 +173,10 @@ def moves(space: Space, p: Plan) -> Iterator[Tuple[str, Optional[Plan], bool]]:
     k = pps.index(p.pp) if p.pp in pps else -1
     yield "zero", at(zero=0 if p.zero else 1), bool(p.zero)
     yield "sequence parallel", at(sp=not p.sp), p.sp
-    yield "interleave", at(nvirtual=1 if p.nvirtual > 1 else 2), p.nvirtual == 1
+    yield "interleave", at(nvirtual=1 if p.nvirtual > 1 else 2, schedule="1f1b"), p.nvirtual == 1
+    for name in SCHEDULES:   # the schedule (ZB-V and DualPipeV hold more activations than 1F1B)
+        if name != p.schedule:
+            yield f"schedule {name}", at(schedule=name, nvirtual=1), name in V_SCHEDULES
     if k > 0:
         yield "fewer stages", at(pp=pps[k - 1]), True
     if 0 <= k < len(pps) - 1:

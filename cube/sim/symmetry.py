@@ -17,7 +17,7 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
 
 - **Micro-batches.** A pipeline of ``pp`` stages given more micro-batches
   (``options["nmicros"]``) than it needs to reach its steady state is simulated
-  with ``pp + 1`` of them (``3 pp`` when interleaved), the batch cut to match,
+  with ``pp + 1`` of them (``3 pp`` when interleaved or DualPipeV), the batch cut to match,
   each micro-batch as large as in the real step. In the steady state each
   further micro-batch adds the slowest pipeline rank's per-micro-batch work
   (forward, backward, recompute and the collectives they wait on; the gradient
@@ -172,8 +172,11 @@ def micro_fold(mesh: Optional[DeviceMesh], fold: Fold, batch_size: Optional[int]
         return None
     pp = mesh.shape[mesh.names.index("pp")]
     # 1F1B reaches its steady state (every gradient made, pp micro-batches in flight) at micro-batch
-    # pp + 1; interleaved stages take rounds of pp, and a longer warm-up: three rounds
-    simulated = 3 * pp if (options or {}).get("nvirtual", 1) not in (None, 1) else pp + 1
+    # pp + 1; interleaved stages take rounds of pp, and a longer warm-up: three rounds; DualPipeV needs
+    # 2 pp micro-batches at least and reaches its main phase (a forward beside a backward on every
+    # rank) from micro-batch 2 pp on: three rounds too
+    virtual = (options or {}).get("nvirtual", 1) not in (None, 1)
+    simulated = 3 * pp if virtual or (options or {}).get("schedule_name") == "dualpipev" else pp + 1
     num, den = fold.batch
     folded = batch_size * num // den
     if pp < 2 or nmicros <= simulated or (folded * simulated) % nmicros:
