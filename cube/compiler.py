@@ -35,6 +35,7 @@ from cube.passes.micro import micro_shares
 from cube.passes.program import Program, build_program
 from cube.passes.rng import check_exact, mark_draws
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
+from cube.passes.precision import device_type
 from cube.runtime import amp as rt_amp
 from cube.runtime import compiled as rt_compiled
 from cube.runtime import data as rt_data
@@ -238,6 +239,8 @@ class CompiledStep:
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}", f"exact_rng={self.exact_rng}",
+                     # main-parameter plans: point-to-point dtypes follow the device's autocast lists
+                     *((f"autocast-device={device_type()}",) if rt_amp.main_params(self.precision) else ()),
                      # random ops draw through cube.runtime.rng (before: the default generator as it stood)
                      "rng=keyed",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
@@ -290,6 +293,12 @@ class CompiledStep:
                             f"and pass that model to the step")
         if self.max_shapes > 1:
             return self._call_shaped(model, dataloader)
+        if rt_amp.main_params(self.precision) and not getattr(model, "_lowered", False):
+            raise ValueError(f"precision={self.precision!r} trains low-precision weights with float32 main "
+                             f"parameters that cube.build_optimizer makes: build the optimizer with "
+                             f"cube.build_optimizer(model, torch.optim.AdamW, ...) before the first step, or "
+                             f"compile with precision={self.precision + '-autocast'!r} to step float32 "
+                             f"parameters with any optimizer")
         step, self.steps_run = self.steps_run, self.steps_run + 1
         if self._placeholders is not None:
             self.batches.pending = False   # compile's batch is not needed on this rank either

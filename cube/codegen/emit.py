@@ -26,6 +26,7 @@ from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.rank_plans import Call
+from cube.passes.precision import runtime_dtypes
 from cube.passes.rng import graph_draws
 from cube.passes.program import Program, RankProgram, Segment
 from cube.passes.recompute import Run
@@ -83,6 +84,8 @@ class _Emitter:
         # call id -> value counting a mean loss's targets
         self.counts: Dict[int, IRTensor] = {id(c.call): c.value for seg in program.segments for c in seg.counts}
         self.profiling = profile.mode() is not None
+        # main-parameter plans: the dtype values have at run time (point-to-point messages carry it)
+        self.wire = runtime_dtypes(graph)
         self.methods: List[str] = []   # recompute runs' methods, after forward and the stages
 
     # ------------------------------------------------------------------ values
@@ -155,7 +158,8 @@ class _Emitter:
         if s.kind == "recv":
             out = call.outputs[0]
             back = ", grad_back=False" if out.requires_grad and s.grad == "none" else ""
-            return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, dtype={out.dtype}, "
+            return (f"runtime.p2p.recv({s.ranks[0]}, tag={s.tag}, shape={tuple(out.shape)!r}, "
+                    f"dtype={self.wire.get(id(out.logical), out.dtype)}, "
                     f"device=self.device, requires_grad={out.requires_grad}{back})")
         if s.kind == "gather":
             out = call.outputs[0]
@@ -164,7 +168,8 @@ class _Emitter:
             local = tuple((part, place, back, links) for src, _, part, place, back, links in s.takes if src == me)
             x = self.value(call.inputs[0]) if call.inputs else "None"
             return (f"runtime.p2p.gather({x}, remote={remote!r}, local={local!r}, shape={tuple(out.shape)!r}, "
-                    f"dtype={out.dtype}, device=self.device, requires_grad={out.requires_grad})")
+                    f"dtype={self.wire.get(id(out.logical), out.dtype)}, device=self.device, "
+                    f"requires_grad={out.requires_grad})")
         if s.kind == "assemble":
             values = ", ".join(self.value(v) for v in call.inputs)
             return (f"runtime.collectives.assemble([{values}], parts={s.parts!r}, "
@@ -181,7 +186,8 @@ class _Emitter:
         if s.kind == "send":
             grad = {"none": ", grad=False", "only": ", value=False"}.get(s.grad, "")
             if getattr(self.graph, "precision", None):   # autocast may have computed it in low precision
-                grad += f", dtype={call.inputs[0].dtype}"
+                value = call.inputs[0]
+                grad += f", dtype={self.wire.get(id(value.logical), value.dtype)}"
             return f"runtime.p2p.send({x}, {s.ranks[1]}, tag={s.tag}{grad})"
         if s.kind == "narrow":
             start, stop = s.part[s.dim]

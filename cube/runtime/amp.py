@@ -203,6 +203,7 @@ class MainParams:
                 self.mains.append(torch.nn.Parameter(p.data, requires_grad=False))   # takes the storage
                 p.data = p.data.to(self.low)
         self.main_of: Dict[int, torch.nn.Parameter] = {id(p): m for p, m in zip(self.params, self.mains)}
+        model._lowered = True   # the compiled step trains it (cube.compiler.CompiledStep)
         reducer = getattr(model, "_reducer", None)
         if reducer is not None:
             reducer.main = True

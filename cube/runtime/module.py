@@ -48,6 +48,7 @@ class CubeModule(torch.nn.Module):
         self._reducer = None
         self._zero = None   # a ZeRO optimizer (cube.runtime.zero); stage 3 gathers the parameters
         self._main = None   # float32 main parameters stepped whole (cube.runtime.amp.MainOptimizer)
+        self._lowered = False   # the weights are low precision, their main parameters made (build_optimizer)
         self.loss_scale = amp.LossScale() if amp.is_fp16(self.PRECISION) else None
 
     def __call__(self, *args, **kwargs):
@@ -107,7 +108,7 @@ class CubeModule(torch.nn.Module):
         """Takes ``base``'s gradient reducer, ZeRO optimizer and loss scale (made or replaced after
         this module was: ``cube.build_optimizer(base)``)."""
         self._reducer, self._zero, self.loss_scale = self.base._reducer, self.base._zero, self.base.loss_scale
-        self._main = self.base._main
+        self._main, self._lowered = self.base._main, self.base._lowered
         self.zero_stage = getattr(self.base, "zero_stage", 0)
         self.__dict__["_rng_steps"] = self.base.__dict__.get("_rng_steps", 0)   # (cube.runtime.rng's step count)
 

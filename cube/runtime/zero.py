@@ -183,6 +183,7 @@ class ZeroOptimizer:
         self.inner = optimizer_cls([s.param for s in self.shards] + stepped, **kwargs)
         self._shard_of = {id(p): s for s in self.shards for p in s.bucket.params}
         model._zero = self
+        model._lowered = low is not None
         if stage == 3:
             for s in self.shards:
                 s.release()
