@@ -78,3 +78,59 @@ def test_main_params_against_float32_training():
                     precision="bf16")
     worst = max(max(e) for e in errors)
     assert worst <= FLOAT32_TOL, errors
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_checkpoints_hold_the_float32_main_parameters(zero, tmp_path):
+    """Saved values are the main parameters (merge gives float32 values a plain model loads), and a
+    resumed run continues as the run that saved."""
+    import copy
+    import tempfile
+
+    import cube.debug
+    from tests.parity import global_batches
+    m, sample = build("gpt_nobias")
+    batches = global_batches(sample, 4)
+    cache = tempfile.mkdtemp(prefix="cube-main-ckpt-")
+    path = str(tmp_path / "ckpt")
+
+    def body():
+        def compiled(start=0):
+            it = iter(batches[start:])
+
+            @cube.compile(copy.deepcopy(m), it, PAS="policies.data:PASData", cache_dir=cache, precision="bf16",
+                          zero=zero)
+            def train_iter(model, dataloader):
+                data = next(dataloader)
+                loss = model(*data)
+                loss.backward()
+                return loss
+            gen = cube.load_model()
+            return train_iter, gen, cube.build_optimizer(gen, torch.optim.AdamW, lr=1e-3), it
+        step, gen, opt, it = compiled()
+        for _ in range(2):
+            step(gen, it)
+            opt.step()
+            opt.zero_grad()
+        cube.save_checkpoint(path, gen, opt)
+        with cube.runtime.zero.whole_parameters(gen):
+            saved = {gen.PARAMS[k][0][0]: p.detach().clone() for k, p in gen.named_parameters()}
+        losses = [float(step(gen, it))]
+        opt.step()
+        opt.zero_grad()
+        step2, gen2, opt2, it2 = compiled(start=2)   # after the batches the saved run consumed
+        cube.load_checkpoint(path, gen2, opt2)
+        losses.append(float(step2(gen2, it2)))
+        opt2.step()
+        opt2.zero_grad()
+        with cube.runtime.zero.whole_parameters(gen), cube.runtime.zero.whole_parameters(gen2):
+            same = all(torch.equal(a, b) for a, b in zip(gen.parameters(), gen2.parameters()))
+        return saved, losses, same
+    results = cube.debug.run(body, 2)
+    state, _ = cube.merge_checkpoint(path)
+    saved = results[0][0]
+    for name, value in saved.items():
+        assert value.dtype == torch.float32 and state[name].dtype == torch.float32
+        assert torch.equal(state[name], value), name
+    for _, losses, same in results:
+        assert losses[0] == losses[1] and same
