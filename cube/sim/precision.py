@@ -1,4 +1,6 @@
-"""What a plan holds under mixed precision: the dtype each activation has when the forward runs
+"""What a plan holds under mixed precision (``precision="bf16"``: low-precision weights, no casts of
+them, float32 main parameters, gradients and AdamW state, 18 bytes per parameter; the rest of
+this docstring is the autocast recipe, ``"bf16-autocast"``): the dtype each activation has when the forward runs
 under ``torch.autocast``, and the low-precision copies of the weights autocast makes.
 
 A plan compiled with ``precision="bf16"``/``"fp16"`` keeps float32 parameters, gradients and AdamW
@@ -20,7 +22,8 @@ import torch
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
-from cube.runtime.amp import DTYPES
+from cube.ir.tensor import TensorKind
+from cube.runtime.amp import DTYPES, main_params
 
 
 def autocast_dtypes(graph: IRGraph, precision: Optional[str]) -> Dict[int, torch.dtype]:
@@ -30,9 +33,19 @@ def autocast_dtypes(graph: IRGraph, precision: Optional[str]) -> Dict[int, torch
     if low is None:
         return {}
     out: Dict[int, torch.dtype] = {}
+    half = main_params(precision)   # the weights themselves are low precision (float32 main parameters)
+
+    def dtype_of(t):
+        if half and t.kind is TensorKind.PARAM and t.requires_grad:
+            return low
+        return out.get(id(t), t.dtype)
     for op in graph.select(ntype=IRFwOperation):
+        if half:
+            for t in op.inputs:
+                if t.kind is TensorKind.PARAM and t.requires_grad and t.dtype.is_floating_point:
+                    out[id(t)] = low
         rule = op_info(op.name).autocast
-        floats = [out.get(id(t), t.dtype) for t in op.inputs if t.dtype.is_floating_point]
+        floats = [dtype_of(t) for t in op.inputs if t.dtype.is_floating_point]
         traced = {t.dtype for t in op.inputs if t.dtype.is_floating_point}
         for t in op.outputs:
             if not t.dtype.is_floating_point:
