@@ -9,6 +9,7 @@ import tempfile
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 import cube
 import cube.debug
@@ -46,10 +47,28 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
     return losses, dict(ref.named_parameters())
 
 
+class Float32Islands(torch.overrides.TorchFunctionMode):
+    """The float32 islands of the low-precision forward, by hand: losses read float32 inputs
+    (Megatron-LM's ``logits.float()``), and on the CPU ``log_softmax`` computes in float32 and
+    rounds its output back (``cube.passes.precision``)."""
+
+    LOSSES = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss}
+    LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.LOSSES or (func in self.LOG_SOFTMAX and args[0].device.type == "cpu"):
+            wide = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+            out = func(*wide, **kwargs)
+            return out.to(args[0].dtype) if func in self.LOG_SOFTMAX else out
+        return func(*args, **kwargs)
+
+
 def main_params_reference(model: torch.nn.Module, batches, make: Callable, shares: int = 1,
                           low: torch.dtype = torch.bfloat16) -> Tuple[list, dict]:
     """Megatron-LM's mixed precision by hand, in one process: a low-precision copy of the model
-    runs forward (under ``torch.autocast``, as cube's plans) and backward; float32 main parameters
+    runs forward (in its weights' dtype, no autocast, with cube's float32 islands:
+    ``Float32Islands``) and backward; float32 main parameters
     (the plain model's values) are stepped by ``make(params)`` on float32 gradients and copied back
     into the copy after each step. Each global batch runs as ``shares`` equal micro-batches along
     dim 0 (a plan's batch pieces: data parallel degree x micro-batches), each micro-batch's
@@ -69,7 +88,7 @@ def main_params_reference(model: torch.nn.Module, batches, make: Callable, share
         total = torch.zeros((), dtype=torch.float32)
         grads = {n: None for n in named}
         for micro in zip(*(t.chunk(shares) for t in b)):
-            with torch.autocast("cpu", dtype=low):
+            with Float32Islands():
                 loss = work(*micro) / shares
             loss.backward()
             total += loss.detach().float()

@@ -26,7 +26,7 @@ from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.rank_plans import Call
-from cube.passes.precision import runtime_dtypes
+from cube.passes.precision import low_precision
 from cube.passes.rng import graph_draws
 from cube.passes.program import Program, RankProgram, Segment
 from cube.passes.recompute import Run
@@ -84,17 +84,20 @@ class _Emitter:
         # call id -> value counting a mean loss's targets
         self.counts: Dict[int, IRTensor] = {id(c.call): c.value for seg in program.segments for c in seg.counts}
         self.profiling = profile.mode() is not None
-        # main-parameter plans: the dtype values have at run time (point-to-point messages carry it)
-        self.wire = runtime_dtypes(graph)
+        # main-parameter plans: the casts of the low-precision forward and the dtype values have at
+        # run time (point-to-point messages carry it)
+        self.half = low_precision(graph)
+        self.wire = self.half.dtypes
+        self.casts: Dict[int, torch.dtype] = {}   # while printing an op's arguments: its inputs' casts
         self.methods: List[str] = []   # recompute runs' methods, after forward and the stages
 
     # ------------------------------------------------------------------ values
     def value(self, v) -> str:
         if isinstance(v, IRTensor):
+            cast = self.casts.get(id(v.logical))
             v = self.subst.get(id(v), v)
-            if id(v) in self.attr_names:
-                return f"self.{self.attr_names[id(v)]}"
-            return self.namer(v, v.hint)
+            name = f"self.{self.attr_names[id(v)]}" if id(v) in self.attr_names else self.namer(v, v.hint)
+            return f"{name}.to({cast})" if cast is not None else name
         if isinstance(v, (list, tuple)):
             inner = ", ".join(self.value(x) for x in v)
             return f"[{inner}]" if isinstance(v, list) else (f"({inner},)" if len(v) == 1 else f"({inner})")
@@ -142,11 +145,13 @@ class _Emitter:
                 box = call.layout.outputs[0] if call.layout.outputs else ()
                 lead = [f"self, {draw.index}, {tuple(box)!r}, {fn or _target_str(op.target)}"]
                 fn = "runtime.rng.call"
-        self.subst = call.subst
+        self.subst, self.casts = call.subst, self.half.casts.get(id(op.root), {})
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]
-        self.subst = {}
-        return f"{fn or _target_str(op.target)}({', '.join(lead + parts)})"
+        self.subst, self.casts = {}, {}
+        text = f"{fn or _target_str(op.target)}({', '.join(lead + parts)})"
+        out_cast = self.half.out_casts.get(id(op.root))
+        return f"{text}.to({out_cast})" if out_cast is not None else text
 
     def step_call(self, call: Call, inplace: bool = False) -> str:
         s = call.step
@@ -237,9 +242,10 @@ class _Emitter:
         lines.append(f"    GROUPS = {list(self.groups)!r}")
         lines += self.rng_table()
         if getattr(self.graph, "precision", None):
-            lines.append(f"    PRECISION = {self.graph.precision!r}   # forward under torch.autocast, " +
-                         ("float32 parameters" if "autocast" in self.graph.precision else
-                          "low-precision weights, float32 main parameters in cube.build_optimizer"))
+            lines.append(f"    PRECISION = {self.graph.precision!r}   # " +
+                         ("forward under torch.autocast, float32 parameters" if "autocast" in self.graph.precision
+                          else "forward in the low-precision weights' dtype, float32 main parameters in "
+                               "cube.build_optimizer"))
         if getattr(self.graph, "zero", 0) == 3:
             lines.append("    ZERO = 3   # parameters summed over a group are sharded over it, gathered in forward")
         lines.append("")

@@ -36,8 +36,9 @@ class CubeModule(torch.nn.Module):
     REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
     GROUPS: List[Tuple[int, ...]] = []
     ZERO: int = 0   # 3: the plan's forward gathers ZeRO-3 sharded parameters (zero_begin / zero_wait)
-    # "bf16" / "fp16": low-precision weights, float32 main parameters in cube.build_optimizer;
-    # "bf16-autocast" / "fp16-autocast": float32 parameters. Both: forward under torch.autocast
+    # "bf16" / "fp16": low-precision weights, float32 main parameters in cube.build_optimizer, the
+    # forward in the weights' dtype with the casts the generated code prints (cube.passes.precision);
+    # "bf16-autocast" / "fp16-autocast": float32 parameters, forward under torch.autocast
     PRECISION = None
     BACKEND = None   # the torch.compile backend its compute runs under (cube.compile(backend=); set at load)
 
@@ -53,7 +54,7 @@ class CubeModule(torch.nn.Module):
 
     def __call__(self, *args, **kwargs):
         with session.activate(self._runtime):
-            if self.PRECISION is None:
+            if self.PRECISION is None or amp.main_params(self.PRECISION):
                 return super().__call__(*args, **kwargs)
             with torch.autocast(self.device.type, dtype=amp.DTYPES[self.PRECISION]):
                 return super().__call__(*args, **kwargs)
