@@ -48,19 +48,31 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
 
 
 class Float32Islands(torch.overrides.TorchFunctionMode):
-    """The float32 islands of the low-precision forward, by hand: losses read float32 inputs
-    (Megatron-LM's ``logits.float()``), and on the CPU ``log_softmax`` computes in float32 and
-    rounds its output back (``cube.passes.precision``)."""
+    """The casts of the low-precision forward, by hand (``cube.passes.precision``): losses read
+    float32 inputs (Megatron-LM's ``logits.float()``), on the CPU ``log_softmax`` computes in
+    float32 and rounds its output back, and matrix products and attention read every float input
+    in ``low`` (a float32 buffer or batch value meeting a bf16 weight)."""
 
-    LOSSES = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss}
+    LOSSES = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
+              F.binary_cross_entropy, F.binary_cross_entropy_with_logits}
     LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+    LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm,
+           F.scaled_dot_product_attention}
+
+    def __init__(self, low: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.low = low
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+
+        def to(dtype):
+            return lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
         if func in self.LOSSES or (func in self.LOG_SOFTMAX and args[0].device.type == "cpu"):
-            wide = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
-            out = func(*wide, **kwargs)
+            out = func(*map(to(torch.float32), args), **kwargs)
             return out.to(args[0].dtype) if func in self.LOG_SOFTMAX else out
+        if func in self.LOW:
+            return func(*map(to(self.low), args), **{k: to(self.low)(v) for k, v in kwargs.items()})
         return func(*args, **kwargs)
 
 
@@ -88,7 +100,7 @@ def main_params_reference(model: torch.nn.Module, batches, make: Callable, share
         total = torch.zeros((), dtype=torch.float32)
         grads = {n: None for n in named}
         for micro in zip(*(t.chunk(shares) for t in b)):
-            with Float32Islands():
+            with Float32Islands(low):
                 loss = work(*micro) / shares
             loss.backward()
             total += loss.detach().float()

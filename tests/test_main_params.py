@@ -134,3 +134,38 @@ def test_checkpoints_hold_the_float32_main_parameters(zero, tmp_path):
         assert torch.equal(state[name], value), name
     for _, losses, same in results:
         assert losses[0] == losses[1] and same
+
+
+class _Islands(torch.nn.Module):
+    """A float32 buffer scaling the float32 batch before a projection, a norm, log_softmax and a loss."""
+
+    def __init__(self, d: int = 16):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+        self.proj = torch.nn.Linear(d, d)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x, y):
+        h = self.norm(self.proj(x * self.scale))
+        return torch.nn.functional.nll_loss(torch.nn.functional.log_softmax(h, dim=-1), y)
+
+
+def test_forward_runs_in_the_weights_dtype_with_float32_islands(tmp_path):
+    """No autocast: the generated forward computes in bf16 and prints its only casts: the float32
+    product of batch and buffer read by the projection in bf16, log_softmax in float32 on the CPU
+    (rounded back), the loss's input widened. The plan equals the recipe by hand on 2 ranks."""
+    from tests.parity import compile_step
+    m, sample = _Islands(), (torch.randn(8, 16), torch.randint(0, 16, (8,)))
+    step = compile_step(m, iter([sample, sample]), "policies.single:PASSingle", tmp_path, precision="bf16")
+    src = step.source
+    assert "autocast" not in src
+    assert "aten.linear.default(mul.to(torch.bfloat16), " in src
+    assert "aten.log_softmax.int(layer_norm.to(torch.float32), -1).to(torch.bfloat16)" in src
+    assert "aten.nll_loss_nd.default(log_softmax.to(torch.float32), y)" in src
+    model = cube.load_model()
+    cube.build_optimizer(model, torch.optim.SGD, lr=0.1)
+    loss = step(model, iter([sample]))
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    errors = parity(_Islands(), sample, "policies.data:PASData", 2, steps=3, opt="adamw", build=_build("adamw"),
+                    reference=functools.partial(main_params_reference, shares=2), precision="bf16")
+    assert max(max(e) for e in errors) <= EXACT, errors

@@ -170,7 +170,8 @@ _add("""layer_norm group_norm norm softmax _softmax log_softmax _log_softmax cum
 sum prod softplus cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss""", autocast="fp32")
 _add("to _to_copy", autocast="cast")
 # the half-precision recipe's float32 islands (cube.passes.precision)
-_add("cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss", half="fp32")
+_add("""cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss kl_div
+binary_cross_entropy binary_cross_entropy_with_logits""", half="fp32")
 _add("log_softmax _log_softmax", half="fp32_cpu")
 
 # how a piece is called

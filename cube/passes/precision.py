@@ -9,8 +9,8 @@ float32 islands this pass adds on top are an op row's ``half`` (``cube.ir.ops``)
 
 - losses read their float inputs widened to float32 (Megatron-LM's ``logits.float()`` before the
   cross entropy): the loss, and the log-probabilities behind it, in float32;
-- ``log_softmax`` on the CPU reads float32 and rounds its output back (the CPU kernel rounds an
-  intermediate to bf16; CUDA's computes in float32);
+- ``log_softmax`` on the CPU reads float32 and rounds its output back to its input's dtype (the
+  CPU kernel rounds an intermediate to bf16; CUDA's computes in float32);
 - an op of autocast's low list (matrix products, convolutions, attention) reads every float input
   in the low precision (a float32 buffer, batch value or widened result meets a bf16 weight), as
   does any other op that refuses its inputs' mixed dtypes.
@@ -100,7 +100,8 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             out_cast = None
             if info.half == "fp32" or (info.half == "fp32_cpu" and kind == "cpu"):
                 casts = {id(t): torch.float32 for t in floats if dtype_of(t) != torch.float32}
-                out_cast = low if info.half == "fp32_cpu" else None
+                if info.half == "fp32_cpu" and casts:   # its output back in its input's dtype
+                    out_cast = dtype_of(floats[0])
             elif info.autocast == "low":
                 casts = {id(t): low for t in floats if dtype_of(t) != low}
             try:
