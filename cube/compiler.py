@@ -239,8 +239,10 @@ class CompiledStep:
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}", f"exact_rng={self.exact_rng}",
-                     # main-parameter plans: point-to-point dtypes follow the device's autocast lists
-                     *((f"autocast-device={device_type()}",) if rt_amp.main_params(self.precision) else ()),
+                     # main-parameter plans: the float32 islands (and so the code) differ between CPU and CUDA
+                     # (before: the forward under autocast over the low-precision weights)
+                     *((f"autocast-device={device_type()}", "half=islands") if rt_amp.main_params(self.precision)
+                       else ()),
                      # random ops draw through cube.runtime.rng (before: the default generator as it stood)
                      "rng=keyed",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
@@ -824,8 +826,9 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             accumulation in ``cube.build_optimizer`` (a plain optimizer over
             ``model.parameters()`` steps the float32 parameters as autocast does);
             ``"bf16-autocast"`` / ``"fp16-autocast"``: float32 parameters and optimizer state,
-            matrix products cast to the low precision by ``torch.autocast``. Both run the
-            forward under autocast (losses, norms, softmax in float32); fp16 adds a dynamic loss
+            matrix products cast to the low precision by ``torch.autocast`` (losses, norms,
+            softmax in float32). The first runs the forward in the weights' dtype, losses in
+            float32 (``cube.passes.precision``); fp16 adds a dynamic loss
             scale (build the optimizer with ``cube.build_optimizer`` so overflowed steps are
             skipped). ``"fp8"`` is refused with what it lacks (docs/precision.md).
         options: keyword options for the policy (``{"tp": 2, "nmicros": 8}``): the

@@ -13,7 +13,9 @@ float32 islands this pass adds on top are an op row's ``half`` (``cube.ir.ops``)
   CPU kernel rounds an intermediate to bf16; CUDA's computes in float32);
 - an op of autocast's low list (matrix products, convolutions, attention) reads every float input
   in the low precision (a float32 buffer, batch value or widened result meets a bf16 weight), as
-  does any other op that refuses its inputs' mixed dtypes.
+  do norms whose input and weights differ and any other op that refuses its inputs' mixed dtypes;
+- batch norm reads its weight and bias in float32 beside its float32 running statistics (the
+  kernels' mixed mode; the statistics are buffers it updates in place, so they cannot be cast).
 
 The pass runs the traced ops once on fake tensors (no memory, no compute) with these casts, the
 trainable floating parameters in the low precision, and records each value's dtype. The
@@ -102,8 +104,11 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
                 casts = {id(t): torch.float32 for t in floats if dtype_of(t) != torch.float32}
                 if info.half == "fp32_cpu" and casts:   # its output back in its input's dtype
                     out_cast = dtype_of(floats[0])
-            elif info.autocast == "low":
+            elif info.autocast == "low" or (info.half == "same" and len({dtype_of(t) for t in floats}) > 1):
                 casts = {id(t): low for t in floats if dtype_of(t) != low}
+            elif info.half == "stats":   # weight and bias beside float32 running statistics
+                casts = {id(a.logical): torch.float32 for a in op.args[1:3]
+                         if isinstance(a, IRTensor) and dtype_of(a) != torch.float32}
             try:
                 result = run(op, casts)
             except Exception:   # mixed dtypes an op refuses: every float input in the low precision

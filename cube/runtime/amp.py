@@ -14,8 +14,10 @@ Two recipes (``cube.compile(precision=)``; docs/precision.md):
   matrix products run in the low precision under ``torch.autocast``, which casts the weights at
   every forward.
 
-Both run the forward under ``torch.autocast``, so losses, normalizations and softmax compute in
-float32 (autocast's float32 list) whatever the weights' dtype. Under fp16 the generated forward
+The first runs the forward in the weights' dtype without autocast, with the float32 islands
+``cube.passes.precision`` prints as casts (losses read float32; norms and softmax keep float32
+statistics inside their kernels); the second runs it under ``torch.autocast``, so losses,
+normalizations and softmax compute in float32 (autocast's float32 list). Under fp16 the generated forward
 multiplies the loss's gradient by a dynamic loss scale; after the gradient reduction ``unscale``
 divides it out, checks every rank's gradients for inf/NaN (one all-reduce), and halves the scale
 on overflow or doubles it after ``growth_interval`` clean steps. The optimizer from
