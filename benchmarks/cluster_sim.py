@@ -155,7 +155,9 @@ def published_plan(row):
     return Plan(tp, pp, dp, 1, batch // dp, nvirtual=2 if pp > 1 else 1, recompute=True)
 
 
-def predict(row, hardware: str = "dgx-a100-80g") -> dict:
+def predict(row, hardware: str = "dgx-a100-80g", runtime: str = "") -> dict:
+    """``runtime``: "" prices the row as Megatron-LM ran it; a cube precision (``"bf16"``,
+    ``"bf16-autocast"``) prices it as cube's runtime runs that precision."""
     from cube.sim import hardware as hw_mod
     from cube.sim.api import simulate_policy
     from cube.sim.cluster import ClusterComm, DeviceCosts
@@ -165,8 +167,9 @@ def predict(row, hardware: str = "dgx-a100-80g") -> dict:
     hw = hw_mod.load(hardware)
     started = time.perf_counter()
     model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
-    result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=DeviceCosts(hw, "bf16", half_model=True),
-                             comm=ClusterComm(hw), precision="bf16", options=options, symmetric=True)
+    costs = DeviceCosts(hw, "bf16", half_model=not runtime)
+    result = simulate_policy(model, batch_tensors, "PASMegatron", gpus, costs=costs,
+                             comm=ClusterComm(hw), precision=runtime or "bf16", options=options, symmetric=True)
     seconds = time.perf_counter() - started
     predicted = eq3_flops(batch, layers, hidden) / result.step_time / gpus / 1e12
     return {"benchmark": "cluster_sim", "name": f"GPT {name} on {gpus} GPUs (tp{tp} pp{pp} dp{dp})",

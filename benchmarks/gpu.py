@@ -4,7 +4,8 @@
 
 GPT (12 layers, d1024, 16 heads, batch 8, sequence 1024), bf16 autocast over
 float32 parameters, AdamW, on ``cuda:0``: the plain model in eager mode, and the
-same model compiled by cube with ``PASSingle`` and ``precision="bf16"``, run in
+same model compiled by cube with ``PASSingle`` and ``precision="bf16-autocast"`` (the same
+recipe as the eager step), run in
 one process (``SINGLE_DEV_MODE``), rounds interleaved. Prints ms/step of each
 and the ratio cube / eager (target <= 1.02). Without CUDA it says so and
 returns no measurement. ``--quick`` uses 4 layers and sequence 512.
@@ -143,7 +144,7 @@ def main(quick: bool = False, predict_on: str = None, kernels: str = None, **set
     loader = iter(lambda: batch, None)
     with tempfile.TemporaryDirectory() as cache:
         train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "cube.policies.single:PASSingle", cache,
-                                        precision="bf16")
+                                        precision="bf16-autocast")
         opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
 
         def cube_step():
@@ -182,14 +183,88 @@ def main(quick: bool = False, predict_on: str = None, kernels: str = None, **set
     return rows
 
 
+def recipes(quick: bool = False, fp8: bool = False, **settings) -> list:
+    """``--recipes``: one-GPU step time of cube's ``precision="bf16"`` (bf16 weights, float32 main
+    parameters) against ``"bf16-autocast"`` on the GPT above, AdamW (docs/precision.md, must show 4);
+    with ``--fp8``, also the plain model with torchao's float8 linear layers
+    (``torchao.float8.convert_to_float8_training``) against the plain bf16 model, on an H100."""
+    import torch
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to measure")
+        return [{"benchmark": "gpu", "name": "bf16 / bf16-autocast", "skipped": "no CUDA device"}]
+    os.environ["SINGLE_DEV_MODE"] = "1"
+    import cube
+    from examples.gpt.model import GPT, GPTConfig
+    cfg = {**FULL, **(QUICK if quick else {}), **settings}
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=cfg["heads"],
+                       n_embd=cfg["dim"], bias=False)
+    base = GPT(config)
+    dev = torch.device("cuda", 0)
+    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=dev)
+    batch = (ids, torch.roll(ids, -1, dims=1))
+    loader = iter(lambda: batch, None)
+    steps, times = {}, {}
+    with tempfile.TemporaryDirectory() as cache:
+        for precision in ("bf16", "bf16-autocast"):
+            train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "cube.policies.single:PASSingle",
+                                            cache, precision=precision)
+            opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
+
+            def step(t=train_iter, m=model, o=opt):
+                t(m, loader)
+                o.step()
+                o.zero_grad(set_to_none=True)
+            steps[precision] = step
+        if fp8:
+            from torchao.float8 import convert_to_float8_training
+            for name, convert in (("eager bf16", False), ("eager fp8", True)):
+                m = copy.deepcopy(base).to(dev).to(torch.bfloat16)
+                if convert:
+                    convert_to_float8_training(m)
+                o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+                def step(m=m, o=o):
+                    m(*batch).backward()
+                    o.step()
+                    o.zero_grad(set_to_none=True)
+                steps[name] = step
+        for name in steps:
+            times[name] = []
+        for _ in range(cfg["rounds"]):
+            for name, step in steps.items():
+                _timed(step, 2)
+                times[name] += _timed(step, cfg["steps"])
+    med = {k: statistics.median(v) for k, v in times.items()}
+    rows = [{"benchmark": "gpu", "name": n, "ms_per_step": med[n] * 1e3} for n in med]
+    ratio = med["bf16"] / med["bf16-autocast"]
+    print(f"GPT {cfg['layers']} layers, d{cfg['dim']}, {torch.cuda.get_device_name(0)}: "
+          + ", ".join(f"{n} {v * 1e3:.1f} ms/step" for n, v in med.items()))
+    print(f"cube bf16 / bf16-autocast: {ratio:.3f}")
+    rows.append({"benchmark": "gpu", "name": "cube bf16 / bf16-autocast", "time_ratio": ratio})
+    if fp8:
+        r8 = med["eager fp8"] / med["eager bf16"]
+        print(f"torchao float8 / bf16 (plain model): {r8:.3f}")
+        rows.append({"benchmark": "gpu", "name": "fp8 / bf16 (plain model, torchao)", "time_ratio": r8})
+    return rows
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--predict", metavar="PROFILE", default=None,
                    help="also predict the cube step on this hardware profile (python -m cube.sim.calibrate)")
     p.add_argument("--kernels", metavar="DIR", default=None, help="write each way's profiler table here")
+    p.add_argument("--recipes", action="store_true", help="time cube's bf16 against bf16-autocast instead")
+    p.add_argument("--fp8", action="store_true", help="with --recipes: also torchao float8 on the plain model")
     for key in ("layers", "dim", "heads", "batch", "seq", "steps", "rounds"):
         p.add_argument(f"--{key}", type=int, default=None)
     a = vars(p.parse_args())
+    if a.pop("recipes"):
+        fp8 = a.pop("fp8")
+        a.pop("predict"), a.pop("kernels")
+        recipes(a.pop("quick"), fp8=fp8, **{k: v for k, v in a.items() if v is not None})
+        sys.exit(0)
+    a.pop("fp8")
     main(a.pop("quick"), predict_on=a.pop("predict"), kernels=a.pop("kernels"),
          **{k: v for k, v in a.items() if v is not None})

@@ -35,6 +35,8 @@ from cube.passes.micro import micro_shares
 from cube.passes.program import Program, build_program
 from cube.passes.rng import check_exact, mark_draws
 from cube.policy import Resource, apply_policy, load_policy, policy_name, policy_source
+from cube.passes.precision import device_type
+from cube.runtime import amp as rt_amp
 from cube.runtime import compiled as rt_compiled
 from cube.runtime import data as rt_data
 from cube.runtime import device as rt_device
@@ -237,6 +239,10 @@ class CompiledStep:
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}", f"exact_rng={self.exact_rng}",
+                     # main-parameter plans: the float32 islands (and so the code) differ between CPU and CUDA
+                     # (before: the forward under autocast over the low-precision weights)
+                     *((f"autocast-device={device_type()}", "half=islands") if rt_amp.main_params(self.precision)
+                       else ()),
                      # random ops draw through cube.runtime.rng (before: the default generator as it stood)
                      "rng=keyed",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
@@ -289,6 +295,12 @@ class CompiledStep:
                             f"and pass that model to the step")
         if self.max_shapes > 1:
             return self._call_shaped(model, dataloader)
+        if rt_amp.main_params(self.precision) and not getattr(model, "_lowered", False):
+            raise ValueError(f"precision={self.precision!r} trains low-precision weights with float32 main "
+                             f"parameters that cube.build_optimizer makes: build the optimizer with "
+                             f"cube.build_optimizer(model, torch.optim.AdamW, ...) before the first step, or "
+                             f"compile with precision={self.precision + '-autocast'!r} to step float32 "
+                             f"parameters with any optimizer")
         step, self.steps_run = self.steps_run, self.steps_run + 1
         if self._placeholders is not None:
             self.batches.pending = False   # compile's batch is not needed on this rank either
@@ -661,7 +673,7 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         batch: a tensor or a tuple/list of tensors, as the dataloader yields it (or, with
             ``structure``, the tuple of its tensors).
         zero: the ZeRO stage the plan is for (3 shards parameters in the plan).
-        precision: None, ``"bf16"`` or ``"fp16"``.
+        precision: None or one of ``cube.runtime.amp.PRECISIONS`` (``"bf16"``, ``"bf16-autocast"``, ...).
         timings: a dict that also gets the seconds of ``trace`` and ``ir``.
         structure: how ``batch`` is passed when it is already a tuple of tensors.
         dynamic_batch: trace dim 0 of the batch as a size of any value (``cube.trace.export.export``),
@@ -809,10 +821,16 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             it. 3 makes a ZeRO-3 plan: parameters summed over a data parallel
             group are sharded over it and gathered in forward; 1 (optimizer state)
             and 2 (and gradients) shard only what the optimizer holds.
-        precision: None (float32), ``"bf16"`` or ``"fp16"``: the forward runs under
-            ``torch.autocast`` over float32 parameters and optimizer state; fp16
-            adds a dynamic loss scale (build the optimizer with
-            ``cube.build_optimizer`` so overflowed steps are skipped).
+        precision: None (float32); ``"bf16"`` or ``"fp16"``: Megatron-LM's recipe, low-precision
+            weights for compute, float32 main parameters, optimizer state and gradient
+            accumulation in ``cube.build_optimizer`` (a plain optimizer over
+            ``model.parameters()`` steps the float32 parameters as autocast does);
+            ``"bf16-autocast"`` / ``"fp16-autocast"``: float32 parameters and optimizer state,
+            matrix products cast to the low precision by ``torch.autocast`` (losses, norms,
+            softmax in float32). The first runs the forward in the weights' dtype, losses in
+            float32 (``cube.passes.precision``); fp16 adds a dynamic loss
+            scale (build the optimizer with ``cube.build_optimizer`` so overflowed steps are
+            skipped). ``"fp8"`` is refused with what it lacks (docs/precision.md).
         options: keyword options for the policy (``{"tp": 2, "nmicros": 8}``): the
             shipped policies take ``tp``, ``pp``, ``nmicros``, ``nvirtual``,
             ``recompute`` (see each policy); they are part of the code cache key.
@@ -850,8 +868,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
         raise TypeError(f"cube.compile: model must be a torch.nn.Module, got {type(model).__name__}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"cube.compile: zero must be 0, 1, 2 or 3, got {zero!r}")
-    if precision not in (None, "bf16", "fp16"):
-        raise ValueError(f"cube.compile: precision must be None, 'bf16' or 'fp16', got {precision!r}")
+    rt_amp.check_precision(precision)
     rt_compiled.check_backend(backend)
     if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
         raise ValueError(f"cube.compile: max_shapes must be a positive integer, got {max_shapes!r}")

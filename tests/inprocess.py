@@ -9,6 +9,7 @@ import tempfile
 from typing import Callable, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 import cube
 import cube.debug
@@ -46,9 +47,82 @@ def eager_reference(model: torch.nn.Module, batches, make: Callable) -> Tuple[li
     return losses, dict(ref.named_parameters())
 
 
+class Float32Islands(torch.overrides.TorchFunctionMode):
+    """The casts of the low-precision forward, by hand (``cube.passes.precision``): losses read
+    float32 inputs (Megatron-LM's ``logits.float()``), on the CPU ``log_softmax`` computes in
+    float32 and rounds its output back, and matrix products and attention read every float input
+    in ``low`` (a float32 buffer or batch value meeting a bf16 weight)."""
+
+    LOSSES = {F.cross_entropy, F.nll_loss, F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.kl_div,
+              F.binary_cross_entropy, F.binary_cross_entropy_with_logits}
+    LOG_SOFTMAX = {F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax}
+    LOW = {F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm,
+           F.scaled_dot_product_attention}
+
+    def __init__(self, low: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.low = low
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+
+        def to(dtype):
+            return lambda a: a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+        if func in self.LOSSES or (func in self.LOG_SOFTMAX and args[0].device.type == "cpu"):
+            out = func(*map(to(torch.float32), args), **kwargs)
+            return out.to(args[0].dtype) if func in self.LOG_SOFTMAX else out
+        if func in self.LOW:
+            return func(*map(to(self.low), args), **{k: to(self.low)(v) for k, v in kwargs.items()})
+        return func(*args, **kwargs)
+
+
+def main_params_reference(model: torch.nn.Module, batches, make: Callable, shares: int = 1,
+                          low: torch.dtype = torch.bfloat16) -> Tuple[list, dict]:
+    """Megatron-LM's mixed precision by hand, in one process: a low-precision copy of the model
+    runs forward (in its weights' dtype, no autocast, with cube's float32 islands:
+    ``Float32Islands``) and backward; float32 main parameters
+    (the plain model's values) are stepped by ``make(params)`` on float32 gradients and copied back
+    into the copy after each step. Each global batch runs as ``shares`` equal micro-batches along
+    dim 0 (a plan's batch pieces: data parallel degree x micro-batches), each micro-batch's
+    low-precision gradient added to a float32 main gradient: the recipe at that micro-batch size.
+
+    Returns:
+        The losses (float32) and the main parameters after the last step, by name.
+    """
+    work = copy.deepcopy(model)
+    named = dict(work.named_parameters())
+    mains = {n: p.detach().clone() for n, p in named.items()}
+    for p in named.values():
+        p.data = p.data.to(low)
+    main_opt = make(list(mains.values()))
+    losses = []
+    for b in batches:
+        total = torch.zeros((), dtype=torch.float32)
+        grads = {n: None for n in named}
+        for micro in zip(*(t.chunk(shares) for t in b)):
+            with Float32Islands(low):
+                loss = work(*micro) / shares
+            loss.backward()
+            total += loss.detach().float()
+            for n, p in named.items():
+                if p.grad is not None:
+                    grads[n] = p.grad.float() if grads[n] is None else grads[n] + p.grad.float()
+                    p.grad = None
+        for n, m in mains.items():
+            m.grad = grads[n]
+        main_opt.step()
+        main_opt.zero_grad()
+        with torch.no_grad():
+            for n, p in named.items():
+                p.copy_(mains[n])
+        losses.append(total)
+    return losses, mains
+
+
 def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, nmicros: int = 1,
            opt: str = "sgd", build: Optional[Callable] = None, batches: Optional[list] = None,
-           param_floor: float = 0.0, seed: Optional[int] = None, **compile_kw) -> List[Tuple[float, float]]:
+           param_floor: float = 0.0, seed: Optional[int] = None, reference: Optional[Callable] = None,
+           **compile_kw) -> List[Tuple[float, float]]:
     """Runs ``steps`` steps through cube on ``world`` in-process ranks and eagerly, each on one global
     batch of ``nmicros`` times the sample's batch size (a pipeline plan cuts it into ``nmicros``
     micro-batches; the plain model trains on it whole).
@@ -63,6 +137,8 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
             construction, e.g. a key projection's, holds only round-off after an SGD step).
         seed: seeds the default generator right before the plain model's first step and before
             the compiled one's (random ops: both start from the same state; ``exact_rng``).
+        reference: ``(model, batches, make) -> (losses, parameters by name)``, the single process
+            to compare with (default: ``eager_reference``, the plain model).
         compile_kw: passed to ``cube.compile`` (``zero=``, ``precision=``, ...).
 
     Returns:
@@ -72,7 +148,7 @@ def parity(model: torch.nn.Module, sample, policy, world: int, steps: int = 3, n
     make = optimizer(opt)
     if seed is not None:
         torch.manual_seed(seed)
-    ref_losses, ref_params = eager_reference(model, batches, make)
+    ref_losses, ref_params = (reference or eager_reference)(model, batches, make)
     cache = tempfile.mkdtemp(prefix="cube-parity-")
 
     def body():

@@ -118,7 +118,7 @@ def test_gradients_accumulate_over_micro_batches_at_memory_speed(m):
 
 @pytest.mark.parametrize("recompute", [False, True])
 def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute):
-    """Under ``precision="bf16"`` every forward call (and a recompute) casts each float32 weight a
+    """Under ``precision="bf16-autocast"`` every forward call (and a recompute) casts each float32 weight a
     linear reads to bf16 (4 + 2 bytes an element), and backward casts its gradient back to float32
     (2 + 4); the norm's parameters are not cast, and without autocast nothing is."""
     import cube
@@ -135,7 +135,7 @@ def test_autocast_casts_each_weight_per_forward_and_its_gradient_back(recompute)
     rate = 1e6
     costs = FixedCosts(fw=0.0, bw=0.0, copy_rate=rate / 2)   # seconds = bytes moved / rate
     weights = 2 * 64 * 256   # elements of the two linear weights
-    for precision in (None, "bf16"):
+    for precision in (None, "bf16-autocast"):
         planned = cube.plan(NormMLP(), (torch.randn(2, 64),), policy, 1, precision=precision)
         prog, = build_programs(planned.graph, 1, costs, _free_comm(), 0, False, planned.program).values()
         spent = {}
@@ -602,7 +602,7 @@ def test_the_readme_simulator_command_runs_on_every_example(example):
 
 
 def test_mixed_precision_memory_follows_autocast():
-    """Under ``precision="bf16"`` a linear's output is counted in bf16, a norm's and the residual
+    """Under ``precision="bf16-autocast"`` a linear's output is counted in bf16, a norm's and the residual
     stream (float32 input plus a bf16 projection) in float32, and the linear holds autocast's bf16
     copy of its weight (bigger than every activation here) until its backward."""
     import cube
@@ -611,7 +611,7 @@ def test_mixed_precision_memory_follows_autocast():
 
     model, x = NormMLP(), torch.randn(2, 64)
     peaks = {}
-    for precision in (None, "bf16"):
+    for precision in (None, "bf16-autocast"):
         planned = cube.plan(model, (x,), "PASSingle", 1, precision=precision)
         if precision:
             dtypes = autocast_dtypes(planned.graph, precision)
@@ -624,7 +624,7 @@ def test_mixed_precision_memory_follows_autocast():
             held.append(held[-1] + ins.mem.get("activations", 0))
         peaks[precision] = max(held)
     weight = 4 * 64 * 64 * 2   # one weight's bf16 copy
-    assert peaks[None] < weight <= peaks["bf16"]
+    assert peaks[None] < weight <= peaks["bf16-autocast"]
 
 
 def test_host_clock_hides_behind_a_busy_device_and_idles_a_fast_one():
@@ -663,7 +663,7 @@ def test_device_costs_follow_autocast_dtypes_casts_and_gradient_sums():
     from cube.sim.precision import autocast_dtypes
 
     model, x = _linear_block(), torch.randn(4096, 64)
-    planned = cube.plan(model, (x,), "PASSingle", 1, precision="bf16")
+    planned = cube.plan(model, (x,), "PASSingle", 1, precision="bf16-autocast")
     raw = json.loads((hardware.HERE / "dgx-h100.json").read_text())
     raw["device"]["host_us_per_op"] = {"forward": 7.0, "backward": 11.0}
     hw = hardware.Hardware("h", "gpu", raw, "test")
@@ -672,7 +672,7 @@ def test_device_costs_follow_autocast_dtypes_casts_and_gradient_sums():
     norm, lin = ops["layer_norm"], ops["linear"]
     shape = [tuple(t.shape) for t in norm.inputs], [tuple(t.shape) for t in norm.outputs]
     before = costs.device_seconds(norm, *shape)[0]
-    costs.bind_dtypes(autocast_dtypes(planned.graph, "bf16"))
+    costs.bind_dtypes(autocast_dtypes(planned.graph, "bf16-autocast"))
     assert costs.device_seconds(norm, *shape)[0] == pytest.approx(2 * before, rel=0.01)   # 4 bytes, not 2
     ins = [tuple(t.shape) for t in lin.inputs]
     kernel, cast = costs.device_seconds(lin, ins, [tuple(lin.outputs[0].shape)])

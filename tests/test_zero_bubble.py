@@ -158,8 +158,8 @@ def test_zero_bubble_under_bf16_autocast_matches_1f1b():
     does: ZB-H1 and 1F1B train the same bf16 model to the same parameters."""
     from cube.policies.pipeline import PAS1F1B
     model, sample = build("gpt4_nobias")
-    a = parity(model, sample, functools.partial(PASZBH1, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
-    b = parity(model, sample, functools.partial(PAS1F1B, nmicros=4), 2, steps=2, nmicros=4, precision="bf16")
+    a = parity(model, sample, functools.partial(PASZBH1, nmicros=4), 2, steps=2, nmicros=4, precision="bf16-autocast")
+    b = parity(model, sample, functools.partial(PAS1F1B, nmicros=4), 2, steps=2, nmicros=4, precision="bf16-autocast")
     assert_exact(a, tol=1e-3)   # bf16-level differences from the float32 eager model (tests/test_precision.py)
     assert a == pytest.approx(b, rel=0.05, abs=1e-6)   # and the same as 1F1B's
 

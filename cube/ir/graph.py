@@ -32,7 +32,7 @@ class IRGraph:
         self.stages: List[List[IROperator]] = []
         self.schedule = None   # a cube.schedule.Schedule, set by cube.schedule.sched_*
         self.zero = 0   # ZeRO stage of the plan (cube.compile(zero=)); 3 shards parameters in the plan
-        self.precision = None   # "bf16" / "fp16" compute over float32 parameters (cube.compile(precision=))
+        self.precision = None   # None, "bf16", "fp16", "bf16-autocast", "fp16-autocast" (cube.compile(precision=))
         self.exact_rng = False   # random ops draw the single device's numbers (cube.compile(exact_rng=))
         # a pipeline plan's graph traced on one micro-batch of the global batch: how a step cuts the
         # batch and what each micro-batch's loss is a share of (cube.passes.micro.MicroBatches)

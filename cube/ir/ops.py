@@ -61,6 +61,16 @@ class OpInfo:
             range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
             along its classes sums the logits' statistics over its group); a row of
             ``cube.passes.inside.KINDS``.
+        half: how it runs in the weights' low precision (``precision="bf16"``/``"fp16"``, no
+            autocast; ``cube.passes.precision``): ``"fp32"`` its float inputs widened to float32
+            (losses: their value and the log-probabilities behind it in float32), ``"fp32_cpu"``
+            the same on the CPU with its output rounded back (``log_softmax``: the CPU kernel
+            rounds an intermediate to bf16; CUDA's computes in float32); ``"same"`` its float
+            inputs in one dtype, the low precision where they differ (norms: a float32 input and
+            bf16 weights); ``"stats"`` its weight and bias (arguments 1 and 2) in float32 beside
+            its float32 running statistics (batch norm: the kernels' mixed mode); None: in its
+            inputs' dtype, as the kernels do (norms, softmax and attention keep float32
+            statistics inside).
     """
 
     name: str
@@ -78,6 +88,7 @@ class OpInfo:
     inside: Optional[str] = None
     saves_inputs: bool = True
     autocast: Optional[str] = None
+    half: Optional[str] = None
 
 
 _ROWS: Dict[str, OpInfo] = {}
@@ -162,6 +173,12 @@ conv_transpose3d scaled_dot_product_attention prelu""", autocast="low")
 _add("""layer_norm group_norm norm softmax _softmax log_softmax _log_softmax cumsum exp log log1p rsqrt reciprocal pow
 sum prod softplus cross_entropy_loss nll_loss mse_loss l1_loss smooth_l1_loss""", autocast="fp32")
 _add("to _to_copy", autocast="cast")
+# the half-precision recipe's float32 islands (cube.passes.precision)
+_add("""cross_entropy_loss nll_loss nll_loss_nd nll_loss2d mse_loss l1_loss smooth_l1_loss huber_loss kl_div
+binary_cross_entropy binary_cross_entropy_with_logits""", half="fp32")
+_add("log_softmax _log_softmax", half="fp32_cpu")
+_add("layer_norm rms_norm group_norm", half="same")
+_add("batch_norm instance_norm", half="stats")
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)

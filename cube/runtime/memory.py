@@ -28,20 +28,29 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def report(model: torch.nn.Module, optimizer=None) -> Dict[str, int]:
-    """Bytes this rank holds now: ``params``, ``grads``, ``optimizer`` (state) and ``total``.
+    """Bytes this rank holds now: ``params``, ``main_params``, ``grads``, ``optimizer`` (state) and
+    ``total``.
 
-    A ZeRO optimizer's chunks count with the parameters and gradients they hold.
+    A ZeRO optimizer's chunks count with the parameters and gradients they hold, or, under the
+    main-parameter recipe (``cube.runtime.amp``), with the float32 main parameters; gradients
+    include the float32 main gradients (``param.main_grad``).
     """
     params = list(model.parameters())
-    grads = [p.grad for p in params]
+    grads = [p.grad for p in params] + [getattr(p, "main_grad", None) for p in params]
     shards = getattr(optimizer, "shards", []) if optimizer is not None else []
-    params += [s.param for s in shards]
+    mains = [s.param for s in shards if getattr(s, "main", False)]
+    params += [s.param for s in shards if not getattr(s, "main", False)]
     grads += [s.param.grad for s in shards]
+    main = getattr(optimizer, "main", None) if optimizer is not None else None
+    if main is not None:
+        mains += main.mains
+        grads += [m.grad for m in main.mains]
     state = []
     if optimizer is not None:
         for per_param in optimizer.state.values():
             state += [v for v in per_param.values() if torch.is_tensor(v)]
-    out = {"params": _bytes(params), "grads": _bytes(grads), "optimizer": _bytes(state)}
+    out = {"params": _bytes(params), "main_params": _bytes(mains), "grads": _bytes(grads),
+           "optimizer": _bytes(state)}
     out["total"] = sum(out.values())
     return out
 

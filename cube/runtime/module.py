@@ -36,7 +36,10 @@ class CubeModule(torch.nn.Module):
     REDUCE: List[Tuple[str, Tuple[int, ...]]] = []
     GROUPS: List[Tuple[int, ...]] = []
     ZERO: int = 0   # 3: the plan's forward gathers ZeRO-3 sharded parameters (zero_begin / zero_wait)
-    PRECISION = None   # "bf16" / "fp16": forward under torch.autocast over float32 parameters
+    # "bf16" / "fp16": low-precision weights, float32 main parameters in cube.build_optimizer, the
+    # forward in the weights' dtype with the casts the generated code prints (cube.passes.precision);
+    # "bf16-autocast" / "fp16-autocast": float32 parameters, forward under torch.autocast
+    PRECISION = None
     BACKEND = None   # the torch.compile backend its compute runs under (cube.compile(backend=); set at load)
 
     def __init__(self, device):
@@ -45,19 +48,22 @@ class CubeModule(torch.nn.Module):
         self.device = torch.device(device)
         self._reducer = None
         self._zero = None   # a ZeRO optimizer (cube.runtime.zero); stage 3 gathers the parameters
-        self.loss_scale = amp.LossScale() if self.PRECISION == "fp16" else None
+        self._main = None   # float32 main parameters stepped whole (cube.runtime.amp.MainOptimizer)
+        self._lowered = False   # the weights are low precision, their main parameters made (build_optimizer)
+        self.loss_scale = amp.LossScale() if amp.is_fp16(self.PRECISION) else None
 
     def __call__(self, *args, **kwargs):
         with session.activate(self._runtime):
-            if self.PRECISION is None:
+            if self.PRECISION is None or amp.main_params(self.PRECISION):
                 return super().__call__(*args, **kwargs)
             with torch.autocast(self.device.type, dtype=amp.DTYPES[self.PRECISION]):
                 return super().__call__(*args, **kwargs)
 
     def gradients(self) -> List[torch.Tensor]:
-        """Every gradient this rank holds, each memory once: the parameters' and a ZeRO
-        optimizer's chunks (stage 1's chunks are views of the parameters' gradients)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        """Every gradient this rank holds, each memory once: the parameters' (their float32 main
+        gradients under the main-parameter recipe) and a ZeRO optimizer's chunks (stage 1's chunks
+        are views of the parameters' gradients)."""
+        grads = [amp.grad_of(p) for p in self.parameters() if amp.grad_of(p) is not None]
         storages = {g.untyped_storage().data_ptr() for g in grads}
         if self._zero is not None:
             grads += [s.param.grad for s in self._zero.shards
@@ -103,6 +109,7 @@ class CubeModule(torch.nn.Module):
         """Takes ``base``'s gradient reducer, ZeRO optimizer and loss scale (made or replaced after
         this module was: ``cube.build_optimizer(base)``)."""
         self._reducer, self._zero, self.loss_scale = self.base._reducer, self.base._zero, self.base.loss_scale
+        self._main, self._lowered = self.base._main, self.base._lowered
         self.zero_stage = getattr(self.base, "zero_stage", 0)
         self.__dict__["_rng_steps"] = self.base.__dict__.get("_rng_steps", 0)   # (cube.runtime.rng's step count)
 

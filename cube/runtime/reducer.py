@@ -6,6 +6,11 @@ the reverse of their first use in forward. When the last gradient of a bucket
 is accumulated, the bucket is flattened and all-reduced asynchronously, so the
 communication overlaps the rest of backward, as DDP does. ``finish`` waits for
 the buckets and writes the sums back into ``.grad``.
+
+Under the main-parameter recipe (``cube.runtime.amp.MainParams`` sets ``main``) the buckets sum
+the float32 main gradients (``param.main_grad``; a low-precision ``.grad`` is widened first) and
+the sums go back to ``main_grad``; ``on_grad`` runs first in each gradient hook (the main
+gradient's accumulation).
 """
 from __future__ import annotations
 
@@ -23,9 +28,11 @@ FIRST_BUCKET_BYTES = 1024 * 1024   # a small first bucket starts communication e
 
 
 class _Bucket:
-    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]):
+    def __init__(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...], main: bool = False):
         self.params = params
         self.ranks = ranks
+        self.dtype = params[0].dtype   # the gradients' sum (float32 main gradients under the main recipe)
+        self.main = main
         self.ready = 0
         self.work = None
         self.flat = None
@@ -33,7 +40,7 @@ class _Bucket:
         self.keep_full = True   # ZeRO-1 keeps the full gradients, ZeRO-2/3 only the chunk
 
     def launch(self) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [self._grad(p) for p in self.params]
         self.flat = _flatten_dense_tensors(grads)
         grp = group(self.ranks)
         if self.shard is not None and not self.keep_full and nccl(self.flat, grp):
@@ -45,6 +52,14 @@ class _Bucket:
             return
         self.work = dist.all_reduce(self.flat, group=grp, async_op=True)
 
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        g = getattr(p, "main_grad", None) if self.main else None
+        if g is None:
+            g = p.grad
+        if g is None:
+            return torch.zeros(p.shape, dtype=self.dtype, device=p.device)
+        return g if g.dtype == self.dtype else g.to(self.dtype)
+
     def finish(self) -> None:
         if self.work is None:
             self.launch()
@@ -53,7 +68,10 @@ class _Bucket:
             self.shard.take_gradient(self.flat, self.keep_full)
         if self.shard is None or self.keep_full:
             for p, g in zip(self.params, _unflatten_dense_tensors(self.flat, self.params)):
-                p.grad = g   # a view of the summed bucket: no copy back
+                if self.main:   # the float32 sum is the main gradient; the low-precision one is spent
+                    p.main_grad, p.grad = g, None
+                else:
+                    p.grad = g   # a view of the summed bucket: no copy back
         self.ready, self.work, self.flat = 0, None, None
 
 
@@ -99,9 +117,24 @@ class Reducer:
         self._hooked = len([b for b in self.buckets if id(b.params[0]) not in late])
         self._next = 0   # buckets launch in this order on every rank, so collectives match
         self._held = False
+        self.on_grad = None   # called first in each gradient hook (cube.runtime.amp.MainParams)
         for b in self.buckets[:self._hooked]:
             for p in b.params:
                 p.register_post_accumulate_grad_hook(self._hook)
+
+    @property
+    def main(self) -> bool:
+        """Whether the buckets sum float32 main gradients (``param.main_grad``)."""
+        return any(b.main for b in self.buckets)
+
+    @main.setter
+    def main(self, value: bool) -> None:
+        for b in self.buckets:
+            b.main = value
+
+    def hooked(self) -> set:
+        """Ids of the parameters whose gradient hook is this reducer's."""
+        return {id(p) for b in self.buckets[:self._hooked] for p in b.params}
 
     def _close(self, params: List[torch.nn.Parameter], ranks: Tuple[int, ...]) -> None:
         b = _Bucket(list(params), ranks)
@@ -114,6 +147,8 @@ class Reducer:
         self._held = True
 
     def _hook(self, p: torch.nn.Parameter) -> None:
+        if self.on_grad is not None:
+            self.on_grad(p)
         if self._held:
             return
         b = self._of[id(p)]

@@ -20,6 +20,12 @@ chunk of it:
 
 Parameters not summed over any group (tensor-parallel pieces, pipeline stages
 without data parallelism) are stepped whole by the same inner optimizer.
+
+Under the main-parameter recipe (``precision="bf16"``/``"fp16"``, ``cube.runtime.amp``) the flat
+buffer holds the low-precision weights and each rank's chunk is a float32 main parameter of its
+own: the optimizer state and the main parameters are sharded, the gradients are summed in
+float32, and the gather after the step moves the rounded low-precision values (Megatron-LM's
+distributed optimizer).
 """
 from __future__ import annotations
 
@@ -30,14 +36,14 @@ from typing import Dict, Iterator, List, Optional, Tuple, Type
 import torch
 import torch.distributed as dist
 
-from cube.runtime.amp import SkipOnOverflow
+from cube.runtime.amp import DTYPES, MainOptimizer, MainParams, SkipOnOverflow, main_params
 from cube.runtime.collectives import all_gather_single, group, nccl
 
 
 class _Shard:
     """One bucket's flat parameter buffer and this rank's chunk of it."""
 
-    def __init__(self, bucket, stage: int):
+    def __init__(self, bucket, stage: int, low: Optional[torch.dtype] = None):
         self.bucket = bucket
         self.ranks = tuple(sorted(bucket.ranks))
         self.n = len(self.ranks)
@@ -49,6 +55,7 @@ class _Shard:
         self.stage = stage
         ref = params[0]
         self.dtype, self.device = ref.dtype, ref.device
+        self.main = low is not None   # low-precision weights in the flat buffer, a float32 chunk
         self.shapes = [p.shape for p in params]
         flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
         with torch.no_grad():
@@ -60,9 +67,11 @@ class _Shard:
         # the optimizer's parameter: this rank's chunk; it shares the flat buffer's memory (stages 1
         # and 2, so the step updates the parameters in place), or has its own (stage 3 frees the buffer)
         own = flat[lo:lo + self.chunk]
-        self.param = torch.nn.Parameter(own.clone() if stage == 3 else own)
+        self.param = torch.nn.Parameter(own.clone() if stage == 3 or self.main else own)
         self.flat: Optional[torch.Tensor] = None
         self.work = None
+        if self.main:
+            flat, self.dtype = flat.to(low), low
         self._attach(flat)
 
     # ---------------------------------------------------------------- parameter memory
@@ -87,7 +96,7 @@ class _Shard:
             return
         flat = self.flat if self.flat is not None else torch.empty(self.padded, dtype=self.dtype,
                                                                    device=self.device)
-        own = self.param.detach().clone()
+        own = self.param.detach().to(self.dtype, copy=True)
         grp = group(self.ranks)
         if nccl(flat, grp):
             self.work = all_gather_single(flat, own, group=grp, async_op=True)
@@ -124,6 +133,14 @@ class _Shard:
         if not keep_full:
             for p in self.bucket.params:
                 p.grad = None
+                if self.main:
+                    p.main_grad = None
+
+    def gather_main(self) -> None:
+        """Points the parameters at the float32 main values, all-gathered (checkpoints read them)."""
+        flat = torch.empty(self.padded, dtype=torch.float32, device=self.device)
+        dist.all_gather(list(flat.split(self.chunk)), self.param.detach().contiguous(), group=group(self.ranks))
+        self._attach(flat)
 
 
 class ZeroOptimizer:
@@ -135,15 +152,18 @@ class ZeroOptimizer:
     data parallel groups), for checkpoints.
     """
 
-    def __init__(self, model, optimizer_cls: Type[torch.optim.Optimizer], stage: int, **kwargs):
+    def __init__(self, model, optimizer_cls: Type[torch.optim.Optimizer], stage: int,
+                 accumulate: str = "fp32", **kwargs):
         reducer = getattr(model, "_reducer", None)
         self.model = model
         self.stage = stage
         self.shards: List[_Shard] = []
+        precision = getattr(model, "PRECISION", None)
+        low = DTYPES[precision] if main_params(precision) else None
         if reducer is not None:
             for b in reducer.buckets:
                 if len(b.ranks) > 1:
-                    shard = _Shard(b, stage)
+                    shard = _Shard(b, stage, low)
                     b.shard = shard
                     b.keep_full = stage == 1
                     self.shards.append(shard)
@@ -153,9 +173,17 @@ class ZeroOptimizer:
                              f"Use a policy with data parallelism (PASData, PASHybrid) or zero=0.")
         sharded = {id(p) for s in self.shards for p in s.bucket.params}
         self.whole = [p for p in model.parameters() if id(p) not in sharded and p.requires_grad]
-        self.inner = optimizer_cls([s.param for s in self.shards] + self.whole, **kwargs)
+        self.main: Optional[MainParams] = None   # the whole parameters' float32 main values (main recipe)
+        stepped = self.whole
+        if low is not None:
+            trainable = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+            self.main = MainParams(model, [p for p in self.whole if p.is_floating_point()], trainable,
+                                   accumulate)
+            stepped = [self.main.main_of.get(id(p), p) for p in self.whole]
+        self.inner = optimizer_cls([s.param for s in self.shards] + stepped, **kwargs)
         self._shard_of = {id(p): s for s in self.shards for p in s.bucket.params}
         model._zero = self
+        model._lowered = low is not None
         if stage == 3:
             for s in self.shards:
                 s.release()
@@ -172,7 +200,11 @@ class ZeroOptimizer:
     def step(self, closure=None):
         if self.model.loss_scale is not None and self.model.loss_scale.found_inf:
             return None   # fp16 overflow: this step's gradients are not used
+        if self.main is not None:
+            self.main.load_grads()
         out = self.inner.step(closure)
+        if self.main is not None:
+            self.main.copy_back()
         if self.stage < 3:
             for s in self.shards:
                 s.gather_async()
@@ -185,6 +217,9 @@ class ZeroOptimizer:
         for s in self.shards:
             for p in s.bucket.params:
                 p.grad = None
+                p.main_grad = None
+        if self.main is not None:
+            self.main.zero_grad()
 
     def state_dict(self):
         return self.inner.state_dict()
@@ -221,6 +256,10 @@ class ZeroOptimizer:
             write: the block writes the parameters (loading a checkpoint): each
                 rank's chunk is taken from them on the way out.
         """
+        if self.main is not None or any(s.main for s in self.shards):
+            with self._main_values(write):
+                yield
+            return
         if self.stage < 3:   # the parameters are always whole, and the chunks are views of them
             yield
             return
@@ -238,7 +277,32 @@ class ZeroOptimizer:
                         s.param.copy_(s.flat[lo:lo + s.chunk])
             self.after_reduce()
 
+    @contextmanager
+    def _main_values(self, write: bool) -> Iterator[None]:
+        """``gathered`` under the main-parameter recipe: the parameters hold the float32 main values
+        (all-gathered chunks) inside the block; after it, the low-precision weights (rounded again
+        from the main values, which a ``write`` block took from the parameters)."""
+        for s in self.shards:
+            s.gather_main()
+        try:
+            with self.main.swapped(write) if self.main is not None else nullcontext():
+                yield
+        finally:
+            with torch.no_grad():
+                for s in self.shards:
+                    if write:
+                        lo = s.index * s.chunk
+                        s.param.copy_(s.flat[lo:lo + s.chunk])
+                    if self.stage == 3:
+                        s.release()
+                    else:
+                        s._attach(s.flat.to(s.dtype))
+
     # ---------------------------------------------------------------- checkpoints
+    def _stepped(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """What the inner optimizer steps for a parameter held whole: its main parameter, or itself."""
+        return self.main.main_of.get(id(p), p) if self.main is not None else p
+
     def consolidated_state(self) -> Tuple[Dict[torch.nn.Parameter, Dict[str, torch.Tensor]], list]:
         """The state a plain optimizer over ``model.parameters()`` would hold (collective).
 
@@ -266,8 +330,9 @@ class ZeroOptimizer:
                     state[p][key] = flat[off:off + n].view(shape).clone()
                     off += n
         for p in self.whole:
-            if p in self.inner.state:
-                state[p] = dict(self.inner.state[p])
+            key = self._stepped(p)
+            if key in self.inner.state:
+                state[p] = dict(self.inner.state[key])
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
         return state, groups
 
@@ -296,8 +361,8 @@ class ZeroOptimizer:
             self.inner.state[s.param] = target
         for p in self.whole:
             if p in state:
-                self.inner.state[p] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
-                                       for k, v in state[p].items()}
+                self.inner.state[self._stepped(p)] = {k: (v.to(p.device) if torch.is_tensor(v) and v.dim() else v)
+                                                      for k, v in state[p].items()}
         if param_groups:
             for g, saved in zip(self.inner.param_groups, param_groups):
                 g.update({k: v for k, v in saved.items() if k != "params"})
@@ -313,12 +378,17 @@ def planned_stage(model) -> Optional[int]:
 
 
 def build_optimizer(model, optimizer_cls: Type[torch.optim.Optimizer] = torch.optim.AdamW,
-                    zero: Optional[int] = None, **kwargs):
+                    zero: Optional[int] = None, main_grads: str = "fp32", **kwargs):
     """The optimizer for a generated module, with ZeRO sharding over its data parallel groups.
 
     The ZeRO stage is said once, in ``cube.compile(..., zero=)``: without ``zero``
     the optimizer follows the plan. A plan compiled with ``zero=0`` (the default)
     still takes stage 1 or 2 here, as those need nothing at compile time.
+
+    On a plan compiled with ``precision="bf16"``/``"fp16"`` the optimizer steps float32 main
+    parameters (the module's float32 values at this call) and the module's weights become their
+    low-precision copies, refreshed after each step; gradients accumulate in float32
+    (``param.main_grad``). See ``cube.runtime.amp`` and docs/precision.md.
 
     Args:
         model: the module from ``cube.load_model()``.
@@ -326,6 +396,10 @@ def build_optimizer(model, optimizer_cls: Type[torch.optim.Optimizer] = torch.op
         zero: None (the plan's stage), or 0 (a plain optimizer), 1 (shard optimizer
             state), 2 (and gradients), 3 (and parameters; the plan must be compiled
             with ``zero=3``); a stage the plan was not compiled with is refused.
+        main_grads: under ``precision="bf16"``/``"fp16"``, how gradients accumulate: ``"fp32"``
+            (default; Megatron-LM's float32 main-gradient buffer) or ``"bf16"`` (in the weights'
+            dtype, summed over ranks in float32, as torchtitan; kept for measurement,
+            docs/precision.md).
         **kwargs: the optimizer's hyperparameters (lr, weight_decay, ...).
 
     Raises:
@@ -348,15 +422,26 @@ def build_optimizer(model, optimizer_cls: Type[torch.optim.Optimizer] = torch.op
     elif planned and zero != planned:
         raise ValueError(f"cube.build_optimizer(zero={zero}): the plan was compiled with zero={planned}; "
                          f"leave zero= out (the optimizer follows the plan) or compile with zero={zero}")
+    precision = getattr(model, "PRECISION", None)
+    if main_params(precision) and (getattr(model, "_main", None) is not None
+                                   or getattr(model, "_zero", None) is not None):
+        raise ValueError("cube.build_optimizer: this model already has an optimizer over its float32 main "
+                         "parameters; build one per model")
+    if zero == 0 and main_params(precision):
+        return MainOptimizer(model, optimizer_cls, main_grads, **kwargs)
     if zero == 0:
         plain = optimizer_cls(model.parameters(), **kwargs)
         return SkipOnOverflow(plain, model) if getattr(model, "loss_scale", None) is not None else plain
     if getattr(model, "_zero", None) is not None:
         raise ValueError("cube.build_optimizer: this model already has a ZeRO optimizer; build one per model")
-    return ZeroOptimizer(model, optimizer_cls, zero, **kwargs)
+    return ZeroOptimizer(model, optimizer_cls, zero, accumulate=main_grads, **kwargs)
 
 
 def whole_parameters(model, write: bool = False):
-    """A context in which ``model``'s parameters are whole, also under ZeRO-3 (see ``gathered``)."""
+    """A context in which ``model``'s parameters are whole, also under ZeRO-3 (see ``gathered``), and
+    hold their float32 main values under the main-parameter recipe (``cube.runtime.amp``)."""
     zero = getattr(model, "_zero", None)
-    return zero.gathered(write) if zero is not None else nullcontext()
+    if zero is not None:
+        return zero.gathered(write)
+    main = getattr(model, "_main", None)
+    return main.swapped(write) if main is not None else nullcontext()

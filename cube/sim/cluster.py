@@ -4,10 +4,11 @@
 shapes: ``max(flops / (peak * efficiency(flops)), bytes / memory rate)`` on the
 device, with the profile's efficiency curve of the op's class (GEMM, attention,
 convolution; others are bound by memory), the backward a multiple of the
-forward (per op class), AdamW bound by memory. Under autocast (the plan's
-``precision``) each tensor is counted at the dtype it has then
-(``cube.sim.precision``), and an op autocast runs in another dtype than an
-input's pays the cast of that input (a copy, and its gradient's back). The
+forward (per op class), AdamW bound by memory. Under mixed precision (the plan's
+``precision``) each tensor is counted at the dtype it has when the rank runs
+(``cube.sim.precision``), and an op pays the cast of each input it reads in
+another dtype (a copy, and its gradient's back): autocast's, from its op lists,
+or the casts a main-parameter plan's generated code prints (``cube.passes.precision``). The
 host: a profile's ``launch_us`` is added to every op (dispatch the device does
 not hide); with a calibrated ``host_us_per_op`` (the host's seconds per op of
 an eager training step, forward and backward) ops cost the device alone and
@@ -70,12 +71,16 @@ class DeviceCosts(Estimator):
         self.half_model = bool(half_model) and self.low is not None
         self.price_casts = not self.half_model   # cube.sim.program prices the weights' casts
         self.dtypes: Optional[dict] = None       # activation id -> dtype under autocast (bind_dtypes)
+        self.casts: Optional[dict] = None        # the low-precision forward's casts (bind_dtypes)
         self._memo: dict = {}
 
-    def bind_dtypes(self, dtypes: Optional[dict]) -> None:
-        """The dtypes of the graph about to be simulated under autocast (``autocast_dtypes``; None:
-        every float tensor at the precision's activation size; always so for a ``half_model``)."""
+    def bind_dtypes(self, dtypes: Optional[dict], casts: Optional[dict] = None) -> None:
+        """The dtypes of the graph about to be simulated (``cube.sim.precision.run_dtypes``; None:
+        every float tensor at the precision's activation size; always so for a ``half_model``).
+        ``casts``: a main-parameter plan's casts (``cube.passes.precision.LowPrecision.casts``), the
+        only ones its ops pay; None: autocast's, from each op's list."""
         self.dtypes = None if self.half_model else dtypes
+        self.casts = None if self.half_model else casts
 
     def _dtype(self, t):
         """``t``'s dtype when the op runs (autocast's, once bound)."""
@@ -91,25 +96,35 @@ class DeviceCosts(Estimator):
         op = call.op
         # the same op at the same shapes costs the same: thousands of layers and micro-batches repeat
         key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)), tuple(map(self._dtype, op.inputs)),
-               tuple(map(self._dtype, op.outputs)), needs_grad(call), _causal(op))
+               tuple(map(self._dtype, op.outputs)), tuple(self._targets(op)), needs_grad(call), _causal(op))
         got = self._memo.get(key)
         if got is None:
             got = self._memo[key] = super().op_cost(call)
         return got
+
+    def _targets(self, op):
+        """Per input of ``op``: the dtype it is cast to before the op reads it, or None."""
+        if self.casts is not None:   # a main-parameter plan: the casts its generated code prints
+            wanted = self.casts.get(id(op.root), {})
+            return [wanted.get(id(t.logical)) for t in op.inputs]
+        target = None
+        if self.dtypes is not None and self.low is not None:
+            target = {"low": self.low, "fp32": torch.float32}.get(op_info(op.name).autocast)
+        if target is None:
+            return [None] * len(op.inputs)
+        # weights: autocast casts them once per forward call (cube.sim.program)
+        return [target if t.dtype.is_floating_point and self._dtype(t) != target and t.kind is not TensorKind.PARAM
+                else None for t in op.inputs]
 
     def backward_seconds(self, op, fw: float) -> float:
         return self.backward_factors.get(op_info(op.name).cost, self.backward_factor) * fw
 
     def device_seconds(self, op, ins, outs) -> Tuple[float, float]:
         """``(the op's kernel, autocast's casts of its inputs)``: device seconds of the forward."""
-        target = None
-        if self.dtypes is not None and self.low is not None:
-            target = {"low": self.low, "fp32": torch.float32}.get(op_info(op.name).autocast)
         nbytes, cast = 0, 0
-        for s, t in zip(ins, op.inputs):
+        for s, t, target in zip(ins, op.inputs, self._targets(op)):
             size = self._itemsize(t)
-            if target is not None and t.dtype.is_floating_point and self._dtype(t) != target \
-                    and t.kind is not TensorKind.PARAM:   # weights: cast once per forward call (cube.sim.program)
+            if target is not None:
                 cast += _numel(s) * (size + target.itemsize)   # a copy into the dtype the op runs in
                 size = target.itemsize
             nbytes += _numel(s) * size

@@ -1,34 +1,54 @@
-"""What a plan holds under mixed precision: the dtype each activation has when the forward runs
-under ``torch.autocast``, and the low-precision copies of the weights autocast makes.
+"""What a plan holds and computes in under mixed precision.
 
-A plan compiled with ``precision="bf16"``/``"fp16"`` keeps float32 parameters, gradients and AdamW
-state (``cube.runtime.amp``: 16 bytes per parameter) and runs each forward call under autocast,
-which decides every op's output dtype (``OpInfo.autocast``): matrix products, convolutions and
-attention compute in the low precision, normalizations, softmax, losses and reductions in float32,
-every other op in the widest dtype of its float inputs. So a transformer's residual stream, made
-by a float32 embedding and added to low-precision projections, stays float32, while the linear
-layers' outputs are half the size. Autocast casts each float32 weight a low-precision op reads once
-per forward call (its cache lives until the call returns) and autograd keeps the cast copy until
-the op's backward.
+``precision="bf16"``/``"fp16"`` (Megatron-LM's recipe): low-precision weights, no casts of them,
+float32 main parameters, gradients and AdamW state (18 bytes per parameter). The forward runs in
+the weights' dtype with the float32 islands ``cube.passes.precision`` decides (losses read float32);
+the simulator takes that pass's dtypes and casts, on a GPU (``run_dtypes``), so it prices the
+program the ranks run.
+
+``"bf16-autocast"``/``"fp16-autocast"``: float32 parameters, gradients and AdamW state (16 bytes
+per parameter), each forward call under autocast, which decides every op's output dtype
+(``OpInfo.autocast``): matrix products, convolutions and attention compute in the low precision,
+normalizations, softmax, losses and reductions in float32, every other op in the widest dtype of
+its float inputs. So a transformer's residual stream, made by a float32 embedding and added to
+low-precision projections, stays float32, while the linear layers' outputs are half the size.
+Autocast casts each float32 weight a low-precision op reads once per forward call (its cache
+lives until the call returns) and autograd keeps the cast copy until the op's backward.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from cube.ir.graph import IRGraph
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
-from cube.runtime.amp import DTYPES
+from cube.passes.precision import low_precision
+from cube.runtime.amp import DTYPES, main_params
+
+GPU = "cuda"   # the device type the simulator prices (its float32 islands: cube.passes.precision)
+
+
+def run_dtypes(graph: IRGraph, precision: Optional[str]) -> Tuple[Dict[int, torch.dtype], Optional[dict]]:
+    """``(dtypes, casts)``: per value (by id) its dtype when a rank runs at ``precision``, and a
+    main-parameter plan's casts (``cube.passes.precision.LowPrecision.casts``; None under autocast,
+    whose casts follow each op's list, and without a precision)."""
+    if main_params(precision):   # (the pass reads the graph's precision, as the ranks do)
+        plan = low_precision(graph, GPU)
+        return plan.dtypes, plan.casts
+    return autocast_dtypes(graph, precision), None
 
 
 def autocast_dtypes(graph: IRGraph, precision: Optional[str]) -> Dict[int, torch.dtype]:
-    """Per logical activation (by id) its dtype under ``torch.autocast`` at ``precision`` (``"bf16"``,
-    ``"fp16"``); empty without one (every tensor has its traced dtype)."""
+    """Per logical activation (by id) its dtype when the rank runs at ``precision``: under
+    ``torch.autocast`` (``"bf16-autocast"``, ``"fp16-autocast"``), or in the weights' dtype
+    (``"bf16"``, ``"fp16"``: ``run_dtypes``); empty without one (every tensor has its traced dtype)."""
     low = DTYPES.get(precision) if precision else None
     if low is None:
         return {}
+    if main_params(precision):
+        return run_dtypes(graph, precision)[0]
     out: Dict[int, torch.dtype] = {}
     for op in graph.select(ntype=IRFwOperation):
         rule = op_info(op.name).autocast

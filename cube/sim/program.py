@@ -37,6 +37,7 @@ from cube.sim.buckets import make_buckets
 from cube.sim.costs import needs_grad
 from cube.sim.instructions import COLLECTIVES, Ins, Program, Writer, nbytes_of
 from cube.sim.memory import MemTracker
+from cube.runtime.amp import main_params
 from cube.sim.precision import autocast_dtypes, casts_weights
 from cube.sim.replay import MicroState, Replays
 from cube.sim.step_end import StepEnd
@@ -94,7 +95,9 @@ class Builder(Writer, StepEnd):
         if dtypes is None:
             dtypes = autocast_dtypes(graph, precision)
         self.dtypes = dtypes   # activation id -> dtype under autocast
-        self.cast_itemsize = DTYPES[precision].itemsize if precision else 0   # autocast's copies of weights
+        # autocast's copies of float32 weights (none when the weights are low precision themselves)
+        self.cast_itemsize = DTYPES[precision].itemsize if precision and not main_params(precision) else 0
+        self.main = main_params(precision)   # low-precision weights, float32 main parameters in the optimizer
         self.replays = Replays(self)
         self.grads_made: set = set()   # (micro-batch, value key) that got a gradient in backward
         self.price_casts = getattr(costs, "price_casts", True)   # autocast's weight casts cost time

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Dict
 
+import torch
+
 from cube.ir.tensor import TensorKind
 
 ADAM_STATE_BYTES = 2 * 4   # per trainable element: AdamW's two float32 moments
+MAIN_PARAM_BYTES = 4       # per trainable element: its float32 main parameter (precision="bf16")
 
 
 class StepEnd:
@@ -82,9 +85,14 @@ class StepEnd:
         params = sum(self.attr_bytes.values())
         trainable = sum(self.attr_bytes[id(t)] // t.dtype.itemsize for t, _ in self.plan.attrs
                         if t.kind is TensorKind.PARAM and t.requires_grad)
+        if getattr(self, "main", False):   # low-precision weights; float32 main parameters with the state
+            params -= sum(self.attr_bytes[id(t)] // 2 for t, _ in self.plan.attrs
+                          if t.kind is TensorKind.PARAM and t.requires_grad and t.dtype == torch.float32)
         for b in self.sharded:
             trainable -= b.numel - b.chunk
             if self.zero == 3:
-                params -= b.nbytes - b.chunk * b.itemsize
-        return {"params": params, "optimizer": ADAM_STATE_BYTES * trainable}
+                # main recipe: the chunk is a float32 main parameter (with the state), no weight at rest
+                params -= b.nbytes // 2 if getattr(self, "main", False) else b.nbytes - b.chunk * b.itemsize
+        state = ADAM_STATE_BYTES + (MAIN_PARAM_BYTES if getattr(self, "main", False) else 0)
+        return {"params": params, "optimizer": state * trainable}
 
