@@ -72,7 +72,7 @@ def memory(world: int):
             def body():
                 it = iter([batch] * 2)
 
-                @cube.compile(copy.deepcopy(model), it, PAS="policies.data:PASData", cache_dir=cache,
+                @cube.compile(copy.deepcopy(model), it, PAS="cube.policies.data:PASData", cache_dir=cache,
                               precision=precision)
                 def step(m, dl):
                     data = next(dl)

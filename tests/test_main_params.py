@@ -46,17 +46,17 @@ def _build(opt: str):
 
 CASES = [
     # (id, model, policy, world, micro-batches (global batch / sample's), batch pieces, zero, optimizer, tol)
-    ("data2-adamw", "gpt_nobias", "policies.data:PASData", 2, 1, 2, 0, "adamw", EXACT),
-    ("data2-sgd", "gpt_nobias", "policies.data:PASData", 2, 1, 2, 0, "sgd", EXACT),
-    ("data4-zero1", "gpt_nobias", "policies.data:PASData", 4, 1, 4, 1, "adamw", EXACT),
-    ("data2-zero2", "gpt_nobias", "policies.data:PASData", 2, 1, 2, 2, "adamw", EXACT),
-    ("data4-zero3", "gpt_nobias", "policies.data:PASData", 4, 1, 4, 3, "adamw", EXACT),
+    ("data2-adamw", "gpt_nobias", "cube.policies.data:PASData", 2, 1, 2, 0, "adamw", EXACT),
+    ("data2-sgd", "gpt_nobias", "cube.policies.data:PASData", 2, 1, 2, 0, "sgd", EXACT),
+    ("data4-zero1", "gpt_nobias", "cube.policies.data:PASData", 4, 1, 4, 1, "adamw", EXACT),
+    ("data2-zero2", "gpt_nobias", "cube.policies.data:PASData", 2, 1, 2, 2, "adamw", EXACT),
+    ("data4-zero3", "gpt_nobias", "cube.policies.data:PASData", 4, 1, 4, 3, "adamw", EXACT),
     # the test pipelines cut each global batch into 4 micro-batches
     ("pipe2-1f1b", "gpt_untied", "tests/extra_policies.py:PAS1F1B", 2, 4, 4, 0, "adamw", EXACT),
     ("pipe4-1f1b-data-zero1", "gpt_untied", "tests/extra_policies.py:PAS1F1BData", 4, 4, 8, 1, "adamw", EXACT),
-    ("tensor2-sgd", "gpt_nobias", "policies.megatron:PASMegatronTP", 2, 1, 1, 0, "sgd", TP_TOL_SGD),
-    ("tensor4-sgd", "gpt_nobias", "policies.megatron:PASMegatronTP", 4, 1, 1, 0, "sgd", TP_TOL_SGD),
-    ("tensor2-adamw", "gpt_nobias", "policies.megatron:PASMegatronTP", 2, 1, 1, 0, "adamw", TP_TOL_ADAMW),
+    ("tensor2-sgd", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, 1, 1, 0, "sgd", TP_TOL_SGD),
+    ("tensor4-sgd", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 4, 1, 1, 0, "sgd", TP_TOL_SGD),
+    ("tensor2-adamw", "gpt_nobias", "cube.policies.megatron:PASMegatronTP", 2, 1, 1, 0, "adamw", TP_TOL_ADAMW),
 ]
 
 
@@ -74,7 +74,7 @@ def test_main_params_equal_the_recipe_by_hand(model, policy, world, nmicros, sha
 def test_main_params_against_float32_training():
     """The recipe against plain float32 training: within bf16's documented tolerance (docs/precision.md)."""
     m, sample = build("gpt_nobias")
-    errors = parity(m, sample, "policies.data:PASData", 2, steps=3, opt="sgd", build=_build("sgd"),
+    errors = parity(m, sample, "cube.policies.data:PASData", 2, steps=3, opt="sgd", build=_build("sgd"),
                     precision="bf16")
     worst = max(max(e) for e in errors)
     assert worst <= FLOAT32_TOL, errors
@@ -98,7 +98,7 @@ def test_checkpoints_hold_the_float32_main_parameters(zero, tmp_path):
         def compiled(start=0):
             it = iter(batches[start:])
 
-            @cube.compile(copy.deepcopy(m), it, PAS="policies.data:PASData", cache_dir=cache, precision="bf16",
+            @cube.compile(copy.deepcopy(m), it, PAS="cube.policies.data:PASData", cache_dir=cache, precision="bf16",
                           zero=zero)
             def train_iter(model, dataloader):
                 data = next(dataloader)
@@ -156,7 +156,7 @@ def test_forward_runs_in_the_weights_dtype_with_float32_islands(tmp_path):
     (rounded back), the loss's input widened. The plan equals the recipe by hand on 2 ranks."""
     from tests.parity import compile_step
     m, sample = _Islands(), (torch.randn(8, 16), torch.randint(0, 16, (8,)))
-    step = compile_step(m, iter([sample, sample]), "policies.single:PASSingle", tmp_path, precision="bf16")
+    step = compile_step(m, iter([sample, sample]), "cube.policies.single:PASSingle", tmp_path, precision="bf16")
     src = step.source
     assert "autocast" not in src
     assert "aten.linear.default(mul.to(torch.bfloat16), " in src
@@ -166,6 +166,6 @@ def test_forward_runs_in_the_weights_dtype_with_float32_islands(tmp_path):
     cube.build_optimizer(model, torch.optim.SGD, lr=0.1)
     loss = step(model, iter([sample]))
     assert loss.dtype == torch.float32 and torch.isfinite(loss)
-    errors = parity(_Islands(), sample, "policies.data:PASData", 2, steps=3, opt="adamw", build=_build("adamw"),
+    errors = parity(_Islands(), sample, "cube.policies.data:PASData", 2, steps=3, opt="adamw", build=_build("adamw"),
                     reference=functools.partial(main_params_reference, shares=2), precision="bf16")
     assert max(max(e) for e in errors) <= EXACT, errors
