@@ -104,6 +104,8 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
     nmicros = len(batches)
     forwards = [(i, s) for kind, i, s in steps if kind == "F"]
     split = any(kind == "W" for kind, _, _ in steps)   # zero-bubble: B leaves weight gradients to W
+    # a B followed at once by its own W (DualPipeV's full backwards) is one whole backward: nothing to defer
+    whole = {k for k, (kind, i, s) in enumerate(steps[:-1]) if kind == "B" and steps[k + 1] == ("W", i, s)}
     deferred: Dict[Tuple[int, Optional[int]], list] = session.current().wgrads.pending
     roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
@@ -112,7 +114,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
     recvs = model.__dict__.setdefault("_pipeline_recvs", {})   # stage -> the receives of its forward, once learned
     nforward = 0
     with p2p.early_gradients():
-        for kind, i, s in steps:
+        for k, (kind, i, s) in enumerate(steps):
             p2p.set_micro(i)
             if kind == "F":
                 _post_ahead(recvs, forwards[nforward:nforward + 2])
@@ -123,7 +125,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
                 roots[(i, s)] = (out, p2p.take_markers())
                 if out is not None:   # the stage making the loss
                     losses[i] = out
-            elif kind == "B" and split:
+            elif kind == "B" and split and k not in whole:
                 out, markers = roots.pop((i, s))
                 with zb.collecting() as work:   # the linears' weight gradients wait for this W
                     p2p.backward(out, markers, scale=1.0)
@@ -131,7 +133,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
             elif kind == "B":
                 out, markers = roots.pop((i, s))
                 p2p.backward(out, markers, scale=1.0)   # a share of the global loss: no rescaling
-            else:
+            elif k - 1 not in whole:
                 zb.apply(deferred.pop((i, s)))
     p2p.set_micro(0)
     p2p.finish()
