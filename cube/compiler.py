@@ -87,6 +87,8 @@ class _Batches:
             raise TypeError(f"cube.compile: the dataloader must be an iterator (next(dataloader) gives a "
                             f"batch); got {type(dataloader).__name__}. Pass iter(loader) instead.")
         self.source = dataloader
+        # a checkpoint saved before the first step records the loader as it was before this read
+        self.before = _state_before(dataloader)
         try:
             self.first = next(dataloader)
         except StopIteration:
@@ -98,6 +100,16 @@ class _Batches:
             self.pending = False
             return _Prepend(self.first, dataloader)
         return dataloader
+
+
+def _state_before(dataloader):
+    """A copy of ``dataloader.state_dict()`` where it has one (``cube.runtime.resume``), else None."""
+    if not callable(getattr(dataloader, "state_dict", None)):
+        return None
+    try:
+        return copy.deepcopy(dataloader.state_dict())
+    except Exception:   # noqa: BLE001 - a loader that cannot say its state before iterating: saves ask it later
+        return None
 
 
 class _Prepend:

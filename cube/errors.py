@@ -10,3 +10,9 @@ from __future__ import annotations
 
 class CubeInternalError(RuntimeError):
     """An invariant of cube's own planning broke: a bug in cube, never a user's mistake."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a rank that died, ...); raised by the call after an
+    asynchronous save failed (the next ``save_checkpoint`` or ``cube.wait_checkpoint()``). The directory of
+    that save has no ``meta.json``, so no reader takes it for a checkpoint."""
