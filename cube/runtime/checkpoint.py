@@ -116,7 +116,7 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
                   "layout": _user_layout(model), "extra": extra, "rng": resume.rng_state(model),
                   "data": resume.loader_state(dataloader) if dataloader is not None else None}
         snap = writer.Snapshot(folder, rank, world, token, {"format": FORMAT, "model": record["model"]},
-                               writer.host_copies(entries) if async_save else entries, _serialize(record))
+                               writer.host_copies(entries, rank) if async_save else entries, _serialize(record))
         if async_save:
             writer.start(snap)
             return

@@ -105,23 +105,42 @@ def agree(folder: Path, rank: int, world: int) -> str:
             pass
     if dist.is_initialized() and world > 1:
         every: list = [None] * world
-        dist.all_gather_object(every, token)
-        token = every[0]
+        dist.all_gather_object(every, (token, str(folder.resolve())))
+        token = every[0][0]
+        paths = sorted({p for _, p in every})
+        if len(paths) > 1:
+            raise ValueError(f"cube.save_checkpoint: the ranks passed different paths {paths}; every rank must "
+                             f"pass the same directory (on a file system they share), whose meta.json rank 0 "
+                             f"writes once all have saved")
     return token
 
 
-def host_copies(entries: Sequence[sfile.Entry]) -> List[sfile.Entry]:
-    """Step 2 of an asynchronous save: each tensor copied to host memory now (pinned for CUDA tensors)."""
+_HOST: Dict[int, Dict[str, torch.Tensor]] = {}   # rank -> host buffers of its last asynchronous save, reused
+
+
+def host_copies(entries: Sequence[sfile.Entry], rank: int) -> List[sfile.Entry]:
+    """Step 2 of an asynchronous save: each tensor copied to host memory now.
+
+    The buffers (pinned memory for CUDA tensors, so the copies run at full
+    speed) are kept for the rank's next asynchronous save, which reuses those of
+    the same name, dtype and shape: pinning memory costs more than copying into
+    it. The rank's previous save is finished when this runs (``save_checkpoint``
+    waits for it first), so no writer reads them any more.
+    """
+    pool = _HOST.setdefault(rank, {})
+    kept: Dict[str, torch.Tensor] = {}
     out, cuda = [], False
     for e in entries:
         t = e.make().detach()
-        if t.device.type == "cpu":
-            c = t.clone()
-        else:
-            c = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-            c.copy_(t, non_blocking=True)
-            cuda = cuda or t.device.type == "cuda"
+        c = pool.get(e.name)
+        pin = t.device.type == "cuda"
+        if c is None or c.dtype != t.dtype or c.shape != t.shape or c.is_pinned() != pin:
+            c = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        c.copy_(t, non_blocking=pin)
+        cuda = cuda or pin
+        kept[e.name] = c
         out.append(sfile.Entry(e.name, e.dtype, e.shape, lambda c=c: c))
+    _HOST[rank] = kept
     if cuda:
         torch.cuda.synchronize()
     return out
@@ -244,6 +263,10 @@ _JOBS_LOCK = threading.Lock()
 
 
 def _run(job: _Job) -> None:
+    try:   # Linux: a thread's own nice value; the writer yields the cores to training where they are shared
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
     try:
         files, error = None, None
         try:
@@ -273,6 +296,12 @@ def start(snap: Snapshot) -> None:
 def pending(rank: int) -> bool:
     """Whether rank ``rank`` has an asynchronous save not yet waited for."""
     return rank in _JOBS
+
+
+def writing(rank: int) -> bool:
+    """Whether rank ``rank``'s asynchronous save is still being written (its writer has not finished)."""
+    job = _JOBS.get(rank)
+    return job is not None and not job.done.is_set()
 
 
 def wait(rank: int) -> None:
