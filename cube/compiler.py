@@ -41,6 +41,7 @@ from cube.runtime import device as rt_device
 from cube.runtime import materialize
 from cube.runtime import module as rt_module
 from cube.runtime import profile as rt_profile
+from cube.runtime import watchdog as rt_watchdog
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
@@ -307,8 +308,10 @@ class CompiledStep:
             batches = self._placeholders
         else:
             batches = self.batches.take(dataloader)
-        # the model's runtime state is active for the whole step; CUBE_PROFILE: a trace file of this step
-        with rt_session.running(model), rt_profile.record(self.env.rank, step):
+        # the model's runtime state is active for the whole step; CUBE_PROFILE: a trace file of this step;
+        # the watchdog names where the rank waits if the step never ends
+        with rt_session.running(model), rt_profile.record(self.env.rank, step), \
+                rt_watchdog.watched(f"step {step}"):
             return self.module.train_step(model, batches)
 
     def _call_shaped(self, model, dataloader):
@@ -326,7 +329,8 @@ class CompiledStep:
         plan = self if shapes == self.shapes else self._plan_for(shapes, sample)
         gen = model if plan is self else plan._module_over(model)
         step, self.steps_run = self.steps_run, self.steps_run + 1
-        with rt_session.running(gen), rt_profile.record(self.env.rank, step):
+        with rt_session.running(gen), rt_profile.record(self.env.rank, step), \
+                rt_watchdog.watched(f"step {step}"):
             loss = plan.module.train_step(gen, _Prepend(batch, it))
         if gen is not model:   # one count of steps for the model's random draws (cube.runtime.rng), whatever the plan
             model.__dict__["_rng_steps"] = gen.__dict__.get("_rng_steps", 0)

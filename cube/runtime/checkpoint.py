@@ -48,7 +48,7 @@ import torch.distributed as dist
 from cube.runtime import checkpoint_write as writer
 from cube.runtime import resume
 from cube.runtime import safetensors_file as sfile
-from cube.runtime import session
+from cube.runtime import session, watchdog
 from cube.runtime.module import CubeModule, piece
 from cube.runtime.utils import atomic_write
 from cube.runtime.zero import whole_parameters
@@ -98,6 +98,11 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
         CheckpointError: this rank's previous asynchronous save failed.
     """
     _check_model(model, "save_checkpoint")
+    with watchdog.watched(f"save_checkpoint({str(path)!r})"):
+        _save(path, model, optimizer, extra, dataloader, async_save)
+
+
+def _save(path: PathLike, model: CubeModule, optimizer, extra: Any, dataloader, async_save: bool) -> None:
     rank, world = _rank_world()
     writer.wait(rank)   # the previous asynchronous save, finished or its failure raised here
     if dataloader is not None:
@@ -628,6 +633,11 @@ def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None, dataloade
     _check_model(model, "load_checkpoint")
     if dataloader is not None:
         resume.check_stateful(dataloader, "load_checkpoint")
+    with watchdog.watched(f"load_checkpoint({str(path)!r})"):
+        return _load(path, model, optimizer, dataloader)
+
+
+def _load(path: PathLike, model: CubeModule, optimizer, dataloader) -> Any:
     target, transient = _target_tables(model)
     ckpt = _Checkpoint(path)
     _check_same_model(ckpt, target, transient, type(model))

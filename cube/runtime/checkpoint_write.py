@@ -195,7 +195,8 @@ def write_rank(snap: Snapshot) -> Dict[str, dict]:
 def _write_meta(snap: Snapshot, files: Dict[str, dict]) -> None:
     meta = {**snap.meta, "world_size": snap.world, "token": snap.token, "saved_ns": time.time_ns(),
             "files": dict(sorted(files.items()))}
-    write_file(snap.folder, META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    text = json.dumps(meta, indent=1).encode()
+    write_file(snap.folder, META, lambda f: (f.write(text[:len(text) // 2]), f.write(text[len(text) // 2:])))
 
 
 def commit_sync(snap: Snapshot, files: Dict[str, dict]) -> None:
@@ -215,7 +216,7 @@ def _marker(rank: int) -> str:
 def _commit_async(snap: Snapshot, files: Optional[Dict[str, dict]], error: Optional[str]) -> None:
     """Step 4 of an asynchronous save, in the writer thread (module docstring)."""
     note = {"token": snap.token, "files": files} if error is None else {"token": snap.token, "error": error}
-    atomic_write(snap.folder / _marker(snap.rank), lambda f: f.write(json.dumps(note).encode()))
+    write_file(snap.folder, _marker(snap.rank), lambda f: f.write(json.dumps(note).encode()))
     if snap.rank != 0 or error is not None:
         return
     every: Dict[int, dict] = {}

@@ -102,9 +102,21 @@ def _watch() -> None:
         if _state["failed_here"]:
             return
         print(f"cube: stopping rank {_state['rank']} because {message}", file=sys.stderr, flush=True)
+        _say_where()
         if log.isEnabledFor(logging.DEBUG):
             traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
         os._exit(1)
+
+
+def _say_where() -> None:
+    """Where this rank was when it stopped (``cube.runtime.watchdog``), if it was in a step."""
+    from cube.runtime import watchdog
+    try:
+        here = watchdog.where()
+    except Exception:   # noqa: BLE001 - the process is stopping: the message above must not be lost to this
+        return
+    if here:
+        print(f"cube: rank {_state['rank']} was in {here}", file=sys.stderr, flush=True)
 
 
 def forget() -> None:
