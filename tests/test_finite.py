@@ -137,3 +137,24 @@ def test_find_nonfinite_names_the_op_and_its_line(dtype):
     fine = _Injected().to(dtype)
     fine.forward = lambda x: fine.b(torch.relu(fine.a(x))).mean()
     assert cube.find_nonfinite(fine, torch.randn(4, 8, dtype=dtype)) is None
+
+
+def test_zero2_gradient_chunks_are_checked(tmp_path):
+    """ZeRO-2 keeps each rank's chunk of the gradients in the optimizer, not in the parameters."""
+    model, sample = build("mlp")
+
+    def body():
+        loader = iter([sample] * 3)
+        step = compile_step(copy.deepcopy(model), loader, PASData, tmp_path / "cache")
+        gen = cube.load_model()
+        opt = cube.build_optimizer(gen, torch.optim.SGD, zero=2, lr=0.1)
+        loss = step(gen, loader)
+        assert all(p.grad is None for p in gen.parameters())
+        first = cube.check_finite(gen, loss, on_nonfinite="skip")
+        opt.step()
+        opt.zero_grad()
+        loss = step(gen, loader)
+        if cube.debug.rank() == 1:
+            gen.gradients()[0].view(-1)[0] = float("nan")
+        return first, cube.check_finite(gen, loss, on_nonfinite="skip"), gen.gradients()
+    assert [r[:2] for r in cube.debug.run(body, 2)] == [(True, False)] * 2

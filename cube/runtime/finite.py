@@ -60,7 +60,7 @@ def check_finite(model, loss: torch.Tensor, on_nonfinite: str = "stop") -> bool:
         raise ValueError(f"cube.check_finite: on_nonfinite must be one of {ACTIONS}, got {on_nonfinite!r}")
     count = model.__dict__.get("_finite_checks", 0)
     model.__dict__["_finite_checks"] = count + 1
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = model.gradients()   # a ZeRO optimizer's gradient chunks too
     flag = torch.zeros(2, device=loss.device)
     flag[0] = (~torch.isfinite(loss.detach())).any()
     if grads:
@@ -75,6 +75,8 @@ def check_finite(model, loss: torch.Tensor, on_nonfinite: str = "stop") -> bool:
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = [model.PARAMS[local][0][0] for local, p in model.named_parameters()
             if p.grad is not None and not torch.isfinite(p.grad).all()]
+    if bad_grads and not mine and any(not torch.isfinite(g).all() for g in grads):
+        mine = ["(a ZeRO gradient chunk)"]
     what = []
     if bad_loss:
         what.append(f"the loss is {loss.detach().float().item()}")
@@ -89,6 +91,9 @@ def check_finite(model, loss: torch.Tensor, on_nonfinite: str = "stop") -> bool:
     log.warning("cube: skipping %s", message)
     for p in model.parameters():
         p.grad = None
+    zero = getattr(model, "_zero", None)
+    for shard in (zero.shards if zero is not None else ()):
+        shard.param.grad = None
     model.__dict__["_skipped_steps"] = model.__dict__.get("_skipped_steps", 0) + 1
     return False
 
