@@ -66,7 +66,7 @@ def worker(args):
 
     def busy() -> bool:
         """Whether some rank's writer still writes."""
-        flag = torch.tensor([float(checkpoint_write.writing(env.rank))])
+        flag = torch.tensor([float(checkpoint_write.writing(env.rank))], device=env.device)   # NCCL: on the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
