@@ -59,3 +59,5 @@ def test_a_skipped_collective_stops_every_rank(tmp_path):
     named = [e for e in (err0, err1) if "made no progress" in e]
     assert named, (err0, err1)
     assert any("in step 1" in e or "in step 2" in e for e in named), named
+    # rank 1 names the collective it made and the script line that made it
+    assert "made no progress" not in err1 or "hang_worker.py" in err1 and "dist.all_reduce(torch.ones(3))" in err1

@@ -36,6 +36,7 @@ from typing import Iterator, Optional
 from cube.runtime import failfast, session
 
 EXIT_CODE = 1
+_LIBRARIES = (os.sep + "torch" + os.sep, os.sep + "cube" + os.sep + "runtime" + os.sep, "threading.py", "<frozen")
 
 
 @dataclass(eq=False)
@@ -98,6 +99,10 @@ def where(region: Optional[_Region] = None) -> Optional[str]:
         waits = f": waiting in {inner.name} ({inner.filename}:{inner.lineno}: {inner.line})"
     if gen is not None:
         waits += f", called from the generated code {gen.filename}:{gen.lineno}: {gen.line}"
+    else:   # outside a compiled step's code: the innermost line of the script's own code
+        own = next((f for f in reversed(stack[:-1]) if not any(p in f.filename for p in _LIBRARIES)), None)
+        if own is not None:
+            waits += f", called from {own.filename}:{own.lineno}: {own.line}"
     return f"{head}{waits}\n" + "".join(traceback.format_list(stack))
 
 
