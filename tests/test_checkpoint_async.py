@@ -161,3 +161,31 @@ def test_two_ranks_commit_through_markers(tmp_path):
     meta = json.loads((tmp_path / "async" / "meta.json").read_text())
     assert sorted(meta["files"]) == [f"rank{r}.{k}" for r in range(2) for k in ("pt", "safetensors")]
     assert not [p for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]
+
+
+def test_latest_checkpoint_skips_partial_saves(trained, tmp_path):
+    _, gen, opt, _, _ = trained
+    assert cube.latest_checkpoint(tmp_path) is None
+    for name in ("step9", "step10", "step11"):
+        cube.save_checkpoint(tmp_path / name, gen, opt)
+    assert cube.latest_checkpoint(tmp_path) == tmp_path / "step11"
+    (tmp_path / "step11" / "meta.json").unlink()   # a save cut short
+    with open(tmp_path / "step10" / "rank0.safetensors", "ab") as f:   # a file cut or grown after the save
+        f.write(b"x")
+    assert cube.latest_checkpoint(tmp_path) == tmp_path / "step9"
+    assert cube.latest_checkpoint(tmp_path / "step9") == tmp_path / "step9"   # a checkpoint directory itself
+    with pytest.raises(ValueError, match="not a directory"):
+        cube.latest_checkpoint(tmp_path / "nowhere")
+
+
+def test_ranks_must_pass_one_path(tmp_path):
+    from policies.data import PASData
+    model, sample = build("mlp")
+
+    def body():
+        loader = iter([sample] * 2)
+        compile_step(copy.deepcopy(model), loader, PASData, tmp_path / "cache")
+        gen = cube.load_model()
+        cube.save_checkpoint(tmp_path / f"rank{cube.debug.rank()}", gen)
+    with pytest.raises(RuntimeError, match="the ranks passed different paths"):
+        cube.debug.run(body, 2)

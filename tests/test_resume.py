@@ -255,3 +255,22 @@ def test_shuffled_batches_reshuffle_every_epoch():
     assert loader.state_dict()["epoch"] == 1
     with pytest.raises(ValueError, match="batch_size"):
         ShuffledBatches(x, 7)
+
+
+def test_a_rank_that_read_no_batches_takes_a_reading_ranks_loader_state():
+    """A middle pipeline stage never takes a batch: its loader's saved state is not the run's."""
+    from cube.runtime import resume
+    records = [{"data": {"state": {"epoch": 0, "index": 6}, "reads": True}},
+               {"data": {"state": {"epoch": 0, "index": 2}, "reads": False}},
+               {"data": {"state": {"epoch": 0, "index": 6}, "reads": True}}]
+    got = []
+
+    class Loader:
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            got.append(state["index"])
+    for rank, same in ((1, True), (2, True), (0, False), (3, False)):
+        resume.restore_loader(Loader(), records, rank, same, "ckpt")
+    assert got == [6, 6, 6, 6]
