@@ -274,3 +274,45 @@ def test_a_rank_that_read_no_batches_takes_a_reading_ranks_loader_state():
     for rank, same in ((1, True), (2, True), (0, False), (3, False)):
         resume.restore_loader(Loader(), records, rank, same, "ckpt")
     assert got == [6, 6, 6, 6]
+
+
+@pytest.mark.multirank
+def test_resume_with_torchdatas_stateful_dataloader(tmp_path):
+    """torchdata's StatefulDataLoader, shuffling with its own generator: the step is given an iterator
+    of it (``iter(loader)``); after ``load_checkpoint(..., dataloader=loader)`` a new ``iter(loader)``
+    continues where the saved run was, and the run ends bit-identical."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    model, (ids, labels) = _gpt2()
+    data = torch.utils.data.TensorDataset(torch.cat([ids, ids.flip(0)]), torch.cat([labels, labels.flip(0)]))
+    p = PLANS["data"]
+
+    def run(steps, seed, save=None, load=None):
+        def body():
+            loader = stateful.StatefulDataLoader(data, batch_size=p.micro, shuffle=True,
+                                                 generator=torch.Generator().manual_seed(seed))
+            it = iter(loader)
+            torch.manual_seed(seed)
+
+            @cube.compile(copy.deepcopy(model), it, PAS=p.make(), cache_dir=tmp_path / "cache")
+            def step(model, dataloader):
+                loss = model(*next(dataloader))
+                loss.backward()
+                return loss
+            gen = cube.load_model()
+            opt = torch.optim.AdamW(gen.parameters(), lr=1e-3)
+            if load is not None:
+                cube.load_checkpoint(load, gen, opt, dataloader=loader)
+                it = iter(loader)   # StatefulDataLoader resumes in its next iterator
+            losses = []
+            for i in range(steps):
+                losses.append(step(gen, it).detach())
+                opt.step()
+                opt.zero_grad()
+                if save is not None and i + 1 == STOP:
+                    cube.save_checkpoint(save, gen, opt, dataloader=loader)
+            return losses, _pieces(gen)
+        return cube.debug.run(body, p.world)
+    plain = run(STEPS, SEED)
+    first = run(STOP, SEED, save=tmp_path / "ckpt")
+    resumed = run(STEPS - STOP, 999, load=tmp_path / "ckpt")
+    _assert_identical(plain, first, resumed)
