@@ -47,8 +47,9 @@ def test_a_stuck_loader_stops_every_rank_naming_where_it_waits(tmp_path):
            f"waiting in __next__" in err1, err1
     assert "hang_worker.py" in err1 and "time.sleep(3600)" in err1
     assert "called from the generated code" in err1 and "next_batch" in err1
+    # rank 0: its own watchdog, or rank 1's report (through the store, or gloo's closed connection)
     assert f"cube: rank 0 made no progress for {TIMEOUT} s (CUBE_HANG_TIMEOUT) in step 2" in err0 or \
-        ("cube: stopping rank 0 because rank 1 failed: no progress" in err0 and "cube: rank 0 was in step 2" in err0), err0
+        ("rank 1 failed: no progress" in err0 and "cube: rank 0 was in step 2" in err0), err0
 
 
 @pytest.mark.multirank

@@ -73,13 +73,26 @@ def watched(what: str) -> Iterator[None]:
         yield
         return
     outer = _state["region"]
-    _state["region"] = _Region(what, threading.get_ident(), time.monotonic(), session.current())
+    region = _state["region"] = _Region(what, threading.get_ident(), time.monotonic(), session.current())
     try:
         yield
+    except BaseException:   # a peer's failure reached this rank here (its error): say where it was
+        _state["failed_in"] = _head(region)
+        raise
     finally:
         _state["region"] = outer
         if outer is not None:   # the inner region finished: that is progress
             outer.since = time.monotonic()
+
+
+def _head(region: _Region) -> str:
+    micro = getattr(getattr(region.state, "p2p", None), "micro", 0)
+    return f"{region.what} (micro-batch {micro})"
+
+
+def failed_in() -> Optional[str]:
+    """The region an exception left last (``"step 3 (micro-batch 1)"``), or None."""
+    return _state.get("failed_in")
 
 
 def where(region: Optional[_Region] = None) -> Optional[str]:
@@ -89,8 +102,7 @@ def where(region: Optional[_Region] = None) -> Optional[str]:
         return None
     frame = sys._current_frames().get(region.thread)
     stack = traceback.extract_stack(frame) if frame is not None else []
-    micro = getattr(getattr(region.state, "p2p", None), "micro", 0)
-    head = f"{region.what} (micro-batch {micro})"
+    head = _head(region)
     generated = {str(s.path) for s in session.steps() if getattr(s, "path", None)}
     gen = next((f for f in reversed(stack) if f.filename in generated), None)
     inner = stack[-1] if stack else None
