@@ -5,6 +5,7 @@ Two plain processes (not torchrun, whose agent would stop them too) run a data-p
 ``CUBE_HANG_TIMEOUT=3``; one rank's loader blocks forever, or one rank makes an all-reduce the
 other never makes. Without the watchdog both would wait for gloo's 30-minute timeout.
 """
+import re
 import subprocess
 import sys
 import time
@@ -42,14 +43,14 @@ def test_a_stuck_loader_stops_every_rank_naming_where_it_waits(tmp_path):
     assert procs[0].returncode == procs[1].returncode == 1, (err0, err1)
     assert "done" not in out0 + out1 and "rank 0: step 2" in out0
     assert elapsed < BOUND_SECONDS
-    # rank 1 names its loader; rank 0 the step it waits in (itself, or told by rank 1 and saying where it was)
-    assert f"cube: rank 1 made no progress for {TIMEOUT} s (CUBE_HANG_TIMEOUT) in step 2 (micro-batch 0): " \
-           f"waiting in __next__" in err1, err1
-    assert "hang_worker.py" in err1 and "time.sleep(3600)" in err1
+    # each rank names the step and what it waits in: the first whose watchdog fires says it made no
+    # progress and reports it; the other says where it was when that report (or gloo's closed
+    # connection) stopped it, unless its own watchdog fired first too
+    said = r"cube: rank {r} (made no progress for 3 s \(CUBE_HANG_TIMEOUT\) in|was in) step 2 \(micro-batch 0\)"
+    assert re.search(said.format(r=1) + r": waiting in __next__ \(.*hang_worker.py:\d+: time.sleep\(3600\)", err1), err1
     assert "called from the generated code" in err1 and "next_batch" in err1
-    # rank 0: its own watchdog, or rank 1's report (through the store, or gloo's closed connection)
-    assert f"cube: rank 0 made no progress for {TIMEOUT} s (CUBE_HANG_TIMEOUT) in step 2" in err0 or \
-        ("rank 1 failed: no progress" in err0 and "cube: rank 0 was in step 2" in err0), err0
+    assert re.search(said.format(r=0), err0), err0
+    assert "made no progress" in err0 + err1
 
 
 @pytest.mark.multirank
