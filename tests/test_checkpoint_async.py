@@ -136,16 +136,18 @@ def test_a_failure_in_the_background_surfaces_at_the_next_call(trained, tmp_path
 
 
 @pytest.mark.multirank
-def test_two_ranks_commit_through_markers(tmp_path):
-    """2 ranks in one process: each writer writes its files and marker; rank 0's writes meta.json."""
+@pytest.mark.parametrize("zero", [0, 3])
+def test_two_ranks_commit_through_markers(tmp_path, zero):
+    """2 ranks in one process: each writer writes its files and marker; rank 0's writes meta.json.
+    Under ZeRO-3 the copies are taken while the parameters are gathered whole."""
     from policies.data import PASData
     model, sample = build("mlp")
 
     def body():
         loader = ShuffledBatches(tuple(torch.cat([t] * 2) for t in sample), sample[0].shape[0], seed=1)
-        step = compile_step(copy.deepcopy(model), loader, PASData, tmp_path / "cache")
+        step = compile_step(copy.deepcopy(model), loader, PASData, tmp_path / "cache", zero=zero)
         gen = cube.load_model()
-        opt = torch.optim.SGD(gen.parameters(), lr=0.1)
+        opt = cube.build_optimizer(gen, torch.optim.SGD, zero=zero, lr=0.1)
         step(gen, loader)
         opt.step()
         cube.save_checkpoint(tmp_path / "sync", gen, opt, dataloader=loader)
@@ -158,6 +160,7 @@ def test_two_ranks_commit_through_markers(tmp_path):
     sync, async_ = cube.merge_checkpoint(tmp_path / "sync"), cube.merge_checkpoint(tmp_path / "async")
     for k in sync[0]:
         assert torch.equal(sync[0][k], async_[0][k]), k
+    assert sync[1]["param_groups"] == async_[1]["param_groups"]
     meta = json.loads((tmp_path / "async" / "meta.json").read_text())
     assert sorted(meta["files"]) == [f"rank{r}.{k}" for r in range(2) for k in ("pt", "safetensors")]
     assert not [p for p in (tmp_path / "async").iterdir() if p.name.startswith(".")]
