@@ -43,6 +43,7 @@ from cube.runtime import device as rt_device
 from cube.runtime import materialize
 from cube.runtime import module as rt_module
 from cube.runtime import profile as rt_profile
+from cube.runtime import watchdog as rt_watchdog
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
@@ -89,6 +90,8 @@ class _Batches:
             raise TypeError(f"cube.compile: the dataloader must be an iterator (next(dataloader) gives a "
                             f"batch); got {type(dataloader).__name__}. Pass iter(loader) instead.")
         self.source = dataloader
+        # a checkpoint saved before the first step records the loader as it was before this read
+        self.before = _state_before(dataloader)
         try:
             self.first = next(dataloader)
         except StopIteration:
@@ -100,6 +103,16 @@ class _Batches:
             self.pending = False
             return _Prepend(self.first, dataloader)
         return dataloader
+
+
+def _state_before(dataloader):
+    """A copy of ``dataloader.state_dict()`` where it has one (``cube.runtime.resume``), else None."""
+    if not callable(getattr(dataloader, "state_dict", None)):
+        return None
+    try:
+        return copy.deepcopy(dataloader.state_dict())
+    except Exception:   # noqa: BLE001 - a loader that cannot say its state before iterating: saves ask it later
+        return None
 
 
 class _Prepend:
@@ -307,8 +320,10 @@ class CompiledStep:
             batches = self._placeholders
         else:
             batches = self.batches.take(dataloader)
-        # the model's runtime state is active for the whole step; CUBE_PROFILE: a trace file of this step
-        with rt_session.running(model), rt_profile.record(self.env.rank, step):
+        # the model's runtime state is active for the whole step; CUBE_PROFILE: a trace file of this step;
+        # the watchdog names where the rank waits if the step never ends
+        with rt_session.running(model), rt_profile.record(self.env.rank, step), \
+                rt_watchdog.watched(f"step {step}"):
             return self.module.train_step(model, batches)
 
     def _call_shaped(self, model, dataloader):
@@ -326,7 +341,8 @@ class CompiledStep:
         plan = self if shapes == self.shapes else self._plan_for(shapes, sample)
         gen = model if plan is self else plan._module_over(model)
         step, self.steps_run = self.steps_run, self.steps_run + 1
-        with rt_session.running(gen), rt_profile.record(self.env.rank, step):
+        with rt_session.running(gen), rt_profile.record(self.env.rank, step), \
+                rt_watchdog.watched(f"step {step}"):
             loss = plan.module.train_step(gen, _Prepend(batch, it))
         if gen is not model:   # one count of steps for the model's random draws (cube.runtime.rng), whatever the plan
             model.__dict__["_rng_steps"] = gen.__dict__.get("_rng_steps", 0)

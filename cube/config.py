@@ -226,3 +226,18 @@ def check_graphs() -> bool:
     """``CUBE_CHECK_GRAPHS=1``: run the graph checker after every compile stage and pass
     (``cube.passes.check.check_stage``); the test suite turns it on."""
     return os.environ.get("CUBE_CHECK_GRAPHS", "0") not in ("", "0", "false", "False")
+
+
+def hang_timeout() -> float:
+    """``CUBE_HANG_TIMEOUT``: seconds a rank may spend in one step (or one checkpoint call) before the
+    watchdog names where it waits and stops the job (``cube.runtime.watchdog``); default 1800, ``0``: off."""
+    env = os.environ.get("CUBE_HANG_TIMEOUT", "").strip()
+    if not env:
+        return 1800.0
+    try:
+        value = float(env)
+    except ValueError:
+        raise ValueError(f"CUBE_HANG_TIMEOUT must be a number of seconds (0: no watchdog), got {env!r}") from None
+    if value < 0:
+        raise ValueError(f"CUBE_HANG_TIMEOUT must be 0 (off) or positive, got {env!r}")
+    return value

@@ -10,3 +10,15 @@ from __future__ import annotations
 
 class CubeInternalError(RuntimeError):
     """An invariant of cube's own planning broke: a bug in cube, never a user's mistake."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a rank that died, ...); raised by the call after an
+    asynchronous save failed (the next ``save_checkpoint`` or ``cube.wait_checkpoint()``). The directory of
+    that save has no ``meta.json``, so no reader takes it for a checkpoint."""
+
+
+class NonFiniteError(RuntimeError):
+    """A training step produced a NaN or Inf in the loss or a gradient (``cube.check_finite(...,
+    on_nonfinite="stop")``); the message names the step, the rank and the gradients, and how to find
+    the op that produced it (``cube.find_nonfinite``)."""

@@ -31,7 +31,6 @@ so a merged state dict loads into the single-device model as it is.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import heapq
 import io
@@ -46,30 +45,34 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from cube.runtime import checkpoint_write as writer
+from cube.runtime import resume
 from cube.runtime import safetensors_file as sfile
-from cube.runtime import session
+from cube.runtime import session, watchdog
 from cube.runtime.module import CubeModule, piece
 from cube.runtime.utils import atomic_write
 from cube.runtime.zero import whole_parameters
 
 FORMAT = 2
 READABLE = (1, 2)
-META = "meta.json"
+META = writer.META
 INDEX = "model.safetensors.index.json"
 PathLike = Union[str, os.PathLike]
 Source = Union[torch.Tensor, sfile.Slot]   # a piece in memory (format 1, small values) or in a file
 
 
 # ---------------------------------------------------------------------- save
-def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: Any = None) -> None:
-    """Saves this rank's pieces of the model and optimizer state under directory ``path``.
+def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: Any = None, dataloader=None,
+                    async_save: bool = False) -> None:
+    """Saves this rank's pieces of the model and optimizer state, its random generator states and its
+    data loader's position under directory ``path``.
 
     Call it on every rank. Each rank writes ``path/rank{r}.safetensors`` and
-    ``path/rank{r}.pt``; after all have written (the ranks exchange their files'
-    checksums when torch.distributed is initialized), rank 0 writes
-    ``path/meta.json``, which marks the checkpoint complete. An optimizer with
-    ``consolidated_state()`` (a ZeRO optimizer) is asked for the state a plain
-    optimizer would hold; that call may be collective.
+    ``path/rank{r}.pt``; after all have written, rank 0 writes
+    ``path/meta.json``, which marks the checkpoint complete (a crash before
+    leaves a directory every reader refuses; ``cube.runtime.checkpoint_write``).
+    An optimizer with ``consolidated_state()`` (a ZeRO optimizer) is asked for
+    the state a plain optimizer would hold; that call may be collective.
 
     Args:
         path: the checkpoint directory (created if needed; an older checkpoint
@@ -78,39 +81,81 @@ def save_checkpoint(path: PathLike, model: CubeModule, optimizer=None, extra: An
         optimizer: the optimizer over ``model.parameters()``, or None.
         extra: tensors and plain Python values to keep with this rank's file
             (a step counter, ...); ``load_checkpoint`` returns them.
+        dataloader: a loader with ``state_dict()``/``load_state_dict()`` (torchdata's
+            ``StatefulDataLoader``, ``cube.runtime.data.ShuffledBatches``) whose position
+            to keep, or None. The random generator states are always kept.
+        async_save: return once the state is copied to host memory and write the
+            files in a background thread while training goes on. The next save,
+            ``cube.wait_checkpoint()`` or the process's exit waits for it; its failure
+            is raised by the next of those calls.
 
     Raises:
-        TypeError: ``model`` is not a generated module.
-        ValueError: the optimizer holds tensors that are not parameters of ``model``.
+        TypeError: ``model`` is not a generated module, or ``dataloader`` has no
+            ``state_dict()``/``load_state_dict()``.
+        ValueError: the optimizer holds tensors that are not parameters of ``model``;
+            ``extra`` or the loader's state holds objects other than tensors and plain
+            Python values.
+        CheckpointError: this rank's previous asynchronous save failed.
     """
     _check_model(model, "save_checkpoint")
+    with watchdog.watched(f"save_checkpoint({str(path)!r})"):
+        _save(path, model, optimizer, extra, dataloader, async_save)
+
+
+def _save(path: PathLike, model: CubeModule, optimizer, extra: Any, dataloader, async_save: bool) -> None:
     rank, world = _rank_world()
+    writer.wait(rank)   # the previous asynchronous save, finished or its failure raised here
+    if dataloader is not None:
+        resume.check_stateful(dataloader, "save_checkpoint")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        with contextlib.suppress(FileNotFoundError):
-            (folder / META).unlink()   # the directory is incomplete until the new meta.json
-    data, name = f"rank{rank}.safetensors", f"rank{rank}.pt"
+    token = writer.agree(folder, rank, world)
     with whole_parameters(model):   # ZeRO-3 holds only chunks at rest
         tensors, entries = _tensor_records(model)
         opt = None
         if optimizer is not None:
             opt, opt_entries = _optimizer_record(model, optimizer)
             entries += opt_entries
-        atomic_write(folder / data, lambda f: sfile.write(f, entries))   # one tensor at a time
-    record = {"format": FORMAT, "model": _model_name(type(model)), "rank": rank, "world_size": world,
-              "full_shapes": getattr(type(model), "FULL_SHAPES", None), "tensors": tensors, "optimizer": opt,
-              "layout": _user_layout(model), "extra": extra}
-    atomic_write(folder / name, lambda f: torch.save(record, f))
-    mine = [(n, _sha256(folder / n), (folder / n).stat().st_size) for n in (data, name)]
-    every = [mine]
-    if dist.is_initialized() and world > 1:   # also the barrier: every rank has written its files
-        every = [None] * world
-        dist.all_gather_object(every, mine)
-    if rank == 0:
-        meta = {"format": FORMAT, "model": record["model"], "world_size": world,
-                "files": {n: {"sha256": h, "bytes": b} for files in every for n, h, b in files}}
-        atomic_write(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        record = {"format": FORMAT, "model": _model_name(type(model)), "rank": rank, "world_size": world,
+                  "full_shapes": getattr(type(model), "FULL_SHAPES", None), "tensors": tensors, "optimizer": opt,
+                  "layout": _user_layout(model), "extra": extra, "rng": resume.rng_state(model),
+                  "data": resume.loader_state(dataloader) if dataloader is not None else None}
+        snap = writer.Snapshot(folder, rank, world, token, {"format": FORMAT, "model": record["model"]},
+                               writer.host_copies(entries, rank) if async_save else entries, _serialize(record))
+        if async_save:
+            writer.start(snap)
+            return
+        files = writer.write_rank(snap)
+    writer.commit_sync(snap, files)
+
+
+def wait_checkpoint() -> None:
+    """Waits until this rank's asynchronous save (``save_checkpoint(..., async_save=True)``) is written.
+
+    Rank 0's save is written when the checkpoint is complete (its ``meta.json``
+    too); another rank's when its own files are. Nothing to wait for: returns
+    at once.
+
+    Raises:
+        CheckpointError: the save failed (its directory is not a checkpoint; the
+            previous one stands).
+    """
+    writer.wait(_rank_world()[0])
+
+
+def _serialize(record: dict) -> bytes:
+    """``rank{r}.pt``'s bytes, checked to load as readers load them (tensors and plain values only)."""
+    buf = io.BytesIO()
+    torch.save(record, buf)
+    data = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError) as e:
+        raise ValueError(f"cube.save_checkpoint: extra= and the dataloader's state_dict() may hold only tensors and "
+                         f"plain Python values (dict, list, tuple, str, int, float, bool, None), which a checkpoint "
+                         f"loads without running code; this one does not ({str(e).splitlines()[0][:300]}). "
+                         f"Convert other objects to those") from None
+    return data
 
 
 def _entry(key: str, t: torch.Tensor) -> sfile.Entry:
@@ -550,20 +595,28 @@ def _merge_orders(orders: Sequence[List[str]]) -> List[str]:
 
 
 # ---------------------------------------------------------------------- load
-def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None) -> Any:
-    """Loads a checkpoint saved under any plan into this rank's module (and optimizer).
+def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None, dataloader=None) -> Any:
+    """Loads a checkpoint saved under any plan into this rank's module (and optimizer, and data loader).
 
     Call it on every rank (it exchanges the ranks' piece tables when
     torch.distributed is initialized). Each rank reads the checkpoint's files on
     CPU, assembles the full tensors it holds pieces of, and copies its pieces in.
     An optimizer with ``load_consolidated_state(state, param_groups)`` (ZeRO)
     gets the per-parameter state through it; a plain one through ``load_state_dict``.
-    The saved hyperparameters (lr, ...) replace the optimizer's.
+    The saved hyperparameters (lr, ...) replace the optimizer's. The random
+    generator states (torch's CPU and CUDA generators, Python's and NumPy's,
+    and cube's step count of the model, from which dropout masks are keyed)
+    are set to the saved ones, so the run goes on drawing what an uninterrupted
+    run would (this rank's when the world size is the same, else rank 0's).
 
     Args:
         path: the checkpoint directory.
         model: this rank's module from ``cube.load_model()``.
         optimizer: the optimizer over ``model.parameters()``, or None.
+        dataloader: a loader with ``load_state_dict()`` to put at the saved
+            position (``cube.runtime.resume``), or None. A batch ``cube.compile``
+            read from this same loader object is dropped: the next step takes the
+            batch that follows the saved position.
 
     Returns:
         The ``extra`` saved with this rank's file (rank 0's when the world size differs).
@@ -573,9 +626,18 @@ def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None) -> Any:
         ValueError: a missing, incomplete or corrupt checkpoint; a checkpoint of
             another model (the first name, kind or shape that differs); an
             optimizer but no optimizer state in the checkpoint, or parameter
-            groups that differ from the saved ones.
+            groups that differ from the saved ones; a dataloader but no loader
+            state in the checkpoint.
+        TypeError: ``dataloader`` has no ``state_dict()``/``load_state_dict()``.
     """
     _check_model(model, "load_checkpoint")
+    if dataloader is not None:
+        resume.check_stateful(dataloader, "load_checkpoint")
+    with watchdog.watched(f"load_checkpoint({str(path)!r})"):
+        return _load(path, model, optimizer, dataloader)
+
+
+def _load(path: PathLike, model: CubeModule, optimizer, dataloader) -> Any:
     target, transient = _target_tables(model)
     ckpt = _Checkpoint(path)
     _check_same_model(ckpt, target, transient, type(model))
@@ -587,7 +649,12 @@ def load_checkpoint(path: PathLike, model: CubeModule, optimizer=None) -> Any:
     if optimizer is not None:
         _load_optimizer(ckpt, model, optimizer)
     rank, world = _rank_world()
-    return ckpt.records[rank if world == ckpt.world_size else 0]["extra"]
+    mine = ckpt.records[rank if world == ckpt.world_size else 0]
+    if dataloader is not None:
+        resume.restore_loader(dataloader, ckpt.records, rank, world == ckpt.world_size,
+                              f"checkpoint {str(ckpt.folder)!r}")
+    resume.restore_rng(model, mine.get("rng"))
+    return mine["extra"]
 
 
 def _target_tables(model: CubeModule) -> Tuple[List[Tuple[str, List[str], list, tuple]], set]:

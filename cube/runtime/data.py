@@ -117,3 +117,89 @@ class Placeholders:
 
     def __next__(self):
         return self.batch[0] if self.structure == "tensor" else tuple(self.batch)
+
+    def state_dict(self) -> dict:
+        """Nothing to save: every batch is the same zeros."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (see ``state_dict``)."""
+
+
+class ShuffledBatches:
+    """Endless global batches of a dataset of tensors, reshuffled every epoch, that a checkpoint can resume.
+
+    Epoch ``e`` visits the samples in the order ``torch.randperm`` gives with a
+    generator seeded from ``(seed, e)``, ``batch_size`` at a time (the last
+    samples of an epoch that do not fill a batch are dropped, so every batch has
+    one shape); then epoch ``e + 1`` starts. Its state is the epoch and the
+    position in it (``state_dict()``/``load_state_dict()``, the convention of
+    torchdata's ``StatefulDataLoader``), so ``cube.save_checkpoint(...,
+    dataloader=loader)`` and ``cube.load_checkpoint(..., dataloader=loader)``
+    resume it at the next batch an uninterrupted run would get.
+
+    Args:
+        data: one tensor or a tuple of tensors with one leading sample dim of equal size.
+        batch_size: samples per batch (the global batch; cube takes each rank's part).
+        seed: seeds every epoch's order.
+        shuffle: False visits the samples in order every epoch.
+
+    Raises:
+        ValueError: no tensors, sample dims of different sizes, or fewer samples than ``batch_size``.
+    """
+
+    def __init__(self, data, batch_size: int, seed: int = 0, shuffle: bool = True):
+        self.single = isinstance(data, torch.Tensor)
+        self.tensors = (data,) if self.single else tuple(data)
+        if not self.tensors or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in self.tensors):
+            raise ValueError("ShuffledBatches takes a tensor or a tuple of tensors with a leading sample dim")
+        sizes = {t.shape[0] for t in self.tensors}
+        if len(sizes) != 1:
+            raise ValueError(f"ShuffledBatches: the tensors' sample dims differ ({sorted(sizes)}); give every "
+                             f"tensor one row per sample")
+        self.size = sizes.pop()
+        if not 0 < batch_size <= self.size:
+            raise ValueError(f"ShuffledBatches: batch_size={batch_size} for {self.size} samples; it must be "
+                             f"between 1 and the number of samples")
+        self.batch_size, self.seed, self.shuffle = int(batch_size), int(seed), bool(shuffle)
+        self.epoch, self.index = 0, 0
+        self._order: Optional[Tuple[int, torch.Tensor]] = None   # (epoch, its order)
+
+    def __iter__(self) -> "ShuffledBatches":
+        return self
+
+    def __next__(self):
+        if self.index + self.batch_size > self.size:
+            self.epoch, self.index = self.epoch + 1, 0
+        rows = self.order(self.epoch)[self.index:self.index + self.batch_size]
+        self.index += self.batch_size
+        out = tuple(t.index_select(0, rows) for t in self.tensors)
+        return out[0] if self.single else out
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The samples' order in ``epoch``."""
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed((self.seed * 1_000_003 + epoch) % 2**63)
+                self._order = (epoch, torch.randperm(self.size, generator=gen))
+            else:
+                self._order = (epoch, torch.arange(self.size))
+        return self._order[1]
+
+    def state_dict(self) -> dict:
+        """Where the next batch starts, and what the order depends on."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "size": self.size,
+                "batch_size": self.batch_size, "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continues at ``state``'s position.
+
+        Raises:
+            ValueError: ``state`` is of a loader over another number of samples, batch size, seed or shuffle.
+        """
+        mine = self.state_dict()
+        other = {k: state.get(k) for k in ("size", "batch_size", "seed", "shuffle")}
+        if any(mine[k] != v for k, v in other.items()):
+            raise ValueError(f"ShuffledBatches.load_state_dict: the state is of a loader with {other}, this one "
+                             f"has { {k: mine[k] for k in other} }; build the loader as the saved run did")
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from cube import config
-from cube.runtime import cpu_memory, failfast
+from cube.runtime import cpu_memory, failfast, watchdog
 
 log = logging.getLogger("cube")
 
@@ -60,6 +60,8 @@ def init(backend: Optional[str] = None) -> Env:
             kwargs.update(store=store, rank=env["RANK"], world_size=env["WORLD_SIZE"])
         dist.init_process_group(backend=backend, **kwargs)
         failfast.install(dist.get_rank())
+        if dist.get_world_size() > 1:
+            watchdog.install(dist.get_rank(), config.hang_timeout())
         atexit.register(_shutdown)
         log.debug("initialised process group: backend=%s world=%d", backend, dist.get_world_size())
     return Env(dist.get_rank(), dist.get_world_size(), local, device)

@@ -62,6 +62,7 @@ def install(rank: int, store=None) -> None:
         if cause is not None and not cause.startswith(f"rank {rank} "):
             # this rank's error is a consequence (a peer hung up in a collective): name the cause
             print(f"cube: rank {rank} stopped because {cause}", file=sys.stderr, flush=True)
+            _say_where()
 
     sys.excepthook = hook
     watcher = threading.Thread(target=_watch, name="cube-failfast", daemon=True)
@@ -102,9 +103,22 @@ def _watch() -> None:
         if _state["failed_here"]:
             return
         print(f"cube: stopping rank {_state['rank']} because {message}", file=sys.stderr, flush=True)
+        _say_where()
         if log.isEnabledFor(logging.DEBUG):
             traceback.print_stack(sys._current_frames().get(threading.main_thread().ident), file=sys.stderr)
         os._exit(1)
+
+
+def _say_where() -> None:
+    """Where this rank was when it stopped (``cube.runtime.watchdog``): the step it waits in, or the one
+    its error (a peer's hang-up reaching it) came out of."""
+    from cube.runtime import watchdog
+    try:
+        here = watchdog.where() or watchdog.failed_in()
+    except Exception:   # noqa: BLE001 - the process is stopping: the message above must not be lost to this
+        return
+    if here:
+        print(f"cube: rank {_state['rank']} was in {here}", file=sys.stderr, flush=True)
 
 
 def forget() -> None:

@@ -35,6 +35,13 @@ class DummyDataloader:
     def __next__(self):
         return self.batch
 
+    def state_dict(self) -> dict:
+        """Nothing to save: every batch is the same (the ``StatefulDataLoader`` convention)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore (see ``state_dict``)."""
+
 
 def create_dummy_dataloader(sample, batch_size: int | None = None) -> DummyDataloader:
     """An endless dataloader of one fixed batch (for examples and benchmarks)."""

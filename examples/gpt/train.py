@@ -6,16 +6,24 @@
     torchrun --nproc_per_node=2 examples/gpt/train.py --policy PASMegatronTP --backend inductor   # torch.compile
     python -m cube.sim examples/gpt/train.py --ngpus 4 --policy PASData --estimate   # predicted step
 
-Restarts: with ``--ckpt DIR`` the script saves a checkpoint every
-``--save-every`` steps and, when DIR already holds one, resumes from the latest
-(also under another policy or world size). Under ``torchrun --max-restarts=N``
-a rank that dies is restarted with the others, and training goes on from the
-last checkpoint to the same result as an uninterrupted run (each step's batch
-depends only on the step number). ``--crash-at-step K`` kills rank
-``world-1`` at step K on the first attempt, to watch that happen:
+Restarts: with ``--ckpt DIR`` the script saves a checkpoint ``DIR/step{N}`` every
+``--save-every`` steps (``--async-save``: written in the background while
+training goes on) and, when DIR already holds one, resumes from the newest
+complete one (``cube.latest_checkpoint``; a save cut short by a crash is
+skipped), also under another policy or world size (elastic: the plan is made
+for the world the job has now and the checkpoint is resharded into it). The
+checkpoint keeps the loader's position and the random generator states, so
+under ``torchrun --max-restarts=N`` a rank that dies is restarted with the
+others and training goes on to exactly the result of an uninterrupted run,
+dropout (``--dropout``) included. ``--crash-at-step K`` kills rank ``world-1``
+at step K on the first attempt, to watch that happen:
 
     torchrun --nproc_per_node=2 --max-restarts=1 examples/gpt/train.py --policy PASData \\
-        --ckpt /tmp/gpt_ckpt --crash-at-step 5
+        --ckpt /tmp/gpt_ckpt --crash-at-step 5 --dropout 0.1
+    torchrun --nproc_per_node=1 examples/gpt/train.py --policy PASData --ckpt /tmp/gpt_ckpt --steps 12
+
+A rank that makes no progress for ``CUBE_HANG_TIMEOUT`` seconds (a stuck peer)
+names where it waits and stops the job, so ``--max-restarts`` can restart it.
 """
 from __future__ import annotations
 
@@ -36,10 +44,17 @@ from cube.policies import resolve  # noqa: E402
 
 
 class StepBatches:
-    """Global batch ``i`` drawn from a generator seeded with ``i``: resuming at step k gives the same data."""
+    """Global batch ``i`` drawn from a generator seeded with ``i``; its state is the next ``i``
+    (``state_dict()``/``load_state_dict()``: a checkpoint resumes it)."""
 
     def __init__(self, config: GPTConfig, batch: int, start: int = 0):
         self.config, self.batch, self.step = config, batch, start
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
 
     def __iter__(self):
         return self
@@ -51,26 +66,11 @@ class StepBatches:
         return ids, torch.roll(ids, -1, dims=1)
 
 
-def build(layers: int = 4, dim: int = 256, heads: int = 4, seq: int = 64, batch: int = 16):
+def build(layers: int = 4, dim: int = 256, heads: int = 4, seq: int = 64, batch: int = 16, dropout: float = 0.0):
     """The model and its first global batch (what ``python -m cube.sim examples/gpt/train.py`` plans)."""
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim)
+    config = GPTConfig(vocab_size=512, block_size=seq, n_layer=layers, n_head=heads, n_embd=dim, dropout=dropout)
     return GPT(config), next(StepBatches(config, batch))
-
-
-def _latest(ckpt: Path):
-    """The newest complete checkpoint under ``ckpt`` (its ``latest`` file names it), or None."""
-    pointer = ckpt / "latest"
-    return ckpt / pointer.read_text().strip() if pointer.exists() else None
-
-
-def _save(ckpt: Path, model, optimizer, step: int, rank: int) -> None:
-    name = f"step{step}"
-    cube.save_checkpoint(ckpt / name, model, optimizer, extra={"step": step})
-    if rank == 0:   # the pointer moves only after the checkpoint is complete
-        tmp = ckpt / f".latest.{os.getpid()}"
-        tmp.write_text(name)
-        os.replace(tmp, ckpt / "latest")
 
 
 def main(argv=None):
@@ -91,6 +91,8 @@ def main(argv=None):
     parser.add_argument("--clip", type=float, default=0.0, help="clip the gradient norm to this (0: off)")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (resume from it)")
     parser.add_argument("--save-every", type=int, default=1)
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    parser.add_argument("--dropout", type=float, default=0.0)
     parser.add_argument("--crash-at-step", type=int, default=-1, help=argparse.SUPPRESS)
     parser.add_argument("--log-every", type=int, default=1, help="steps between metrics lines")
     parser.add_argument("--metrics-csv", default=None, metavar="PATH", help="append every step's metrics to PATH")
@@ -99,7 +101,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
 
     policy = resolve(args.policy)
-    model, _ = build(args.layers, args.dim, args.heads, args.seq, args.batch)
+    model, _ = build(args.layers, args.dim, args.heads, args.seq, args.batch, args.dropout)
     config = model.config
     dataloader = StepBatches(config, args.batch)
 
@@ -115,12 +117,12 @@ def main(argv=None):
     optimizer = cube.build_optimizer(model, torch.optim.AdamW, zero=args.zero, lr=1e-3)
     env = cube.init()
     start = 0
-    if args.ckpt is not None and _latest(args.ckpt) is not None:
-        start = cube.load_checkpoint(_latest(args.ckpt), model, optimizer)["step"]
-        # a new iterator: the step hands back the batch compile read only with the loader it was given
-        dataloader = StepBatches(config, args.batch, start)
+    latest = cube.latest_checkpoint(args.ckpt) if args.ckpt is not None and args.ckpt.is_dir() else None
+    if latest is not None:
+        # the loader's position, the optimizer and the random generators as they were at the save
+        start = cube.load_checkpoint(latest, model, optimizer, dataloader=dataloader)["step"]
         if env.rank == 0:
-            print(f"resumed from {_latest(args.ckpt)} at step {start}")
+            print(f"resumed from {latest} at step {start}")
     # each line: "step N: loss X | s/step | tok/s | MFU | peak memory" (rank 0)
     metrics = cube.Metrics(model, tokens_per_step=args.batch * args.seq, log_every=args.log_every,
                            csv=args.metrics_csv, total_steps=args.steps, start_step=start, loss_format=".6f")
@@ -134,7 +136,9 @@ def main(argv=None):
         optimizer.zero_grad()
         metrics.step(loss, grad_norm=norm)
         if args.ckpt is not None and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            _save(args.ckpt, model, optimizer, step + 1, env.rank)
+            cube.save_checkpoint(args.ckpt / f"step{step + 1}", model, optimizer, extra={"step": step + 1},
+                                 dataloader=dataloader, async_save=args.async_save)
+    cube.wait_checkpoint()   # the last asynchronous save is complete (or its failure raised) before exit
 
 
 if __name__ == "__main__":
