@@ -34,7 +34,7 @@ from benchmarks._torchrun import compile_gpt, run_rows, worker_cli  # noqa: E402
 from benchmarks.parallel import _batches  # noqa: E402
 
 DEFAULTS = {"nproc": 2, "layers": 4, "dim": 256, "heads": 8, "seq": 64, "batch": 16, "vocab": 2048,
-            "steps": 8, "saves": 3, "threads": 1, "policy": "policies.data:PASData", "dir": ""}
+            "steps": 8, "saves": 3, "threads": 1, "policy": "cube.policies.data:PASData", "dir": ""}
 QUICK = {"steps": 3, "saves": 1}
 
 

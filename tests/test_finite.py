@@ -17,7 +17,7 @@ import torch
 
 import cube
 import cube.debug
-from policies.data import PASData
+from cube.policies.data import PASData
 from tests.models import build
 from tests.parity import compile_step
 
@@ -65,7 +65,7 @@ def test_stop_names_the_rank_and_the_gradient(tmp_path):
 
 
 def test_a_nan_batch_is_skipped_and_training_goes_on(tmp_path):
-    from policies.single import PASSingle
+    from cube.policies.single import PASSingle
     model, sample = build("mlp")
     bad = (sample[0].clone(),)
     bad[0][3, 5] = float("nan")

@@ -147,7 +147,7 @@ class _Linear(torch.nn.Module):
 
 
 def _single(tmp_path):
-    from policies.single import PASSingle
+    from cube.policies.single import PASSingle
     torch.manual_seed(0)
     model = _Linear()
     data = (torch.randn(10, 4), torch.randn(10, 4))
@@ -191,7 +191,7 @@ def test_restored_loader_drops_compiles_batch(tmp_path):
 
 
 def _policy():
-    from policies.single import PASSingle
+    from cube.policies.single import PASSingle
     return PASSingle
 
 

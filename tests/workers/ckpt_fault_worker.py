@@ -41,7 +41,7 @@ def main():
     model, sample = build("mlp")
     data = tuple(torch.cat([t, t + 1, t - 1]) for t in sample)
     loader = ShuffledBatches(data, sample[0].shape[0], seed=5)
-    step = compile_step(model, loader, "policies.data:PASData", cache)
+    step = compile_step(model, loader, "cube.policies.data:PASData", cache)
     gen = cube.load_model()
     opt = torch.optim.AdamW(gen.parameters(), lr=1e-2)
     for k in (1, 2):

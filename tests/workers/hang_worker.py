@@ -42,7 +42,7 @@ def main():
     rank = int(os.environ["RANK"])
     model, sample = build("mlp")
     loader = StuckLoader(sample, 2 if rank == 1 and how == "loader" else -1)
-    step = compile_step(model, loader, "policies.data:PASData", cache)
+    step = compile_step(model, loader, "cube.policies.data:PASData", cache)
     gen = cube.load_model()
     for i in range(4):
         print(f"rank {rank}: step {i}", flush=True)
