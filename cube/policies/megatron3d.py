@@ -35,7 +35,7 @@ from typing import Callable, Optional
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, grid,
+from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, fuse_moe, grid,
                           place_data, place_stages, sequence_parallel, tensor_parallel)
 
 
@@ -99,6 +99,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
                          f"but nvirtual={nvirtual}; leave nvirtual out")
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
+    if ep != 1:   # MoE layers that sort their tokens by expert become one op each (cube.ir.experts)
+        fuse_moe(graph, mesh["dp"].size)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "
