@@ -108,3 +108,18 @@ def test_a_hand_written_sort_dispatch_is_exact():
     from tests.test_moe_dispatch import SortMoE, _sample
     torch.manual_seed(0)
     assert_exact(parity(SortMoE("grouped"), _sample(4), _ep(2), 2, steps=2, opt="adamw"))
+
+
+@pytest.mark.parametrize("name,tp,pp,opt", [("mixtral", 2, 1, "adamw"), ("qwen2_moe", 2, 1, "sgd"),
+                                            ("mixtral", 1, 2, "adamw"), ("qwen3_moe", 1, 2, "sgd")])
+def test_expert_parallel_with_tensor_or_pipeline_parallel_is_exact(name, tp, pp, opt):
+    """ep2 x tp2 (attention and dense MLPs tensor parallel, experts expert parallel) and ep2 x pp2
+    (1F1B, 2 micro-batches) on 4 ranks; every rank holds half of each expert weight it holds."""
+    model, sample = _model(name)
+    nmicros = 2 if pp > 1 else 1
+    policy = functools.partial(PASMegatron, tp=tp, pp=pp, nmicros=nmicros, ep=2)
+    plan = cube.plan(model, sample, policy, 4)
+    for r, p in plan.program.plans.items():
+        experts = [(t, box) for t, box in p.attrs if ".experts." in t.names[0]]
+        assert experts and all(box[0][1] - box[0][0] == t.shape[0] // 2 for t, box in experts), (r, experts)
+    assert_exact(parity(model, sample, policy, 4, steps=2, nmicros=nmicros, opt=opt))
