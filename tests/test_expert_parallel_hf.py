@@ -123,3 +123,15 @@ def test_expert_parallel_with_tensor_or_pipeline_parallel_is_exact(name, tp, pp,
         experts = [(t, box) for t, box in p.attrs if ".experts." in t.names[0]]
         assert experts and all(box[0][1] - box[0][0] == t.shape[0] // 2 for t, box in experts), (r, experts)
     assert_exact(parity(model, sample, policy, 4, steps=2, nmicros=nmicros, opt=opt))
+
+
+def test_deepseek_v2_routed_experts_split_shared_experts_data_parallel():
+    """DeepSeek-V2 (tests.zoo's tiny config: multi-head latent attention, shared experts, a first
+    dense layer): the routed experts split over ep2 x dp2, exact."""
+    from tests.zoo import PARAM_FLOOR, build
+    model, sample = build("deepseek_v2")
+    plan = cube.plan(model, sample, _ep(2), 4)
+    for r, p in plan.program.plans.items():
+        routed = [(t, box) for t, box in p.attrs if ".experts." in t.names[0]]
+        assert routed and all(box[0][1] - box[0][0] == t.shape[0] // 2 for t, box in routed), (r, routed)
+    assert_exact(parity(model, sample, _ep(2), 4, steps=2, opt="adamw", param_floor=PARAM_FLOOR))
