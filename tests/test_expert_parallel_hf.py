@@ -50,6 +50,12 @@ def test_hf_moe_expert_parallel_is_exact(name, world, opt):
     assert_exact(parity(model, sample, _ep(2), world, steps=2, opt=opt))
 
 
+def test_one_expert_per_rank():
+    """ep4 on 4 ranks: each rank holds one of Mixtral's 4 experts."""
+    model, sample = _model("mixtral")
+    assert_exact(parity(model, sample, _ep(4), 4, steps=2, opt="adamw"))
+
+
 def test_the_load_balancing_loss_is_the_single_devices():
     """Mixtral's router auxiliary loss (``output_router_logits=True``) over the whole batch."""
     model, sample = _model("mixtral", output_router_logits=True, router_aux_loss_coef=0.1)

@@ -112,7 +112,7 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
-_add("moe_experts", inside="experts", cost="matmul")   # cube.ir.experts: a fused sort-dispatch MoE layer
+_add("moe_experts", inside="experts")   # cube.ir.experts: a fused sort-dispatch MoE layer
 _add("flex_attention", rule="flex_attention")   # cube.trace.flex's ops
 _add("block_mask", rule="block_mask")
 _add("embedding", rule="embedding", inside="vocab_lookup")

@@ -323,7 +323,7 @@ def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Piece
     first, stop = layout.inputs[w][0]
     rows = box_shape(layout.outputs[0])
     per_pair = math.prod(rows[1:]) * root.outputs[0].dtype.itemsize
-    sent = rows[0] * per_pair // n   # rows per peer under a balanced router
+    sent = 2 * (rows[0] * per_pair // n)   # to each peer under a balanced router: dispatch, then combine
     peers = tuple((q, sent) for q in ranks if q != r)
     return Inside("runtime.experts.moe", tuple(op.inputs), dict(root.kwargs, ranks=ranks, first=first,
                                                                 local=stop - first),
