@@ -75,6 +75,24 @@ def expert_parallel(graph: IRGraph, data: Flow, over: Union[MeshDim, int]) -> Fl
     return expert_flow(graph, data, _size(over))
 
 
+def fuse_moe(graph: IRGraph, dp: int) -> list:
+    """Turns each MoE layer that sorts its tokens by expert (Hugging Face's grouped_mm experts:
+    Mixtral, Qwen2-MoE, Qwen3-MoE) into one ``moe_experts`` op that ``expert_parallel`` splits
+    by experts, dropless, tokens exchanged by all-to-all (``cube.ir.experts``). A graph without
+    a sort of the tokens is left as it is (experts as one batched ``(E, ...)`` weight).
+
+    Returns:
+        The fused ops.
+
+    Raises:
+        ValueError: a sort-dispatch layer cube cannot split by experts, naming the op and why.
+    """
+    from cube.ir.experts import fuse_experts
+    if not any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation)):
+        return []
+    return fuse_experts(graph, dp)
+
+
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:
     """The ``("pp", pp), ("dp", dp), ("tp", tp)`` mesh of ``ngpus`` devices, ``dp = ngpus // (tp * pp)``.
 

@@ -524,6 +524,8 @@ class _Emitter:
 
 
 def _returns_tuple(op: IRFwOperation) -> bool:
+    if not hasattr(op.target, "_schema"):   # a runtime function standing for several ops (cube.ir.experts)
+        return len(op.outputs) != 1
     returns = op.target._schema.returns
     return len(returns) != 1 or str(returns[0].type).startswith("List")
 

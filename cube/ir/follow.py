@@ -506,8 +506,15 @@ def expert_flow(graph: IRGraph, data: Flow, num: int) -> Flow:
     Raises:
         ValueError: the graph has no expert weights.
     """
+    fused = [op for op in graph.select(ntype=IRFwOperation) if op_info(op.name).inside == "experts"]
     weights = {id(t): 0 for op in graph.select(ntype=IRFwOperation) if op_info(op.name).batched
                for t in op.inputs if getattr(t, "kind", None) is TensorKind.PARAM and t.ndim >= 3}
+    if fused:   # sort-dispatch MoE layers fused by cube.ir.experts: split by experts, tokens all-to-all
+        out = data.copy()
+        for op in fused:
+            w = next(i for i, t in enumerate(op.inputs) if getattr(t, "kind", None) is TensorKind.PARAM)
+            out.splits[id(op)] = (op, w, 0)
+        return out
     if not weights:
         raise ValueError("expert parallel: the model has no expert weights (a parameter with a leading expert "
                          "dim, (E, d, f), read by torch.bmm/einsum/matmul); write the experts as one such "

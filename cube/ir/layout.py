@@ -127,6 +127,16 @@ def _piece_layout(op: IROperator, origin: IROperator, cache: dict) -> PieceLayou
         if anno is None:
             raise CubeInternalError(f"split of an op without annotation: {op!r}")
         in_dims, out_dims = _factor_dims(anno, factor, cache)
+        if op_info(op.name).inside == "experts" and anno.ident(factor).inside:
+            # expert parallel (cube.ir.experts): the split of the experts gives each piece its block of
+            # the group's tokens too; the all-to-all inside the call completes every value it makes
+            from cube.ir.experts import TOKENS
+            tin, tout = _factor_dims(anno, TOKENS, cache)
+            for boxes, dims_e, dims_t in ((ins, in_dims, tin), (outs, out_dims, tout)):
+                for box, de, dt in zip(boxes, dims_e, dims_t):
+                    for d in de + dt:
+                        box[d] = narrow(box[d], i, n)
+            continue
         for boxes, split_dims, terms, is_out in ((ins, in_dims, in_terms, False), (outs, out_dims, out_terms, True)):
             for k, (box, dims) in enumerate(zip(boxes, split_dims)):
                 for d in dims:

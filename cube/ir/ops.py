@@ -57,7 +57,8 @@ class OpInfo:
             statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
             sample and group summed over its group: group and instance norm), ``"ring"`` (key/value
             blocks passed around a ring of ranks: attention split along the sequence),
-            ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
+            ``"experts"`` (a fused MoE layer split by experts: its tokens reach the ranks holding their
+            experts by all-to-all, ``cube.ir.experts``), ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
             range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
             along its classes sums the logits' statistics over its group); a row of
             ``cube.passes.inside.KINDS``.
@@ -111,6 +112,7 @@ _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
+_add("moe_experts", inside="experts")   # cube.ir.experts: a fused sort-dispatch MoE layer
 _add("flex_attention", rule="flex_attention")   # cube.trace.flex's ops
 _add("block_mask", rule="block_mask")
 _add("embedding", rule="embedding", inside="vocab_lookup")

@@ -84,6 +84,16 @@ class DimSplit:
                 f"which {num} does not divide. Choose num among the divisors of {size}.")
         if ident.inside:
             self._check_inside(ident, total)
+        if ident.inside and op_info(op.name).inside == "experts":   # the tokens split too (cube.ir.experts)
+            from cube.ir.experts import TOKENS
+            tokens = self.size(op.anno.ident(TOKENS))
+            for factor, _, n in op.splits:
+                tokens //= n
+            if tokens % num:
+                raise ValueError(
+                    f"uneven split of op {op.name!r} ({op.where()}): expert parallel gives each of the {num} ranks "
+                    f"of a group its block of the {tokens} tokens here, which {num} does not divide. Choose a batch "
+                    f"(times sequence) divisible by the data parallel degree")
         return ident
 
     def _check_inside(self, ident: Ident, total: int) -> None:

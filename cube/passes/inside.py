@@ -308,10 +308,32 @@ def _vocab_loss(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
                   counts=arg.get("reduction", 1) == 1)
 
 
+def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """A fused MoE layer split by experts (``cube.runtime.experts.moe``): this rank's tokens go to
+    the ranks holding their experts by one all-to-all (split sizes exchanged first) and come back by
+    another. How many rows go where is data; the bytes below are those of a balanced router (each
+    pair's row sent with probability ``(n - 1) / n``), for the report and the simulator."""
+    root = op.root
+    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    pos, n = _position(op, f)
+    ranks = group_of(by, r, (f,))
+    if len(ranks) != n:
+        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    w = next(i for i, t in enumerate(root.inputs) if t.kind.value == "param")
+    first, stop = layout.inputs[w][0]
+    rows = box_shape(layout.outputs[0])
+    per_pair = math.prod(rows[1:]) * root.outputs[0].dtype.itemsize
+    sent = 2 * (rows[0] * per_pair // n)   # to each peer under a balanced router: dispatch, then combine
+    peers = tuple((q, sent) for q in ranks if q != r)
+    return Inside("runtime.experts.moe", tuple(op.inputs), dict(root.kwargs, ranks=ranks, first=first,
+                                                                local=stop - first),
+                  groups=(ranks,), p2p=peers, recvs=peers)
+
+
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
     "halo": _halo, "stats": _stats, "ring": _ring,
     "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
-    "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss,
+    "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss, "experts": _experts,
 }
 
 

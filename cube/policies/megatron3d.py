@@ -35,7 +35,7 @@ from typing import Callable, Optional
 from cube import config, schedule
 from cube.ir import IRGraph
 from cube.schedule.balance import stage_starts
-from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, grid,
+from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, fuse_moe, grid,
                           place_data, place_stages, sequence_parallel, tensor_parallel)
 
 
@@ -73,7 +73,10 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             regions run on ``1/tp`` of the sequence (``cube.toolkit.sequence_parallel``).
         ep: expert parallel degree, dividing ``dp``: the experts (weights with a leading expert
             dim) are split over groups of ``ep`` data-parallel neighbours, the tokens reach them
-            by all-to-all (``cube.toolkit.expert_parallel``).
+            by all-to-all (``cube.toolkit.expert_parallel``). MoE layers that sort their tokens by
+            expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, Qwen3-MoE) are first
+            fused into one op each (``cube.toolkit.fuse_moe``): dropless, the all-to-all's split
+            sizes exchanged at run time.
         schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"``,
             ``"zbv"`` or ``"dualpipev"`` (the last two: two stages per pipeline rank in a V;
             ``nvirtual`` must be left out or 2).
@@ -84,7 +87,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             vocabulary across ``tp`` (module docstring); False keeps them whole on every tp rank.
 
     Raises:
-        ValueError: the degrees do not fit the devices, ``ep`` or ``cp`` does not divide ``dp``,
+        ValueError: the degrees do not fit the devices, ``ep`` or ``cp`` does not divide ``dp``, an
+            MoE layer cube cannot split by experts (the op named),
             both ``ep`` and ``cp`` are asked for, an unknown schedule, or ZB-H1/ZB-V with another
             ``nvirtual``.
     """
@@ -99,6 +103,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
                          f"but nvirtual={nvirtual}; leave nvirtual out")
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
+    if ep != 1:   # MoE layers that sort their tokens by expert become one op each (cube.ir.experts)
+        fuse_moe(graph, mesh["dp"].size)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "

@@ -1,0 +1,227 @@
+"""Dropless expert parallel on MoE layers that sort their tokens by expert (``moe_experts``).
+
+Hugging Face's default experts kernel (Mixtral, Qwen2-MoE, Qwen3-MoE, ...) sorts the (token,
+expert) pairs of the batch by expert, gathers each pair's token row, runs every expert's rows
+through grouped matmuls over its ``(E, ., .)`` weights, weights the rows and puts them back in
+the pairs' order. ``cube.ir.dispatch`` proves such a region token-local; :func:`fuse_experts`
+turns each proved region into one op, ``moe_experts``, whose arguments carry the region's own
+ops as a small program (ATen calls over numbered slots, printed in the generated code). Its
+annotation splits the tokens along the batch (``t``) and the experts along their leading dim
+(``e~``): a split of ``e`` over an expert-parallel group also gives each rank its block of the
+group's tokens, and the piece communicates inside its call (``cube.runtime.experts``): it runs
+the program on its own tokens up to the first grouped matmul, sends each row to the rank
+holding its expert by an all-to-all whose split sizes are exchanged first (data-dependent, no
+token dropped), runs the experts' part of the program on the rows it received (its experts'
+weights only), returns them by the adjoint all-to-all and runs the rest on its own tokens.
+Every pair's row is computed by the same ops as on one device and returned to its place, so the
+result is the single device's (up to the grouping of rows in a matmul).
+
+The experts' part (the *body*) is what lies between the first and last grouped matmul on the
+way from the gathered rows: it may read only the gathered rows, the group offsets and the
+expert weights (through transposes and casts); anything else (a routing weight applied before
+the last grouped matmul, an expert weight read outside the body, a bias gathered by expert id)
+is refused with the op named.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from cube.ir.annotation import parse
+from cube.ir.dispatch import Region
+from cube.ir.graph import IRGraph
+from cube.ir.operator import IRFwOperation
+from cube.ir.tensor import IRTensor, TensorKind
+
+EXPERTS = "moe_experts"
+_GROUPED = frozenset("_grouped_mm grouped_mm_fallback".split())
+_PARAM_CHAIN = frozenset("transpose t permute to _to_copy contiguous clone alias".split())
+TOKENS, EXPERT = "t", "e"   # the annotation's letters (cube.ir.layout ties them under a split of e)
+
+
+def fuse_experts(graph: IRGraph, num: int) -> List[IRFwOperation]:
+    """Replaces every proved sort-dispatch MoE region of ``graph`` by one ``moe_experts`` op.
+
+    Args:
+        num: the data parallel degree the batch is split over (the proof follows that split).
+
+    Returns:
+        The fused ops, in program order.
+
+    Raises:
+        ValueError: the graph has no sort-dispatch region, or one cube cannot prove token-local
+            or cannot split by experts (naming the op and why).
+    """
+    from cube.ir.follow import batch_flow   # follow imports dispatch; keep the import graph acyclic
+    flow = batch_flow(graph, max(num, 2))
+    regions = list({id(r): r for r in flow.local.values()}.values())
+    if flow.unproven:
+        raise ValueError("expert parallel: cube could not prove a token sort of the MoE layer token-local: "
+                         + "; ".join(flow.unproven.values()))
+    pos = {id(op): i for i, op in enumerate(graph.ops)}
+    regions.sort(key=lambda r: pos[id(r.sort)])
+    return [_fuse(graph, r) for r in regions]
+
+
+def _refuse(op: IRFwOperation, why: str) -> ValueError:
+    return ValueError(f"expert parallel: op {op.name!r} ({op.where()}) {why}; cube splits only MoE layers whose "
+                      f"experts are grouped matmuls over (E, ., .) weights reached by the gathered token rows "
+                      f"alone. Drop ep= for this model (its experts then stay whole on every rank)")
+
+
+def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
+    ops = list(region.ops)
+    inside = {id(op) for op in ops}
+    made = {id(t): op for op in ops for t in op.outputs}
+    makers = {id(t): op for op in graph.ops if isinstance(op, IRFwOperation) for t in op.outputs}
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    # the expert weights' transposes and casts join the op: it reads the parameters themselves
+    changed = True
+    while changed:
+        changed = False
+        for op in list(ops):
+            for t in op.inputs:
+                m = makers.get(id(t))
+                if m is None or id(m) in inside or m.name not in _PARAM_CHAIN or len(m.inputs) != 1:
+                    continue
+                src = m.inputs[0]
+                if (src.kind is TensorKind.PARAM or id(src) in made) and \
+                        all(id(r) in inside for r in readers.get(id(t), ())):
+                    ops.append(m)
+                    inside.add(id(m))
+                    made.update((id(o), m) for o in m.outputs)
+                    changed = True
+    order = {id(op): i for i, op in enumerate(graph.ops)}
+    ops.sort(key=lambda o: order[id(o)])
+    grouped = [op for op in ops if op.name in _GROUPED]
+    if not grouped:
+        raise _refuse(region.sort, "sorts the tokens by expert but no grouped matmul computes the experts")
+    offs = grouped[0].args[2] if len(grouped[0].args) > 2 else grouped[0].kwargs.get("offs")
+    experts = grouped[0].args[1].shape[0]
+    x = grouped[0].args[0]
+    # the body: from the gathered rows through the grouped matmuls
+    flowing, body = {id(x)}, []
+    first, last = order[id(grouped[0])], order[id(grouped[-1])]
+    for op in ops:
+        if first <= order[id(op)] <= last and any(id(t) in flowing for t in op.inputs):
+            body.append(op)
+            flowing.update(id(t) for t in op.outputs)
+    weights: List[IRTensor] = []
+    params = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.kind is TensorKind.PARAM:
+                params[id(t)] = t
+    chain = {id(t) for op in ops if op.name in _PARAM_CHAIN and id(op) not in {id(b) for b in body}
+             and all(s.kind is TensorKind.PARAM or id(s) in made for s in op.inputs) for t in op.outputs}
+    for g in grouped:
+        if g not in body:
+            raise _refuse(g, "is a grouped matmul the gathered token rows do not reach")
+    body_ids = {id(op) for op in body}
+    for op in body:
+        for t in op.inputs:
+            if id(t) in flowing or t is offs or id(t) in chain or id(t) in params:
+                continue
+            raise _refuse(op, f"reads a tensor of shape {list(t.shape)} in the experts' part that is neither the "
+                              f"gathered rows, the group offsets nor an expert weight (each rank computes only the "
+                              f"rows it receives)")
+    y = grouped[-1].outputs[0]
+    for op in body:
+        for t in op.outputs:
+            outside = [r for r in readers.get(id(t), ()) if id(r) not in body_ids]
+            if t is not y and outside:
+                raise _refuse(outside[0], "reads an intermediate value of the experts' part")
+    for r in readers.get(id(x), ()):
+        if id(r) not in body_ids:
+            raise _refuse(r, "reads the gathered rows outside the experts' part")
+    for p in params.values():
+        if p.ndim < 2 or p.shape[0] != experts:
+            raise _refuse(grouped[0], f"reads the parameter {p.names[0] if p.names else p!r} of shape "
+                                      f"{list(p.shape)}, not one (E={experts}, ...) expert weight")
+        for r in readers.get(id(p), ()):
+            if id(r) not in inside:
+                raise _refuse(r, f"reads the expert weight {p.names[0] if p.names else ''} outside the MoE layer")
+        for op in ops:
+            if p in op.inputs and id(op) not in body_ids and op.name not in _PARAM_CHAIN:
+                raise _refuse(op, "reads an expert weight outside the grouped matmuls (by expert id, say)")
+        weights.append(p)
+    # external inputs in order: token tensors first, then the expert weights
+    externals: List[IRTensor] = []
+    for op in ops:
+        for t in op.inputs:
+            if id(t) not in made and t.kind is not TensorKind.PARAM and all(t is not e for e in externals):
+                externals.append(t)
+    for t in externals:
+        if id(t) not in region.scaled or t.ndim < 1:
+            raise _refuse(next(op for op in ops if t in op.inputs),
+                          f"reads a tensor of shape {list(t.shape)} that is neither a token tensor of the batch nor "
+                          f"an expert weight")
+    outputs = list(region.outputs)
+    for op in ops:
+        for t in op.outputs:
+            if t not in outputs and any(id(r) not in inside for r in readers.get(id(t), ())):
+                raise _refuse(op, "makes a value read outside the MoE layer other than its output rows")
+    inputs = externals + weights
+    slot: Dict[int, int] = {id(t): i for i, t in enumerate(inputs)}
+    program = []
+    for op in ops:
+        for t in op.outputs:
+            slot[id(t)] = len(slot)
+        args = _refs(op.args, slot, op)
+        if id(op) in region.sizes:   # arange(M): on a rank, the number of its pairs (the sorted ids' length)
+            args = tuple(f"#{slot[id(region.sort.inputs[0])]}" if a == region.sizes[id(op)] else a for a in args)
+        program.append((op.target, args, _refs(op.kwargs, slot, op),
+                        tuple(slot[id(t)] for t in op.outputs)))
+    rows = min(t.shape[0] for t in externals + outputs)
+    anno = ", ".join(_dims(t, rows, f"x{i}") for i, t in enumerate(externals)) + ", " + \
+        ", ".join(f"{EXPERT}~ " + " ".join(f"w{i}_{d}^" for d in range(1, p.ndim)) for i, p in enumerate(weights)) + \
+        " -> " + ", ".join(_dims(t, rows, f"o{i}") for i, t in enumerate(outputs))
+    kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
+                  body=(ops.index(body[0]), ops.index(body[-1])), combine=slot[id(y)], experts=experts,
+                  outputs=tuple(slot[id(t)] for t in outputs))
+    from cube.runtime.experts import moe
+    fused = IRFwOperation(EXPERTS, inputs=inputs, outputs=outputs, target=moe, args=tuple(inputs), kwargs=kwargs,
+                          anno=parse(anno, len(inputs)), module_path=grouped[0].module_path, source=grouped[0].source)
+    at = order[id(ops[0])]
+    graph.ops = [op for op in graph.ops if id(op) not in inside]
+    graph.ops.insert(at, fused)
+    graph._pos = {}
+    return fused
+
+
+def _dims(t: IRTensor, rows: int, tag: str) -> str:
+    """``t``'s dims: its rows (``t``, or ``(t kc)`` for ``c`` rows per token), the rest whole."""
+    c = t.shape[0] // rows
+    head = TOKENS if c == 1 else f"({TOKENS} k{c})"
+    return " ".join([head] + [f"{tag}_{d}^" for d in range(1, t.ndim)])
+
+
+def _refs(value, slot: Dict[int, int], op: IRFwOperation):
+    """``value`` with each tensor replaced by ``"%k"`` (its slot); ``"#k"`` (a size: the length of
+    slot ``k``) is made by the caller."""
+    if isinstance(value, IRTensor):
+        return f"%{slot[id(value)]}"
+    if isinstance(value, str) and value[:1] in ("%", "#"):
+        raise _refuse(op, f"takes the string argument {value!r}, which the program's slots would misread")
+    if isinstance(value, (list, tuple)):
+        out = [_refs(v, slot, op) for v in value]
+        return out if isinstance(value, list) else tuple(out)
+    if isinstance(value, dict):
+        return {k: _refs(v, slot, op) for k, v in value.items()}
+    return value
+
+
+def expert_ops(graph: IRGraph) -> List[IRFwOperation]:
+    """The fused ``moe_experts`` ops of ``graph``."""
+    return graph.select(name=EXPERTS)
+
+
+def weights_of(op: IRFwOperation) -> Tuple[int, ...]:
+    """Indices of ``op``'s expert weights among its inputs."""
+    return tuple(i for i, t in enumerate(op.inputs) if t.kind is TensorKind.PARAM)
+
+
+def tokens_of(op: IRFwOperation) -> Optional[IRTensor]:
+    return op.inputs[0] if op.inputs else None
