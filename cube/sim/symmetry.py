@@ -26,11 +26,11 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
   steady state's (every gradient made, at most ``pp`` micro-batches in flight),
   which the simulated micro-batches reach.
 
-ZeRO 1 and 2 fold too: each gradient bucket's shard is cut over the real
-``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state (and
-ZeRO-2's gradients) and the reduce-scatters and all-gathers are the real
-ones. What is not folded: ZeRO-3 (its graph is planned with the gathered
-parameters of every rank), and meshes whose ``dp`` does not divide the batch;
+ZeRO folds too (stages 1 to 3): each gradient bucket's shard is cut over the
+real ``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state,
+ZeRO-2's gradients and ZeRO-3's parameter chunks, and the reduce-scatters and
+all-gathers (ZeRO-3's gathers of every bucket before the forward), are the
+real ones. What is not folded: meshes whose ``dp`` does not divide the batch;
 those plans are simulated in full.
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ def fold_for(mesh: Optional[DeviceMesh], world: int, batch_size: Optional[int], 
         return Fold(("rank",), (world,), (world,))
     names, real = mesh.names, mesh.shape
     shape = list(real)
-    if "dp" in names and zero != 3 and batch_size:
+    if "dp" in names and batch_size:
         axis = names.index("dp")
         dp = real[axis]
         if dp > 2 and batch_size % dp == 0:
