@@ -7,7 +7,9 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
 - **Data parallel folded to 2.** A plan on ``dp`` replicas is traced and
   planned with 2 (the batch cut to ``2/dp`` of it, so each replica keeps its
   part): every replica runs the same program, and the second one is there so
-  the program holds the gradient all-reduces. Their cost is that of the real
+  the program holds the gradient all-reduces. A plan that cuts ``dp`` into
+  groups of ``k`` neighbours (context parallel's ``cp``, expert parallel's
+  ``ep``) folds to 2 such groups, each kept whole (``Fold.inner``). Their cost is that of the real
   group: a collective over the folded ``dp`` coordinates is costed over all
   ``dp`` of them, on the real ranks (node placement included).
 - **One rank per class.** Only ranks at coordinate 0 of ``dp`` and ``tp`` (and
@@ -24,7 +26,8 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
   accumulation that the first micro-batch skips counted as the others pay it),
   so the step time grows by that for each micro-batch not simulated. The memory peak is a
   steady state's (every gradient made, at most ``pp`` micro-batches in flight),
-  which the simulated micro-batches reach.
+  which the simulated micro-batches reach. Context and expert parallel plans
+  are simulated with every micro-batch (their extrapolation is not checked).
 
 ZeRO folds too (stages 1 to 3): each gradient bucket's shard is cut over the
 real ``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state,
