@@ -278,8 +278,12 @@ def test_cluster_search_from_the_command_line(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "best: tp" in captured.out and "--policy PASMegatron --option tp=" in captured.out
     assert captured.err.count("/3] tp") == 3   # one progress line per simulated plan
+    assert "tokens/s per device, MFU" in captured.out and "runs on nccl" in captured.out
+    assert re.search(r"3 plans simulated in [\d.]+ s", captured.out), captured.out
     with pytest.raises(SystemExit):
         main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget", "0"])
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget-s", "0"])
 
 
 def test_a_simulated_plan_says_its_throughput_and_what_it_assumed(tmp_path, capsys):
