@@ -1,7 +1,9 @@
 """Megatron-LM's weak-scaling table on A100s, predicted by the simulator on this CPU machine.
 
     python -m benchmarks.cluster_sim [--quick] [--rows 1.7B,18.4B] [--hardware dgx-a100-80g] [--json FILE]
-    python -m benchmarks.cluster_sim --search [--budget 16] [--rows ...]
+    python -m benchmarks.cluster_sim --search [--budget 16] [--budget-s 60] [--rows ...]
+    python -m benchmarks.cluster_sim --zero3 [--quick]      # a 174.6B GPT under ZeRO-3 on 384 to 4096 GPUs
+    python -m benchmarks.cluster_sim --anchors              # published FSDP Llama runs on A100 and H100
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC21), Table 1: GPT models from 1.7B to 1T parameters on 32 to 3072 A100
@@ -29,9 +31,13 @@ the mean absolute percentage error. ``--quick``: the four smallest rows.
 
 ``--search``: for each row, ``cube.sim.cluster_search`` searches ``PASMegatron`` plans at the
 row's GPU count and global batch under the device's 80 GiB (the published plan among them,
-simulated first) and prints the published TFLOP/s, the published plan's prediction (and whether
-it fits), the plan found, its predicted TFLOP/s, the ratio of that to the published figure and
-the search's wall time.
+simulated first; at most ``--budget`` plans and ``--budget-s`` wall seconds) and prints the
+published TFLOP/s, the published plan's prediction (and whether it fits), the plan found, its
+predicted TFLOP/s, the ratio of that to the published figure and the search's wall time.
+
+``--zero3``: GPT-3's shape (174.6B parameters here) under ``PASData`` with ZeRO-3 and recompute
+on 384, 768, 1536 and 4096 GPUs: the predicted step, TFLOP/s, peak memory and AdamW state per
+rank, and the prediction's wall time.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -178,6 +185,135 @@ def predict(row, hardware: str = "dgx-a100-80g", runtime: str = "") -> dict:
             "peak_memory_gib": round(result.peak_memory / 2**30, 1), "seconds": round(seconds, 1)}
 
 
+# ZeRO-3 (fully sharded data parallel) at scale: GPT-3's shape (96 layers, hidden 12288, 96 heads:
+# 174.6B parameters with this vocabulary) under PASData --zero 3, recompute, GPUs and global batch
+ZERO3 = [(384, 1536), (768, 1536), (1536, 1536), (4096, 4096)]
+
+
+def predict_zero3(gpus: int, batch: int, hardware: str = "dgx-a100-80g") -> dict:
+    """The 174.6B GPT under ``PASData`` with ZeRO-3 on ``gpus`` GPUs: the prediction and its wall time."""
+    from cube.sim import hardware as hw_mod
+    from cube.sim.api import simulate_policy
+    from cube.sim.cluster import ClusterComm, DeviceCosts
+    hw = hw_mod.load(hardware)
+    started = time.perf_counter()
+    model, batch_tensors = megatron_gpt(96, 12288, 96, batch)
+    result = simulate_policy(model, batch_tensors, "PASData", gpus, costs=DeviceCosts(hw, "bf16"),
+                             comm=ClusterComm(hw), zero=3, precision="bf16", options={"recompute": "all"},
+                             symmetric=True)
+    seconds = time.perf_counter() - started
+    rank = next(iter(result.ranks.values()))
+    return {"benchmark": "cluster_sim_zero3", "name": f"GPT 174.6B ZeRO-3 on {gpus} GPUs (batch {batch})",
+            "gpus": gpus, "step_time_s": round(result.step_time, 3),
+            "tflops": round(result.model_flops / result.step_time / gpus / 1e12, 1),
+            "peak_memory_gib": round(result.peak_memory / 2**30, 1),
+            "optimizer_state_gib": round(rank.breakdown.get("optimizer", 0) / 2**30, 2),
+            "fits": result.peak_memory <= hw.memory_bytes, "seconds": round(seconds, 1)}
+
+
+def main_zero3(hardware: str = "dgx-a100-80g", out=None, quick: bool = False):
+    chosen = ZERO3[:1] if quick else ZERO3
+    print(f"GPT 174.6B under PASData --zero 3 on {hardware}: the prediction and its wall time")
+    print(f"{'model':<44} {'step s':>8} {'TFLOP/s':>8} {'peak GiB':>9} {'state GiB':>9} {'fits':>5} {'wall s':>7}")
+    results = []
+    for gpus, batch in chosen:
+        r = predict_zero3(gpus, batch, hardware)
+        results.append(r)
+        print(f"{r['name']:<44} {r['step_time_s']:>8.2f} {r['tflops']:>8.1f} {r['peak_memory_gib']:>9.1f} "
+              f"{r['optimizer_state_gib']:>9.2f} {'yes' if r['fits'] else 'no':>5} {r['seconds']:>7.1f}", flush=True)
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+# Published fully sharded (FSDP2, ZeRO-3) runs of Llama models, as torchtitan ran them (bf16 mixed
+# precision, SDPA attention, AdamW), each predicted as PASData under ZeRO-3 on the profile:
+# name, source, hardware, model, GPUs, local batch, sequence, recompute, published tokens/s per GPU.
+# torchtitan's "selective" activation checkpointing recomputes a few ops (or every other layer):
+# priced here as no recompute (the closest cube plan; the prediction is then a little fast).
+LLAMA = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama2-13b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                       num_key_value_heads=40, vocab_size=32000),
+    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=32000),
+}
+TITAN_A100 = "torchtitan docs/performance.md (FSDP2, 64 A100 80GB)"
+TITAN_H100 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md (FSDP2, no torch.compile, H100 at 500 W)"
+FSDP_ANCHORS = [
+    ("Llama 3 8B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama3-8b", 64, 1, 8192, None, 2973),
+    ("Llama 3 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama3-70b", 64, 1, 8192, "all", 331),
+    ("Llama 2 13B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-13b", 64, 2, 4096, None, 2162),
+    ("Llama 2 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-70b", 64, 2, 4096, "all", 353),
+    ("Llama 3.1 8B, 8 H100", TITAN_H100, "dgx-h100", "llama3-8b", 8, 2, 8192, None, 5762),
+    ("Llama 3.1 8B, 128 H100", TITAN_H100, "dgx-h100", "llama3-8b", 128, 2, 8192, None, 5605),
+]
+ANCHOR_TOLERANCE = 0.15   # each row's predicted tokens/s per GPU within 15% of the published figure
+
+
+class _Causal(nn.Module):
+    """A Hugging Face causal LM whose forward returns the loss (cube traces ``model(ids, labels)``)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import LlamaForCausalLM
+        self.m = LlamaForCausalLM(config)
+
+    def forward(self, ids, labels):
+        return self.m(input_ids=ids, labels=labels).loss
+
+
+def llama(name: str, batch: int, seq: int):
+    """Llama ``name`` (``LLAMA``) from transformers on the meta device and a global batch."""
+    from transformers import LlamaConfig
+    config = LlamaConfig(max_position_embeddings=seq, attn_implementation="sdpa", use_cache=False, **LLAMA[name])
+    with torch.device("meta"):
+        model = _Causal(config)
+    ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    return model, (ids, ids)
+
+
+def predict_anchor(row) -> dict:
+    """A published FSDP row (``FSDP_ANCHORS``) predicted as PASData under ZeRO-3."""
+    from cube.sim import hardware as hw_mod
+    from cube.sim.api import simulate_policy
+    from cube.sim.cluster import ClusterComm, DeviceCosts
+    name, source, hardware, model_name, gpus, local, seq, recompute, published = row
+    hw = hw_mod.load(hardware)
+    started = time.perf_counter()
+    model, batch = llama(model_name, gpus * local, seq)
+    result = simulate_policy(model, batch, "PASData", gpus, costs=DeviceCosts(hw, "bf16"), comm=ClusterComm(hw),
+                             zero=3, precision="bf16", options={"recompute": recompute} if recompute else {},
+                             symmetric=True)
+    predicted = local * seq / result.step_time
+    return {"benchmark": "cluster_sim_fsdp", "name": name, "source": source, "hardware": hardware,
+            "published_tokens_per_s": published, "predicted_tokens_per_s": round(predicted),
+            "error": round(predicted / published - 1, 4),
+            "mfu": round(result.model_flops / result.step_time / gpus / hw.peak_flops("bf16"), 3),
+            "step_time_s": round(result.step_time, 3), "peak_memory_gib": round(result.peak_memory / 2**30, 1),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main_anchors(out=None):
+    print("Published fully sharded (FSDP2) Llama runs, predicted as PASData --zero 3: tokens/s per GPU")
+    print(f"{'run':<24} {'published':>9} {'predicted':>9} {'error':>7} {'MFU':>6} {'step s':>7} {'wall s':>7}")
+    results = []
+    for row in FSDP_ANCHORS:
+        r = predict_anchor(row)
+        results.append(r)
+        print(f"{r['name']:<24} {r['published_tokens_per_s']:>9} {r['predicted_tokens_per_s']:>9} "
+              f"{r['error'] * 100:>6.1f}% {r['mfu'] * 100:>5.1f}% {r['step_time_s']:>7.2f} {r['seconds']:>7.1f}",
+              flush=True)
+    errors = [abs(r["error"]) for r in results]
+    print(f"mean absolute error {statistics.mean(errors) * 100:.1f}%, worst {max(errors) * 100:.1f}%")
+    if out:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
 def main(quick: bool = False, rows=None, hardware: str = "dgx-a100-80g", out=None):
     chosen = [r for r in TABLE if rows is None or r[0] in rows]
     if quick and rows is None:
@@ -201,7 +337,7 @@ def main(quick: bool = False, rows=None, hardware: str = "dgx-a100-80g", out=Non
     return results
 
 
-def search_row(row, hardware: str = "dgx-a100-80g", budget: int = 16) -> dict:
+def search_row(row, hardware: str = "dgx-a100-80g", budget: int = 16, budget_s: Optional[float] = 60.0) -> dict:
     """The row searched (see the module docstring): Eq. 3 TFLOP/s per GPU of the published plan and
     of the best plan within the device's memory."""
     from cube.sim import hardware as hw_mod
@@ -211,7 +347,7 @@ def search_row(row, hardware: str = "dgx-a100-80g", budget: int = 16) -> dict:
     model, batch_tensors = megatron_gpt(layers, hidden, heads, batch)
     given = published_plan(row)
     started = time.perf_counter()
-    ranked = search(model, batch_tensors, gpus, hw, "bf16", budget=budget, include=[given])
+    ranked = search(model, batch_tensors, gpus, hw, "bf16", budget=budget, include=[given], budget_s=budget_s)
     seconds = time.perf_counter() - started
 
     def tflops(tried):
@@ -228,7 +364,8 @@ def search_row(row, hardware: str = "dgx-a100-80g", budget: int = 16) -> dict:
             "simulated": len(ranked), "seconds": round(seconds, 1)}
 
 
-def main_search(rows=None, hardware: str = "dgx-a100-80g", budget: int = 16, out=None, quick: bool = False):
+def main_search(rows=None, hardware: str = "dgx-a100-80g", budget: int = 16, out=None, quick: bool = False,
+                budget_s: Optional[float] = 60.0):
     chosen = [r for r in TABLE if rows is None or r[0] in rows]
     if quick and rows is None:
         chosen = chosen[:4]
@@ -238,7 +375,7 @@ def main_search(rows=None, hardware: str = "dgx-a100-80g", budget: int = 16, out
           f"{'ratio':>6} {'search s':>8}")
     results = []
     for row in chosen:
-        r = search_row(row, hardware, budget)
+        r = search_row(row, hardware, budget, budget_s)
         results.append(r)
         fits = "yes" if r["published_plan_fits"] else "no"
         found = f"{r['searched_plan']:<44} {r['searched_tflops']:>8.1f} {r['ratio']:>6.3f}" if r["searched_plan"] \
@@ -262,9 +399,16 @@ if __name__ == "__main__":
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--search", action="store_true", help="search plans for each row (see above)")
     parser.add_argument("--budget", type=int, default=16, help="plans the search simulates at most per row")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="wall seconds the search may take per row")
+    parser.add_argument("--zero3", action="store_true", help="the 174.6B GPT under ZeRO-3 on 384 to 4096 GPUs")
+    parser.add_argument("--anchors", action="store_true", help="published FSDP runs (A100, H100) predicted")
     args = parser.parse_args()
     rows = args.rows.split(",") if args.rows else None
-    if args.search:
-        main_search(rows, args.hardware, args.budget, args.json, args.quick)
+    if args.zero3:
+        main_zero3(args.hardware, args.json, args.quick)
+    elif args.anchors:
+        main_anchors(args.json)
+    elif args.search:
+        main_search(rows, args.hardware, args.budget, args.json, args.quick, args.budget_s)
     else:
         main(args.quick, rows, args.hardware, args.json)

@@ -101,6 +101,11 @@ def test_backward_factor_per_op_class_and_causal_attention(tmp_path):
 
 
 def test_fold_maps_folded_groups_to_the_real_ranks():
+    # context parallel pairs inside dp stay whole: dp 8 in pairs folds to 2 pairs; a pair is itself,
+    # a group over both folded pairs' first ranks is the real group of every pair's first rank
+    pairs = Fold(("dp",), (4,), (8,), inner=2)
+    assert pairs.real_group([0, 1]) == (0, 1) and pairs.real_group([0, 2]) == (0, 2, 4, 6)
+    assert pairs.real_group([0, 1, 2, 3]) == tuple(range(8))
     fold = Fold(("pp", "dp", "tp"), (2, 2, 4), (2, 6, 4))
     assert fold.world == 16 and fold.real_world == 48 and fold.batch == (16, 48)
     assert fold.real_rank(5) == 5 and fold.real_rank(9) == 25   # (1, 0, 1) -> 24 + 1
@@ -124,6 +129,9 @@ def _gpt(layers=4, batch=192, device="meta"):
     ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 16, "nvirtual": 2}, 0),   # interleaved: from 6
     ("PASHybrid", 16, {"tp": 2}, 1),                              # ZeRO shards over the real 8 replicas
     ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}, 2),
+    ("PASData", 16, {}, 3),                                       # ZeRO-3: parameter chunks of 16 replicas
+    ("PASMegatron", 16, {"tp": 2, "pp": 2, "nmicros": 12}, 3),
+    ("PASMegatron", 32, {"tp": 2, "pp": 2, "cp": 2, "nmicros": 6}, 1),   # dp 8 folded to 2 context pairs
 ])
 def test_symmetric_simulation_equals_the_full_one(policy, world, options, zero):
     model, batch = _gpt()
@@ -135,7 +143,7 @@ def test_symmetric_simulation_equals_the_full_one(policy, world, options, zero):
     assert sym.step_time == pytest.approx(full.step_time, rel=0.01)
     assert sym.peak_memory == pytest.approx(full.peak_memory, rel=0.02)
     assert sym.model_flops == pytest.approx(full.model_flops, rel=1e-9) and full.model_flops > 0
-    if "nmicros" in options:
+    if "nmicros" in options and "cp" not in options:   # context parallel: every micro-batch simulated
         assert sym.micro == (6 if "nvirtual" in options else 3, options["nmicros"])
 
 
@@ -270,8 +278,12 @@ def test_cluster_search_from_the_command_line(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "best: tp" in captured.out and "--policy PASMegatron --option tp=" in captured.out
     assert captured.err.count("/3] tp") == 3   # one progress line per simulated plan
+    assert "tokens/s per device, MFU" in captured.out and "runs on nccl" in captured.out
+    assert re.search(r"3 plans simulated in [\d.]+ s", captured.out), captured.out
     with pytest.raises(SystemExit):
         main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget", "0"])
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "32", "--search", "--budget-s", "0"])
 
 
 def test_a_simulated_plan_says_its_throughput_and_what_it_assumed(tmp_path, capsys):
@@ -328,3 +340,62 @@ def test_bf16_runtime_is_priced_as_megatron_runs_it():
     floats = {dtypes.get(id(o)) for r in roots.values() for o in r.outputs
               if o.dtype.is_floating_point and r.name != "cross_entropy_loss"}
     assert floats == {torch.bfloat16}
+
+
+def test_zero3_folds_to_one_rank_at_4096_and_shards_its_state_over_all_of_them():
+    """A ZeRO-3 plan on 4096 ranks is simulated as 2 replicas, one of them simulated; its optimizer
+    state (AdamW's moments and the float32 main parameters: 12 bytes per parameter) and parameter
+    chunks are cut over all 4096 ranks, not over the 2 simulated."""
+    import time
+    model, batch = _gpt(layers=2, batch=4096)
+    params = sum(p.numel() for p in model.parameters())
+    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16", symmetric=True)
+    t0 = time.perf_counter()
+    z3 = simulate_policy(model, batch, "PASData", 4096, zero=3, **kw)
+    assert time.perf_counter() - t0 < 30
+    assert z3.fold.real == (4096,) and z3.fold.shape == (2,) and len(z3.ranks) == 1
+    state = next(iter(z3.ranks.values())).breakdown["optimizer"]
+    assert state == pytest.approx(12 * params / 4096, rel=0.05)
+    z0 = simulate_policy(model, batch, "PASData", 4096, zero=0, **kw)
+    assert next(iter(z0.ranks.values())).breakdown["optimizer"] == pytest.approx(12 * params, rel=0.01)
+    # the gathers and reduce-scatters over 4096 ranks in 512 nodes cost more than the all-reduces
+    # they replace hide
+    assert z3.step_time > z0.step_time
+
+
+def test_the_cluster_search_moves_over_zero_stages_context_and_expert_parallel():
+    """ZeRO 0-3 (fully sharded data parallel against 3D), context parallel (the sequence cut over
+    data parallel neighbours) and, for a model with experts, expert parallel are moves; each is a
+    PASMegatron option or the plan's ZeRO stage."""
+    from cube.sim.cluster_search import Space, moves
+    space = Space(world=64, batch=128, layers=8, node=8, seq=2048)
+    base = space.plan(tp=2, pp=2, micro_batch=1)
+    got = {what: p for what, p, _ in moves(space, base)}
+    assert {got[f"zero {z}"].zero for z in (1, 2, 3)} == {1, 2, 3}
+    assert "--zero 3" in got["zero 3"].command()
+    cp = got["more context parallel"]
+    assert cp.cp == 2 and cp.options()["cp"] == 2 and "cp2" in cp.name and got["less context parallel"] is None
+    assert cp.nmicros == 2 * base.nmicros   # a context parallel pair shares its samples: twice the micro-batches
+    assert not any(w.endswith("expert parallel") for w in got)   # no experts: no expert parallel
+    moe = Space(world=64, batch=128, layers=8, node=8, seq=2048, experts=8)
+    ep = {what: p for what, p, _ in moves(moe, moe.plan(tp=1, pp=1, micro_batch=1))}["more expert parallel"]
+    assert ep.ep == 2 and ep.options()["ep"] == 2
+    assert moe.plan(tp=1, pp=1, micro_batch=1, ep=16) is None                # 16 does not divide 8 experts
+    assert space.plan(tp=1, pp=1, micro_batch=1, cp=2, ep=2) is None         # not both (PASMegatron)
+    assert Space(world=64, batch=128, layers=8, node=8, seq=6).plan(tp=1, pp=1, micro_batch=1, cp=4) is None
+
+
+def test_the_cluster_search_keeps_to_its_wall_clock_budget_and_reports_throughput(capsys):
+    from cube.sim.__main__ import main
+    from cube.sim.cluster_search import search, table
+    model, batch = _gpt(batch=64)
+    lines = []
+    ranked = search(model, batch, 16, A100, budget=50, budget_s=1e-3, progress=lines.append)
+    assert len(ranked) == 1   # the first plan is always simulated; none after the budget is spent
+    best = ranked[0]
+    tokens = 64 * 128
+    assert best.tokens_per_s == pytest.approx(tokens / best.step_time / 16)
+    assert best.mfu == pytest.approx(best.result.model_flops / best.step_time / 16 / A100.peak_flops("bf16"))
+    assert best.runs_on == "nccl" and " nccl " in table(ranked, 16).splitlines()[1]
+    with pytest.raises(ValueError, match="budget_s=0 leaves no time"):
+        search(model, batch, 16, A100, budget_s=0)

@@ -3,7 +3,7 @@
     python -m cube.sim SPEC --ngpus N --policy PASData [--option tp=2 ...] [--trace step.json] [--memory mem.png]
     python -m cube.sim SPEC --ngpus N --search [--mem-cap 16] [--out cube_auto_plan.json]
     python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --policy PASMegatron --option tp=8 ... --json
-    python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --search [--budget 16] [--mem-cap 80]
+    python -m cube.sim SPEC --hardware dgx-a100-80g --ngpus 1536 --search [--budget 16] [--budget-s 60] [--mem-cap 80]
 
 SPEC names the model and one global batch: a Python file (a training script is
 fine, its ``main`` guarded by ``if __name__ == "__main__"``) or a module,
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
     p.add_argument("--mem-cap", type=float, default=None,
                    help="GiB per device (search; default on a cluster: the profile's device memory)")
     p.add_argument("--budget", type=int, default=16, help="plans simulated at most (search on a cluster)")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds the search on a cluster may take (it stops before a plan that would not fit)")
     p.add_argument("--trace", default=None, help="write a Chrome trace (Perfetto) of the step")
     p.add_argument("--memory", default=None, help="write the memory-over-time plot (PNG, or CSV)")
     p.add_argument("--out", default="cube_auto_plan.json", help="where the search writes the best plan")
@@ -120,6 +122,8 @@ def main(argv=None) -> int:
         p.error("--ngpus must be at least 1")
     if args.budget < 1:
         p.error("--budget must be at least 1 (plans the cluster search simulates)")
+    if args.budget_s is not None and not args.budget_s > 0:
+        p.error("--budget-s must be a positive number of seconds (the cluster search's wall-clock budget)")
     try:
         options = parse_options(args.option)
     except ValueError as e:
@@ -206,17 +210,21 @@ def main(argv=None) -> int:
 
 def _cluster_search(model, batch, args, hw, precision, cap) -> int:
     from cube.sim import cluster_search
-    ranked = cluster_search.search(model, batch, args.ngpus, hw, precision, mem_cap=cap, budget=args.budget)
+    started = time.perf_counter()
+    ranked = cluster_search.search(model, batch, args.ngpus, hw, precision, mem_cap=cap, budget=args.budget,
+                                   budget_s=args.budget_s)
     print(cluster_search.table(ranked, args.ngpus, args.top))
+    print(f"{len(ranked)} plans simulated in {time.perf_counter() - started:.1f} s")
     if hw.kind == "gpu":   # what a user launching there needs to know before launching
-        print("every plan above runs on NCCL: pipelines with several stages per rank (interleaved, ZB-V, "
+        print("runs on: every plan above runs on NCCL: pipelines with several stages per rank (interleaved, ZB-V, "
               "DualPipeV) move their activations on ordered channels (cube.runtime.p2p.ordered)")
     best = next((c for c in ranked if c.feasible), None)
     if best is None:
         print(f"no plan fits {(cap or hw.memory_bytes) / 2**30:.0f} GiB per device: raise --mem-cap or --budget, "
               f"or use more devices", file=sys.stderr)
         return 1
-    print(f"\nbest: {best.plan.name}: {best.step_time:.3f} s, {best.peak / 2**30:.1f} GiB; simulate it with\n"
+    print(f"\nbest: {best.plan.name}: {best.step_time:.3f} s, {best.tokens_per_s:.0f} tokens/s per device, MFU "
+          f"{best.mfu * 100:.1f}%, {best.peak / 2**30:.1f} GiB per rank, runs on {best.runs_on}; simulate it with\n"
           f"python -m cube.sim {args.spec} --hardware {args.hardware} --ngpus {args.ngpus} {best.plan.command()}")
     return 0
 

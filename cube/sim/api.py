@@ -70,7 +70,9 @@ def simulate_policy(model: torch.nn.Module, batch, policy, world: int, costs=Non
         peek = _trace(model, small, zero_traced, precision, structure, traces)
         mesh = symmetry.policy_mesh(lambda: apply_policy(bound, peek.graph.copy(), Resource(world)), world)
         size = samples if sample and sample[0].ndim else None
-        fold = symmetry.fold_for(mesh, world, size, zero)
+        # context and expert parallel (PASMegatron's cp, ep) cut dp into groups kept whole by the fold
+        inner = max(int((options or {}).get(k) or 1) for k in ("cp", "ep"))
+        fold = symmetry.fold_for(mesh, world, size, zero, inner)
         micro = symmetry.micro_fold(mesh, fold, size, options)
         scale = fold.batch[0] * (micro[0] if micro else 1), fold.batch[1] * (micro[1] if micro else 1)
         if scale[0] != scale[1]:

@@ -7,7 +7,9 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
 - **Data parallel folded to 2.** A plan on ``dp`` replicas is traced and
   planned with 2 (the batch cut to ``2/dp`` of it, so each replica keeps its
   part): every replica runs the same program, and the second one is there so
-  the program holds the gradient all-reduces. Their cost is that of the real
+  the program holds the gradient all-reduces. A plan that cuts ``dp`` into
+  groups of ``k`` neighbours (context parallel's ``cp``, expert parallel's
+  ``ep``) folds to 2 such groups, each kept whole (``Fold.inner``). Their cost is that of the real
   group: a collective over the folded ``dp`` coordinates is costed over all
   ``dp`` of them, on the real ranks (node placement included).
 - **One rank per class.** Only ranks at coordinate 0 of ``dp`` and ``tp`` (and
@@ -24,13 +26,14 @@ both read from the policy's ``DeviceMesh`` (its dimensions named ``dp`` and
   accumulation that the first micro-batch skips counted as the others pay it),
   so the step time grows by that for each micro-batch not simulated. The memory peak is a
   steady state's (every gradient made, at most ``pp`` micro-batches in flight),
-  which the simulated micro-batches reach.
+  which the simulated micro-batches reach. Context and expert parallel plans
+  are simulated with every micro-batch (their extrapolation is not checked).
 
-ZeRO 1 and 2 fold too: each gradient bucket's shard is cut over the real
-``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state (and
-ZeRO-2's gradients) and the reduce-scatters and all-gathers are the real
-ones. What is not folded: ZeRO-3 (its graph is planned with the gathered
-parameters of every rank), and meshes whose ``dp`` does not divide the batch;
+ZeRO folds too (stages 1 to 3): each gradient bucket's shard is cut over the
+real ``dp`` ranks (``MappedComm.group_size``), so a rank's optimizer state,
+ZeRO-2's gradients and ZeRO-3's parameter chunks, and the reduce-scatters and
+all-gathers (ZeRO-3's gathers of every bucket before the forward), are the
+real ones. What is not folded: meshes whose ``dp`` does not divide the batch;
 those plans are simulated in full.
 """
 from __future__ import annotations
@@ -91,6 +94,7 @@ class Fold:
     names: Tuple[str, ...]
     shape: Tuple[int, ...]
     real: Tuple[int, ...]
+    inner: int = 1   # groups of this many neighbours inside ``dp`` (context or expert parallel) kept whole
 
     @property
     def world(self) -> int:
@@ -115,9 +119,10 @@ class Fold:
         """The real ranks a collective over folded ``ranks`` joins: a group covering every folded
         ``dp`` coordinate covers every real one."""
         coords = {_unravel(r, self.shape) for r in ranks}
+        k = self.inner   # a folded coordinate is (outer, inner): only the outer one is folded
         for axis, (n, size) in enumerate(zip(self.shape, self.real)):
-            if n != size and {c[axis] for c in coords} == set(range(n)):
-                coords = {c[:axis] + (d,) + c[axis + 1:] for c in coords for d in range(size)}
+            if n != size and {c[axis] // k for c in coords} == set(range(n // k)):
+                coords = {c[:axis] + (d * k + c[axis] % k,) + c[axis + 1:] for c in coords for d in range(size // k)}
         return tuple(sorted(_ravel(c, self.real) for c in coords))
 
     def representatives(self) -> Tuple[int, ...]:
@@ -126,18 +131,23 @@ class Fold:
         return tuple(r for r in range(self.world) if all(_unravel(r, self.shape)[a] == 0 for a in axes))
 
 
-def fold_for(mesh: Optional[DeviceMesh], world: int, batch_size: Optional[int], zero: int = 0) -> Fold:
-    """How to fold ``world`` ranks planned on ``mesh`` with a global batch of ``batch_size``."""
+def fold_for(mesh: Optional[DeviceMesh], world: int, batch_size: Optional[int], zero: int = 0,
+             inner: int = 1) -> Fold:
+    """How to fold ``world`` ranks planned on ``mesh`` with a global batch of ``batch_size``.
+
+    ``inner``: the policy cuts ``dp`` into groups of this many neighbours (context parallel's
+    ``cp``, expert parallel's ``ep``): ``dp`` folds to 2 such groups, each kept whole."""
     if mesh is None:
         return Fold(("rank",), (world,), (world,))
     names, real = mesh.names, mesh.shape
     shape = list(real)
-    if "dp" in names and zero != 3 and batch_size:
+    inner = max(int(inner), 1)
+    if "dp" in names and batch_size:
         axis = names.index("dp")
         dp = real[axis]
-        if dp > 2 and batch_size % dp == 0:
-            shape[axis] = 2
-    return Fold(names, tuple(shape), tuple(real))
+        if dp > 2 * inner and dp % (2 * inner) == 0 and batch_size % dp == 0:
+            shape[axis] = 2 * inner
+    return Fold(names, tuple(shape), tuple(real), inner if tuple(shape) != tuple(real) else 1)
 
 
 class MappedComm:
@@ -170,6 +180,8 @@ def micro_fold(mesh: Optional[DeviceMesh], fold: Fold, batch_size: Optional[int]
     nmicros = (options or {}).get("nmicros")
     if mesh is None or "pp" not in mesh.names or not isinstance(nmicros, int) or not batch_size:
         return None
+    if any(((options or {}).get(k) or 1) != 1 for k in ("cp", "ep")):
+        return None   # context and expert parallel: every micro-batch simulated (not checked folded yet)
     pp = mesh.shape[mesh.names.index("pp")]
     # 1F1B reaches its steady state (every gradient made, pp micro-batches in flight) at micro-batch
     # pp + 1; interleaved stages take rounds of pp, and a longer warm-up: three rounds; DualPipeV needs
