@@ -191,7 +191,9 @@ def _reduce_scatter(x: torch.Tensor, ranks: Ranks, dim: int) -> torch.Tensor:
     return _chunk(_all_reduce(x, ranks), ranks, dim)
 
 
-def _all_to_all(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) -> torch.Tensor:
+def all_to_all_data(x: torch.Tensor, ranks: Ranks, split_dim: int, concat_dim: int) -> torch.Tensor:
+    """``x`` cut in ``len(ranks)`` pieces along ``split_dim``, piece ``q`` sent to ``ranks[q]``, the pieces
+    received concatenated along ``concat_dim`` in rank order: the all-to-all outside autograd."""
     grp, n, me = group(ranks), len(ranks), _index(ranks)
     chunks = [c.contiguous() for c in _split(x, n, split_dim)]
     if nccl(x, grp):
@@ -305,11 +307,11 @@ class AllToAll(Function):
     @staticmethod
     def forward(ctx, x, ranks, split_dim, concat_dim):
         ctx.args = (ranks, concat_dim, split_dim)
-        return _all_to_all(x, ranks, split_dim, concat_dim)
+        return all_to_all_data(x, ranks, split_dim, concat_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, *ctx.args), None, None, None
+        return all_to_all_data(grad, *ctx.args), None, None, None
 
 
 class Chunk(Function):
@@ -472,7 +474,7 @@ def all_to_all(x: torch.Tensor, ranks: Sequence[int], split_dim: int, concat_dim
     if len(ranks) == 1:
         return x
     return AllToAll.apply(x, ranks, split_dim, concat_dim) if _recorded(x) else \
-        _all_to_all(x, ranks, split_dim, concat_dim)
+        all_to_all_data(x, ranks, split_dim, concat_dim)
 
 
 @outside_graph

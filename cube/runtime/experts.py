@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from cube.runtime.collectives import _all_to_all, group, to_wire
+from cube.runtime.collectives import all_to_all_data, group, to_wire
 from cube.runtime.compiled import outside_graph
 
 
@@ -117,7 +117,7 @@ def _dispatch(env: list, dispatch: int, offsets: int, ranks: Tuple[int, ...], n:
         raise RuntimeError(f"expert parallel: the group offsets count {int(ends[-1])} of {x.shape[0]} rows over "
                            f"{counts.numel()} groups, not every row over {experts} experts")
     mine = counts.view(n, local)                                         # row q: rows for rank q's experts
-    theirs = _all_to_all(mine.contiguous(), ranks, 0, 0) if n > 1 else mine   # row q: rank q's rows for mine
+    theirs = all_to_all_data(mine.contiguous(), ranks, 0, 0) if n > 1 else mine   # row q: rank q's rows for mine
     sends, recvs = mine.sum(1).tolist(), theirs.sum(1).tolist()
     got = _Rows.apply(x, ranks, sends, recvs) if n > 1 else x
     # received: by source rank, then by expert; the body wants them by expert
