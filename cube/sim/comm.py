@@ -227,7 +227,7 @@ def _worker(rank: int, world: int, init: str, out: str, sizes: Sequence[int], re
             fns = {"all_reduce": lambda: C._all_reduce(x, ranks),
                    "all_gather": lambda: C._all_gather(x[:x.numel() // n], ranks, 0),
                    "reduce_scatter": lambda: C._reduce_scatter(x, ranks, 0),
-                   "all_to_all": lambda: C._all_to_all(x, ranks, 0, 0)}
+                   "all_to_all": lambda: C.all_to_all_data(x, ranks, 0, 0)}
             for kind, fn in fns.items():
                 t = timed(fn if member else (lambda: None), n)
                 samples.append((kind, n, x.numel() * 4, t))

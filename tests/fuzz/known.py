@@ -21,7 +21,7 @@ T5_DATA_PARALLEL = ("T5 split along the batch over two devices (the batch flow o
                     "at the first step (forward), while the same model replicated on two devices, or on one, is "
                     "exact")
 
-THREADWORLD_P2POP = ("cube.debug's in-process world: collectives._all_to_all builds dist.P2POp(dist.isend, ...), "
+THREADWORLD_P2POP = ("cube.debug's in-process world: collectives.all_to_all_data builds dist.P2POp(dist.isend, ...), "
                      "and torch's P2POp rejects the in-process isend (threadworld installs different wrappers "
                      "in torch.distributed and distributed_c10d, so `op in (isend, irecv)` fails): "
                      "ValueError 'Invalid op' at run time on every plan that needs an all-to-all")
