@@ -113,12 +113,9 @@ def _kernel_table(step, path: Path, steps: int = 3) -> None:
     path.write_text(f"{steps} steps\n{table}\n")
 
 
-def main(quick: bool = False, predict_on: str = None, kernels: str = None, **settings) -> List[dict]:
-    """Runs the comparison; returns rows (ms per step of each way and the ratio)."""
+def _gpt_on_gpu(quick: bool, settings: dict):
+    """One process (``SINGLE_DEV_MODE``): cube, the settings, the GPT (seeded) and one batch on ``cuda:0``."""
     import torch
-    if not torch.cuda.is_available():
-        print("benchmarks.gpu: no CUDA device here; nothing measured")
-        return [{"benchmark": "gpu", "name": "cube world size 1 / eager", "skipped": "no CUDA device"}]
     os.environ["SINGLE_DEV_MODE"] = "1"
     import cube
     from examples.gpt.model import GPT, GPTConfig
@@ -130,6 +127,16 @@ def main(quick: bool = False, predict_on: str = None, kernels: str = None, **set
     dev = torch.device("cuda", 0)
     ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=dev)
     batch = (ids, torch.roll(ids, -1, dims=1))
+    return cube, cfg, base, dev, batch
+
+
+def main(quick: bool = False, predict_on: str = None, kernels: str = None, **settings) -> List[dict]:
+    """Runs the comparison; returns rows (ms per step of each way and the ratio)."""
+    import torch
+    if not torch.cuda.is_available():
+        print("benchmarks.gpu: no CUDA device here; nothing measured")
+        return [{"benchmark": "gpu", "name": "cube world size 1 / eager", "skipped": "no CUDA device"}]
+    cube, cfg, base, dev, batch = _gpt_on_gpu(quick, settings)
 
     eager = copy.deepcopy(base).to(dev)
     eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-4)
@@ -192,17 +199,7 @@ def recipes(quick: bool = False, fp8: bool = False, **settings) -> list:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return [{"benchmark": "gpu", "name": "bf16 / bf16-autocast", "skipped": "no CUDA device"}]
-    os.environ["SINGLE_DEV_MODE"] = "1"
-    import cube
-    from examples.gpt.model import GPT, GPTConfig
-    cfg = {**FULL, **(QUICK if quick else {}), **settings}
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=cfg["vocab"], block_size=cfg["seq"], n_layer=cfg["layers"], n_head=cfg["heads"],
-                       n_embd=cfg["dim"], bias=False)
-    base = GPT(config)
-    dev = torch.device("cuda", 0)
-    ids = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]), device=dev)
-    batch = (ids, torch.roll(ids, -1, dims=1))
+    cube, cfg, base, dev, batch = _gpt_on_gpu(quick, settings)
     loader = iter(lambda: batch, None)
     steps, times = {}, {}
     with tempfile.TemporaryDirectory() as cache:
