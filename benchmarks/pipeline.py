@@ -1,7 +1,7 @@
 """cube's 1F1B, interleaved 1F1B, zero-bubble (ZB-H1, ZB-V) and DualPipeV pipelines side by side
 with torch.distributed.pipelining, in one torchrun job.
 
-    python -m benchmarks.pipeline [--quick] [--rounds 20] [--steps 1]
+    python -m benchmarks.pipeline [--quick] [--rounds 20] [--steps 1] [--kinds 1F1B,DualPipeV]
 
 Launches one torchrun job (2 ranks, gloo on CPU) in which both ranks train the
 same GPT (4 layers, d256, 8 heads, T64, vocab 2048, global batch 16, AdamW) as
@@ -332,8 +332,9 @@ def worker(args) -> None:
     cfg = {k: getattr(args, k) for k in DEFAULTS}
     base = _gpt(cfg)
     runners, ways, ideals, splits = [], [], {}, {}
+    kinds = _kinds(args.kinds)
     for m in MICROS:
-        for kind in VIRTUAL:
+        for kind in kinds:
             cube_way, blocks = _cube_way(cfg, m, base, os.path.join(args.cache, "cube"), kind)
             every = [None] * world
             dist.all_gather_object(every, blocks)
@@ -342,7 +343,7 @@ def worker(args) -> None:
             ways.append(cube_way)
             if TORCH[kind] is not None:
                 ways.append(_torch_way(cfg, m, base, bounds, rank, kind))
-            elif bounds != splits["1F1B"]:
+            elif "1F1B" in splits and bounds != splits["1F1B"]:
                 raise RuntimeError(f"{kind} split its stages {bounds} unlike 1F1B's {splits['1F1B']}: the "
                                    f"comparison with torch's 1F1B would not be on the same stages")
             runners += ways[-2:] if TORCH[kind] else ways[-1:]
@@ -360,14 +361,26 @@ def worker(args) -> None:
     every = [None] * world
     dist.all_gather_object(every, mine)
     if rank == 0:
-        rows = _rows(every, splits)
+        rows = _rows(every, splits, kinds)
         with open(args.out, "w") as f:
             json.dump(rows, f)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
+def _kinds(text: str) -> List[str]:
+    """The schedules named in ``--kinds`` (comma-separated; empty: all), in ``VIRTUAL``'s order.
+    A kind without a torch schedule of its own (ZB-H1) brings 1F1B, its torch comparison."""
+    asked = [k for k in text.split(",") if k] or list(VIRTUAL)
+    unknown = [k for k in asked if k not in VIRTUAL]
+    if unknown:
+        raise ValueError(f"benchmarks/pipeline.py --kinds: unknown {unknown}; choose from {list(VIRTUAL)}")
+    if any(TORCH[k] is None for k in asked):
+        asked.append("1F1B")
+    return [k for k in VIRTUAL if k in asked]
+
+
+def _rows(every: list, splits: Dict[str, List[int]], kinds: Sequence[str]) -> List[dict]:
     def slowest(name: str, k: int) -> float:
         per_step = zip(*(ranks[name][k] for ranks in every))
         return statistics.median(max(ts) for ts in per_step) * 1e3
@@ -379,12 +392,12 @@ def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
             for name, (_, _, loss) in ranks.items():
                 if name.endswith(f" m={m}") and loss is not None and loss == loss:
                     first[name[:-len(f" m={m}")]] = loss
-        ref = first["torch 1F1B"]
+        ref = next(iter(first.values()))
         if not all(abs(v - ref) <= 1e-5 * abs(ref) for v in first.values()):
             raise RuntimeError(f"m={m}: the first step's losses differ ({first}): the pipelines do not train "
                                f"the same model")
         got = {}
-        for kind in VIRTUAL:
+        for kind in kinds:
             ideal = max(statistics.median(ranks[f"ideal {kind} m={m}"][0]) for ranks in every) * 1e3
             bound = ideal * _bound_steps(kind, m) / m
             for who in ("cube", "torch") if TORCH[kind] else ("cube",):
@@ -405,6 +418,8 @@ def _rows(every: list, splits: Dict[str, List[int]]) -> List[dict]:
                              ("cube ZB-V", "torch ZB-V", "<= 0.95"),
                              ("cube DualPipeV", "torch DualPipeV", "<= 0.95"),
                              ("cube DualPipeV", "cube 1F1B", "")):
+            if a not in got or b not in got:   # a kind left out by --kinds
+                continue
             rows.append({"benchmark": "pipeline", "name": f"{a} / {b} m={m}", "micro_batches": m,
                          "time_ratio": got[a] / got[b], **({"target": target} if target else {})})
     return rows
@@ -435,7 +450,9 @@ def report(rows: List[dict], cfg: dict, nsteps: int) -> None:
     print(f"GPT {cfg['layers']} layers, d{cfg['dim']}, T{cfg['seq']}, vocab {cfg['vocab']}, global batch "
           f"{cfg['batch']}, {STAGES} ranks (gloo, CPU), median of {nsteps} steps")
     for kind in VIRTUAL:
-        bounds = next(r["stage_blocks"] for r in rows if r["name"].startswith(f"cube {kind} "))
+        bounds = next((r["stage_blocks"] for r in rows if r["name"].startswith(f"cube {kind} ")), None)
+        if bounds is None:   # left out by --kinds
+            continue
         where = "in a V" if kind in V_KINDS else f"stage k on rank k % {STAGES}"
         print(f"{kind} stages ({where}): {_describe(bounds)}")
     print(f"{'way':<26}{'ms/step':>10}{'pipeline':>10}{'bound':>9}{'share':>8}{'bubble':>8}{'bound':>7}"
@@ -458,7 +475,7 @@ def main(quick: bool = False, predict: bool = True, **kwargs) -> List[dict]:
         RuntimeError: the torchrun job failed (its output is shown).
     """
     settings = {"steps": 1, "warmup": 1, "rounds": 4} if quick else {"steps": 1, "warmup": 2, "rounds": 20}
-    settings.update({"threads": 1, **DEFAULTS})
+    settings.update({"threads": 1, "kinds": "", **DEFAULTS})
     settings.update(kwargs)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
@@ -499,6 +516,8 @@ def _predictions(rows: List[dict], cfg: dict) -> List[dict]:
     for m in MICROS:
         for kind in ("ZB-H1", "ZB-V"):
             a, b = f"cube {kind} m={m}", f"cube 1F1B m={m}"
+            if a not in measured or b not in measured:   # left out by --kinds
+                continue
             got, want = 1 - measured[a] / measured[b], 1 - predicted[a] / predicted[b]
             out.append({"benchmark": "pipeline", "name": f"{kind} gain over 1F1B m={m}", "micro_batches": m,
                         "measured_gain": got, "predicted_gain": want, "points_off": abs(got - want) * 100,
@@ -516,6 +535,7 @@ def _cli() -> None:
     p.add_argument("--warmup", type=int, help="untimed steps of each way before the rounds (default 2)")
     p.add_argument("--rounds", type=int)
     p.add_argument("--threads", type=int, help="intra-op threads per rank (default 1)")
+    p.add_argument("--kinds", help=f"comma-separated schedules to run (default all: {','.join(VIRTUAL)})")
     for k in DEFAULTS:
         p.add_argument(f"--{k}", type=int)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
