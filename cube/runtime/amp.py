@@ -1,7 +1,7 @@
 """Mixed precision: half-precision weights with float32 main parameters, or autocast over float32
 weights; loss scaling for fp16.
 
-Two recipes (``cube.compile(precision=)``; docs/precision.md):
+The recipes (``cube.compile(precision=)``; docs/precision.md):
 
 - ``"bf16"`` / ``"fp16"``, Megatron-LM's: each rank holds its weight pieces in the low precision
   for compute; ``cube.build_optimizer`` keeps float32 *main parameters* and the optimizer state
@@ -10,6 +10,8 @@ Two recipes (``cube.compile(precision=)``; docs/precision.md):
   gradient* (``param.main_grad``: each micro-batch's low-precision gradient is added to it as
   soon as autograd makes it, and the data parallel sums run on it, in float32). Checkpoints and
   ``cube.runtime.zero.whole_parameters`` see the float32 main parameters.
+- ``"fp8"``: ``"bf16"``'s, the linear layers' three matrix products in float8 with dynamic
+  tensorwise scales (torchao's float8 training; ``cube.passes.float8``, ``cube.runtime.float8``).
 - ``"bf16-autocast"`` / ``"fp16-autocast"``: float32 parameters, gradients and optimizer state;
   matrix products run in the low precision under ``torch.autocast``, which casts the weights at
   every forward.

@@ -63,14 +63,16 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``(a8 / sa) @ (b8 / sb)`` by ``torch._scaled_mm``: ``a8`` row-major, ``b8`` column-major (CUDA's
-    layout rule; a copy only where the operand is not)."""
+    layout rule; a copy only where the operand is not). ``fast_accum``: CUDA's faster, less exact
+    accumulation (torchao uses it for the forward's product only)."""
     if not a8.is_contiguous():
         a8 = a8.contiguous()
     if not b8.t().is_contiguous():
         b8 = b8.t().contiguous().t()
-    return torch._scaled_mm(a8, b8, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype)
+    return torch._scaled_mm(a8, b8, scale_a=sa.reciprocal(), scale_b=sb.reciprocal(), out_dtype=out_dtype,
+                            use_fast_accum=fast_accum and a8.is_cuda)
 
 
 class _Float8Linear(torch.autograd.Function):
@@ -80,7 +82,7 @@ class _Float8Linear(torch.autograd.Function):
         sx, sw = scale_of(ax, E4M3), scale_of(aw, E4M3)
         x8 = quantize(x.reshape(-1, x.shape[-1]), sx, E4M3)
         w8 = quantize(w, sw, E4M3)
-        out = scaled_mm(x8, sx, w8.t(), sw, out_dtype or x.dtype)
+        out = scaled_mm(x8, sx, w8.t(), sw, out_dtype or x.dtype, fast_accum=True)
         ctx.save_for_backward(x8, sx, w8, sw)
         ctx.ranks, ctx.shape, ctx.dtypes = ranks, x.shape, (x.dtype, w.dtype)
         return out.reshape(*x.shape[:-1], w.shape[0])
