@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cube
+from cube.policies.megatron3d import PASMegatron
 from tests.inprocess import Float32Islands, main_params_reference, parity
 from tests.models import build
 from tests.test_main_params import EXACT, _build, _model
@@ -105,12 +106,17 @@ def test_fp8_equals_the_rule_by_hand(model, policy, world, nmicros, shares, zero
     assert worst <= tol, f"relative errors per rank (loss, parameters): {errors}"
 
 
-def test_fp8_tensor_parallel_forward_is_exact_with_float32_sums():
-    """With the partial products summed in float32 the first step's loss (the forward alone) equals
-    one process's: every piece of a split weight, input and output gradient is scaled with the
-    global amax (each piece scaled alone reads 9.5e-5, benchmarks/precision_parity.py)."""
+@pytest.mark.parametrize("policy", tiered(
+    [("cube.policies.megatron:PASMegatronTP",),
+     (functools.partial(PASMegatron, tp=2, pp=1, nmicros=1, sp=True),)],
+    ["tensor2", "sequence2"], {"sequence2"}))
+def test_fp8_tensor_parallel_forward_is_exact_with_float32_sums(policy):
+    """With the partial products summed in float32 (all-reduced, or reduce-scattered under sequence
+    parallelism) the first step's loss (the forward alone) equals one process's: every piece of a
+    split weight, input and output gradient is scaled with the global amax (each piece scaled
+    alone reads 9.5e-5, benchmarks/precision_parity.py)."""
     m, sample = build("gpt_nobias")
-    errors = parity(m, sample, "cube.policies.megatron:PASMegatronTP", 2, steps=1, opt="sgd", build=_build("sgd"),
+    errors = parity(m, sample, policy, 2, steps=1, opt="sgd", build=_build("sgd"),
                     reference=_reference(1), precision="fp8", tp_reduce_dtype=torch.float32)
     assert max(e[0] for e in errors) <= EXACT, errors
     assert max(e[1] for e in errors) <= TP_TOL_SGD, errors
