@@ -209,3 +209,17 @@ def test_fp8_refuses_schedules_that_split_the_backward():
     batch = tuple(torch.cat([t] * 4) for t in sample)
     with pytest.raises(ValueError, match=r"precision='fp8': op 'linear' \(module 'layers\..*runtime\.zb\.linear"):
         cube.plan(m, batch, "cube.policies.pipeline:PASZBH1", 2, precision="fp8", options={"nmicros": 4}).sources()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["cube.policies.data:PASData", "cube.policies.megatron:PASMegatronTP"])
+def test_fp8_on_hf_llama(policy):
+    """Hugging Face Llama as shipped: every nn.Linear with dims divisible by 16 runs in float8, and
+    training follows float32 training within the float8 tolerance."""
+    m, sample = build("hf_llama")
+    linears = sum(1 for x in m.modules() if isinstance(x, torch.nn.Linear)
+                  and x.in_features % 16 == 0 and x.out_features % 16 == 0)
+    src = cube.plan(m, sample, policy, 2, precision="fp8").sources()[0]
+    assert src.count("runtime.float8.linear(") == linears > 0
+    errors = parity(m, sample, policy, 2, steps=3, opt="sgd", build=_build("sgd"), precision="fp8")
+    assert max(max(e) for e in errors) <= FLOAT32_TOL, errors

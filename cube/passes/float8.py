@@ -69,7 +69,8 @@ def mark_amax_ranks(graph: IRGraph, plans: Dict, cuda: bool = False) -> None:
             op = call.op
             if op is None or id(op.root) not in chosen or call.layout is None:
                 continue
-            x_rows = call.layout.inputs[0][0] if call.layout.inputs[0] else (0, 1)
+            x_box = call.layout.inputs[0]   # a 1-d input has no batch rows: all its pieces scale together
+            x_rows = x_box[0] if len(x_box) > 1 else None
             boxes = (tuple(call.layout.inputs[:2]), tuple(call.layout.outputs))
             rows.setdefault((id(op.root), x_rows), []).append((r, boxes))
             found.append((call, (id(op.root), x_rows)))
