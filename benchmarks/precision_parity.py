@@ -7,7 +7,8 @@ docs/precision.md (FP8, tensor-parallel partial sums).
 ranks against the float8 rule by hand in one process (``tests.test_float8.Float8ByHand``, the plan's
 batch pieces as micro-batches), and against float32 training; tensor parallel with and without
 ``tp_reduce_dtype=torch.float32``, and once with every piece scaled by its own amax (the global
-amax switched off) to show what the maximum over ranks buys.
+amax switched off) to show what the maximum over ranks buys; Hugging Face Llama (tests/models'
+``hf_llama``) against float32 training.
 
 ``--tp-reduce``: ``precision="bf16"`` tensor-parallel plans (tp 2 and 4, SGD and AdamW) against the
 recipe by hand (``tests.inprocess.main_params_reference``), partial sums in bf16 and in float32,
@@ -100,6 +101,9 @@ def fp8_table() -> None:
                   f"{loss:.1e} / {loss2:.1e} | {params:.1e} / {params2:.1e} |", flush=True)
     loss, params = _errors("gpt_nobias", DATA, 2, "sgd", None, precision="fp8")
     print(f"| against float32 training (data 2, SGD) | {loss:.1e} | {params:.1e} |")
+    for policy, label in ((DATA, "data 2"), (TP, "tensor 2")):
+        loss, params = _errors("hf_llama", policy, 2, "sgd", None, precision="fp8")
+        print(f"| Hugging Face Llama against float32 training ({label}, SGD) | {loss:.1e} | {params:.1e} |", flush=True)
     loss, params = _errors("gpt_nobias", DATA, 2, "sgd", None, precision="bf16")
     print(f"| bf16 against float32 training (data 2, SGD), for scale | {loss:.1e} | {params:.1e} |")
 

@@ -223,3 +223,15 @@ def test_fp8_on_hf_llama(policy):
     assert src.count("runtime.float8.linear(") == linears > 0
     errors = parity(m, sample, policy, 2, steps=3, opt="sgd", build=_build("sgd"), precision="fp8")
     assert max(max(e) for e in errors) <= FLOAT32_TOL, errors
+
+
+def test_fp8_refuses_pieces_cuda_cannot_multiply(monkeypatch):
+    """On CUDA a float8 piece needs a weight with dims divisible by 16 and input rows divisible by 16."""
+    import cube.passes.program as program
+    monkeypatch.setattr(program, "device_type", lambda: "cuda")
+    sample = (torch.randn(8, 32), torch.randint(0, 24, (8,)))   # 8 rows
+    with pytest.raises(ValueError, match=r"op 'linear' \(module 'up'.*8 rows on rank 0.*divisible by 16"):
+        cube.plan(_Odd(), sample, "cube.policies.single:PASSingle", 1, precision="fp8").sources()
+    sample = (torch.randn(16, 32), torch.randint(0, 24, (16,)))
+    assert "runtime.float8.linear(" in cube.plan(_Odd(), sample, "cube.policies.single:PASSingle", 1,
+                                                 precision="fp8").sources()[0]

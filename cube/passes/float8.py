@@ -56,8 +56,8 @@ def mark_amax_ranks(graph: IRGraph, plans: Dict, cuda: bool = False) -> None:
     pieces (left empty where they are replicas, whose amaxes are equal).
 
     Raises:
-        ValueError: ``cuda`` and a piece's weight has a dim not divisible by 16 (CUDA's float8
-            products refuse it).
+        ValueError: ``cuda`` and a piece's weight has a dim, or its input a number of rows (all
+            dims but the last), not divisible by 16 (CUDA's float8 products refuse them).
     """
     chosen = float8_ops(graph)
     if not chosen:
@@ -75,11 +75,16 @@ def mark_amax_ranks(graph: IRGraph, plans: Dict, cuda: bool = False) -> None:
             rows.setdefault((id(op.root), x_rows), []).append((r, boxes))
             found.append((call, (id(op.root), x_rows)))
             if cuda:
-                w = box_shape(call.layout.inputs[1])
-                if any(d % 16 for d in w):
+                w, x = box_shape(call.layout.inputs[1]), box_shape(x_box)
+                rows_n = 1
+                for d in x[:-1]:
+                    rows_n *= d
+                if any(d % ALIGN for d in w) or rows_n % ALIGN:
                     raise ValueError(f"precision='fp8': op 'linear' ({op.root.where()}) has a weight piece of shape "
-                                     f"{tuple(w)} on rank {r}; CUDA's float8 products need both dims divisible "
-                                     f"by 16. Split this linear into fewer pieces, or use precision='bf16'")
+                                     f"{tuple(w)} and an input piece of {rows_n} rows on rank {r}; CUDA's float8 "
+                                     f"products need every one divisible by 16 (the weight gradient's product "
+                                     f"runs over the rows). Split this linear into fewer pieces, give it a batch "
+                                     f"x sequence divisible by 16, or use precision='bf16'")
     for call, key in found:
         if len({boxes for _, boxes in rows[key]}) > 1:   # replicas alone hold equal amaxes: no sum
             call.amax_ranks = tuple(sorted({r for r, _ in rows[key]}))
