@@ -257,7 +257,8 @@ class _Emitter:
             lines.append(f"    PRECISION = {self.graph.precision!r}   # " +
                          ("forward under torch.autocast, float32 parameters" if "autocast" in self.graph.precision
                           else "forward in the low-precision weights' dtype, float32 main parameters in "
-                               "cube.build_optimizer"))
+                               "cube.build_optimizer" + ("; linear layers in float8 (runtime.float8)"
+                                                         if self.graph.precision == "fp8" else "")))
         if getattr(self.graph, "zero", 0) == 3:
             lines.append("    ZERO = 3   # parameters summed over a group are sharded over it, gathered in forward")
         lines.append("")
