@@ -190,42 +190,75 @@ def main(quick: bool = False, predict_on: str = None, kernels: str = None, **set
     return rows
 
 
+def recipe_steps(base, batch, cache: str, device, fp8: bool = False) -> dict:
+    """Name -> a training step (forward, backward, AdamW) of ``base``'s copy on ``device``, one per way:
+    cube's ``precision="bf16"`` and ``"bf16-autocast"``; with ``fp8``, cube's ``"fp8"``, and the plain
+    model in bf16 with and without torchao's float8 linear layers
+    (``torchao.float8.convert_to_float8_training``, its default tensorwise recipe; left out, with a
+    line saying so, where torchao is not installed). Runs on any device (the CPU emulates float8)."""
+    import torch
+
+    import cube
+    loader = iter(lambda: batch, None)
+    steps = {}
+    for precision in ("bf16", "bf16-autocast") + (("fp8",) if fp8 else ()):
+        train_iter, model = compile_gpt(copy.deepcopy(base).to(device), loader, "cube.policies.single:PASSingle",
+                                        cache, precision=precision)
+        opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
+
+        def step(t=train_iter, m=model, o=opt):
+            t(m, loader)
+            o.step()
+            o.zero_grad(set_to_none=True)
+        steps[f"cube {precision}"] = step
+    if fp8:
+        try:
+            from torchao.float8 import convert_to_float8_training
+        except ImportError:
+            print("torchao is not installed (pip install torchao): no torchao float8 rows")
+            return steps
+        for name, convert in (("eager bf16", False), ("torchao fp8", True)):
+            m = copy.deepcopy(base).to(device).to(torch.bfloat16)
+            if convert:
+                convert_to_float8_training(m)
+            o = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+            def step(m=m, o=o):
+                m(*batch).backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+            steps[name] = step
+    return steps
+
+
+RATIOS = [   # (numerator, denominator): the ratios --recipes prints where both were timed
+    ("cube bf16", "cube bf16-autocast"),
+    ("cube fp8", "cube bf16"),
+    ("torchao fp8", "eager bf16"),
+    ("cube fp8", "torchao fp8"),
+]
+
+
 def recipes(quick: bool = False, fp8: bool = False, **settings) -> list:
     """``--recipes``: one-GPU step time of cube's ``precision="bf16"`` (bf16 weights, float32 main
-    parameters) against ``"bf16-autocast"`` on the GPT above, AdamW (docs/precision.md, must show 4);
-    with ``--fp8``, also the plain model with torchao's float8 linear layers
-    (``torchao.float8.convert_to_float8_training``) against the plain bf16 model, on an H100."""
+    parameters) against ``"bf16-autocast"`` on the GPT above, AdamW (docs/precision.md); with
+    ``--fp8``, also cube's ``"fp8"`` against cube's ``"bf16"``, and the plain bf16 model with
+    torchao's float8 linear layers against it without them (an Ada or Hopper GPU: compute
+    capability 8.9 and up). cube's recipes keep float32 main parameters, the plain models step
+    their bf16 weights: compare cube with cube and the plain model with itself; "cube fp8 / torchao
+    fp8" sets the two float8 steps side by side, recipes and all."""
     import torch
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure")
         return [{"benchmark": "gpu", "name": "bf16 / bf16-autocast", "skipped": "no CUDA device"}]
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        print(f"--fp8 needs compute capability 8.9 or newer (Ada, Hopper); {torch.cuda.get_device_name()} is "
+              f"{'.'.join(map(str, torch.cuda.get_device_capability()))}: timing the bf16 recipes only")
+        fp8 = False
     cube, cfg, base, dev, batch = _gpt_on_gpu(quick, settings)
-    loader = iter(lambda: batch, None)
-    steps, times = {}, {}
+    times = {}
     with tempfile.TemporaryDirectory() as cache:
-        for precision in ("bf16", "bf16-autocast"):
-            train_iter, model = compile_gpt(copy.deepcopy(base).to(dev), loader, "cube.policies.single:PASSingle",
-                                            cache, precision=precision)
-            opt = cube.build_optimizer(model, torch.optim.AdamW, lr=1e-4)
-
-            def step(t=train_iter, m=model, o=opt):
-                t(m, loader)
-                o.step()
-                o.zero_grad(set_to_none=True)
-            steps[precision] = step
-        if fp8:
-            from torchao.float8 import convert_to_float8_training
-            for name, convert in (("eager bf16", False), ("eager fp8", True)):
-                m = copy.deepcopy(base).to(dev).to(torch.bfloat16)
-                if convert:
-                    convert_to_float8_training(m)
-                o = torch.optim.AdamW(m.parameters(), lr=1e-4)
-
-                def step(m=m, o=o):
-                    m(*batch).backward()
-                    o.step()
-                    o.zero_grad(set_to_none=True)
-                steps[name] = step
+        steps = recipe_steps(base, batch, cache, dev, fp8=fp8)
         for name in steps:
             times[name] = []
         for _ in range(cfg["rounds"]):
@@ -234,15 +267,12 @@ def recipes(quick: bool = False, fp8: bool = False, **settings) -> list:
                 times[name] += _timed(step, cfg["steps"])
     med = {k: statistics.median(v) for k, v in times.items()}
     rows = [{"benchmark": "gpu", "name": n, "ms_per_step": med[n] * 1e3} for n in med]
-    ratio = med["bf16"] / med["bf16-autocast"]
     print(f"GPT {cfg['layers']} layers, d{cfg['dim']}, {torch.cuda.get_device_name(0)}: "
           + ", ".join(f"{n} {v * 1e3:.1f} ms/step" for n, v in med.items()))
-    print(f"cube bf16 / bf16-autocast: {ratio:.3f}")
-    rows.append({"benchmark": "gpu", "name": "cube bf16 / bf16-autocast", "time_ratio": ratio})
-    if fp8:
-        r8 = med["eager fp8"] / med["eager bf16"]
-        print(f"torchao float8 / bf16 (plain model): {r8:.3f}")
-        rows.append({"benchmark": "gpu", "name": "fp8 / bf16 (plain model, torchao)", "time_ratio": r8})
+    for a, b in RATIOS:
+        if a in med and b in med:
+            print(f"{a} / {b}: {med[a] / med[b]:.3f}")
+            rows.append({"benchmark": "gpu", "name": f"{a} / {b}", "time_ratio": med[a] / med[b]})
     return rows
 
 
@@ -253,7 +283,8 @@ if __name__ == "__main__":
                    help="also predict the cube step on this hardware profile (python -m cube.sim.calibrate)")
     p.add_argument("--kernels", metavar="DIR", default=None, help="write each way's profiler table here")
     p.add_argument("--recipes", action="store_true", help="time cube's bf16 against bf16-autocast instead")
-    p.add_argument("--fp8", action="store_true", help="with --recipes: also torchao float8 on the plain model")
+    p.add_argument("--fp8", action="store_true", help="with --recipes: also cube's fp8 and torchao float8 on the "
+                                                      "plain model (compute capability 8.9 and up)")
     for key in ("layers", "dim", "heads", "batch", "seq", "steps", "rounds"):
         p.add_argument(f"--{key}", type=int, default=None)
     a = vars(p.parse_args())

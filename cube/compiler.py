@@ -184,7 +184,7 @@ class CompiledStep:
     def __init__(self, fn: Callable, model: torch.nn.Module, dataloader, pas, cache_dir=None,
                  use_cache: bool = True, zero: int = 0, precision: Optional[str] = None,
                  options: Optional[dict] = None, backend: Optional[str] = None, strict: bool = False,
-                 exact_rng: bool = False, max_shapes: int = 1):
+                 exact_rng: bool = False, max_shapes: int = 1, tp_reduce_dtype: Optional[torch.dtype] = None):
         rt_compiled.check_backend(backend)
         self.exact_rng = bool(exact_rng)   # in the cache key: the random ops' code differs
         self.fn = fn
@@ -200,6 +200,7 @@ class CompiledStep:
         self.steps_run = 0
         self.zero = zero
         self.precision = precision
+        self.tp_reduce_dtype = tp_reduce_dtype
         self.user_model = model
         self.timings: dict = {}
         self.env = rt_device.init()
@@ -252,6 +253,7 @@ class CompiledStep:
                      repr([(tuple(t.shape), t.dtype) for t in sample]),
                      str(self.env.world_size), "\n".join(user_rules), f"zero={self.zero}",
                      f"precision={self.precision}", f"exact_rng={self.exact_rng}",
+                     *((f"tp_reduce_dtype={self.tp_reduce_dtype}",) if self.tp_reduce_dtype is not None else ()),
                      # main-parameter plans: the float32 islands (and so the code) differ between CPU and CUDA
                      # (before: the forward under autocast over the low-precision weights)
                      *((f"autocast-device={device_type()}", "half=islands") if rt_amp.main_params(self.precision)
@@ -269,6 +271,7 @@ class CompiledStep:
     def _compile(self, sample) -> None:
         with _gc_paused():
             traced = trace_model(self.user_model, sample, zero=self.zero, precision=self.precision,
+                                 tp_reduce_dtype=self.tp_reduce_dtype,
                                  timings=self.timings, structure=self.structure)
             planned = traced.plan(self.policy, self.env.world_size, options=self.options, ranks=[self.env.rank],
                                   strict=self.strict, exact_rng=self.exact_rng)
@@ -475,7 +478,7 @@ class Traced:
         consts: the lifted constant tensors.
         structure: ``"tensor"`` or ``"tuple"``: how a batch is passed to the model.
         timings: seconds of ``trace`` and ``ir``.
-        model, sample, zero, precision: what it was traced from (a pipeline plan traces the model
+        model, sample, zero, precision, tp_reduce_dtype: what it was traced from (a pipeline plan traces the model
             again on a micro-batch of ``sample``).
     """
 
@@ -487,6 +490,7 @@ class Traced:
     sample: Optional[tuple] = field(default=None, repr=False)
     zero: int = 0
     precision: Optional[str] = None
+    tp_reduce_dtype: Optional[torch.dtype] = None
     _micro: Dict[int, "Traced"] = field(default_factory=dict, repr=False)
 
     def place(self, PAS: Union[Callable, str], world: int = 1, *, options: Optional[dict] = None,
@@ -585,8 +589,9 @@ class Traced:
         first = tuple(t[:batch // nmicros] for t in self.sample)
         try:
             micro = trace_model(self.model, first, zero=self.zero, precision=self.precision,
-                                structure=self.structure, dynamic_batch=one)
+                                tp_reduce_dtype=self.tp_reduce_dtype, structure=self.structure, dynamic_batch=one)
             full = trace_model(self.model, self.sample, zero=self.zero, precision=self.precision,
+                               tp_reduce_dtype=self.tp_reduce_dtype,
                                structure=self.structure, dynamic_batch=True) if one else self
         except TraceError as e:
             if not one:   # the global batch traced: what fails is the micro-batch's size
@@ -598,7 +603,7 @@ class Traced:
             # static, a faithful program for a micro-batch of one sample; micro_shares still checks it op for
             # op against the global batch's
             micro = trace_model(self.model, first, zero=self.zero, precision=self.precision,
-                                structure=self.structure)
+                                tp_reduce_dtype=self.tp_reduce_dtype, structure=self.structure)
             full, one = self, False
         if timings is not None:   # the other traces count in the compile's trace and ir phases
             for k, v in micro.timings.items():
@@ -680,6 +685,7 @@ def _nmicros(graph: IRGraph) -> int:
 
 
 def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Optional[str] = None,
+                tp_reduce_dtype: Optional[torch.dtype] = None,
                 timings: Optional[dict] = None, structure: Optional[str] = None,
                 dynamic_batch: bool = False) -> Traced:
     """Traces ``model`` on one batch into an IR graph (no policy yet).
@@ -690,6 +696,7 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
             ``structure``, the tuple of its tensors).
         zero: the ZeRO stage the plan is for (3 shards parameters in the plan).
         precision: None or one of ``cube.runtime.amp.PRECISIONS`` (``"bf16"``, ``"bf16-autocast"``, ...).
+        tp_reduce_dtype: as ``cube.compile``'s.
         timings: a dict that also gets the seconds of ``trace`` and ``ir``.
         structure: how ``batch`` is passed when it is already a tuple of tensors.
         dynamic_batch: trace dim 0 of the batch as a size of any value (``cube.trace.export.export``),
@@ -706,14 +713,17 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero
         graph.precision = precision
+        graph.tp_reduce_dtype = tp_reduce_dtype
         mark_draws(graph, program=ep.graph_module)   # the random ops, in the single device's order (cube.passes.rng)
         check_graph(graph, stage="ir")
-    return Traced(graph, consts, structure, timings, model=model, sample=sample, zero=zero, precision=precision)
+    return Traced(graph, consts, structure, timings, model=model, sample=sample, zero=zero, precision=precision,
+                  tp_reduce_dtype=tp_reduce_dtype)
 
 
 def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 1, *,
          options: Optional[dict] = None, zero: int = 0, precision: Optional[str] = None,
-         ranks: Optional[Sequence[int]] = None, strict: bool = False, exact_rng: bool = False) -> Plan:
+         ranks: Optional[Sequence[int]] = None, strict: bool = False, exact_rng: bool = False,
+         tp_reduce_dtype: Optional[torch.dtype] = None) -> Plan:
     """Compiles ``model`` for ``world`` ranks in this process, as a value: trace, policy, passes.
 
     Nothing is launched, read or written (no process group, no cache); ``Plan.sources()``
@@ -724,7 +734,8 @@ def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 
     ``cube`` logger (``Plan.lost`` lists them); with ``strict`` they are a ``ValueError``.
     ``exact_rng``: as ``cube.compile``'s.
     """
-    planned = trace_model(model, batch, zero=zero, precision=precision).plan(PAS, world, options=options,
+    rt_amp.check_tp_reduce_dtype(tp_reduce_dtype, precision, "cube.plan")
+    planned = trace_model(model, batch, zero=zero, precision=precision, tp_reduce_dtype=tp_reduce_dtype).plan(PAS, world, options=options,
                                                                             ranks=ranks, strict=strict,
                                                                             exact_rng=exact_rng)
     _warn_lost(planned.lost, _policy_label(PAS) if callable(PAS) else planned.policy)
@@ -819,7 +830,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             cache_dir: Optional[Union[str, os.PathLike]] = None, use_cache: bool = True,
             zero: int = 0, precision: Optional[str] = None, options: Optional[dict] = None,
             backend: Optional[str] = None, strict: bool = False, exact_rng: bool = False,
-            max_shapes: int = 1) -> Callable:
+            max_shapes: int = 1, tp_reduce_dtype: Optional[torch.dtype] = None) -> Callable:
     """Compiles a training step for ``model``: decorate ``train_iter(model, dataloader)``.
 
     The step must take one batch with ``next(dataloader)``, compute
@@ -846,7 +857,9 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             softmax in float32). The first runs the forward in the weights' dtype, losses in
             float32 (``cube.passes.precision``); fp16 adds a dynamic loss
             scale (build the optimizer with ``cube.build_optimizer`` so overflowed steps are
-            skipped). ``"fp8"`` is refused with what it lacks (docs/precision.md).
+            skipped). ``"fp8"``: ``"bf16"`` with the linear layers' three matrix products in
+            float8, dynamic tensorwise scales (torchao's float8 training; ``cube.passes.float8``);
+            refused on a CUDA GPU older than compute capability 8.9, emulated on the CPU.
         options: keyword options for the policy (``{"tp": 2, "nmicros": 8}``): the
             shipped policies take ``tp``, ``pp``, ``nmicros``, ``nvirtual``,
             ``recompute`` (see each policy); they are part of the code cache key.
@@ -870,6 +883,12 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             share a mask, pieces of a split tensor and data-parallel ranks draw independent
             ones (``cube.runtime.rng`` has the seed derivation).
 
+        tp_reduce_dtype: under ``"bf16"``/``"fp16"``/``"fp8"``, ``torch.float32`` makes every
+            partial product of tensor parallelism (a matrix product whose reduction is split over
+            ranks) leave its kernel in float32, be summed over the ranks in float32 and be
+            rounded to the low precision once, where it is read, as one process rounds the whole
+            product (twice the bytes of those sums). None (default): summed in the low precision,
+            as Megatron-LM does (docs/precision.md).
         max_shapes: how many batch shapes the step takes (default 1: every batch has the first
             batch's shapes). A batch of new shapes (the short last batch of an epoch, another
             padded length) compiles another plan at that step, cached like the first, sharing the
@@ -885,6 +904,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"cube.compile: zero must be 0, 1, 2 or 3, got {zero!r}")
     rt_amp.check_precision(precision)
+    rt_amp.check_tp_reduce_dtype(tp_reduce_dtype, precision)
     rt_compiled.check_backend(backend)
     if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
         raise ValueError(f"cube.compile: max_shapes must be a positive integer, got {max_shapes!r}")
@@ -892,7 +912,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
     def decorator(fn: Callable) -> CompiledStep:
         step = CompiledStep(fn, model, dataloader, PAS, cache_dir=cache_dir, use_cache=use_cache, zero=zero,
                             precision=precision, options=options, backend=backend, strict=strict,
-                            exact_rng=exact_rng, max_shapes=max_shapes)
+                            exact_rng=exact_rng, max_shapes=max_shapes, tp_reduce_dtype=tp_reduce_dtype)
         rt_session.register(step)
         return step
 

@@ -77,7 +77,7 @@ class Float32Islands(torch.overrides.TorchFunctionMode):
 
 
 def main_params_reference(model: torch.nn.Module, batches, make: Callable, shares: int = 1,
-                          low: torch.dtype = torch.bfloat16) -> Tuple[list, dict]:
+                          low: torch.dtype = torch.bfloat16, islands: type = Float32Islands) -> Tuple[list, dict]:
     """Megatron-LM's mixed precision by hand, in one process: a low-precision copy of the model
     runs forward (in its weights' dtype, no autocast, with cube's float32 islands:
     ``Float32Islands``) and backward; float32 main parameters
@@ -85,6 +85,8 @@ def main_params_reference(model: torch.nn.Module, batches, make: Callable, share
     into the copy after each step. Each global batch runs as ``shares`` equal micro-batches along
     dim 0 (a plan's batch pieces: data parallel degree x micro-batches), each micro-batch's
     low-precision gradient added to a float32 main gradient: the recipe at that micro-batch size.
+    ``islands``: the torch function mode the forward runs under (``Float32Islands``, or a
+    subclass that also runs some products another way, e.g. float8).
 
     Returns:
         The losses (float32) and the main parameters after the last step, by name.
@@ -100,7 +102,7 @@ def main_params_reference(model: torch.nn.Module, batches, make: Callable, share
         total = torch.zeros((), dtype=torch.float32)
         grads = {n: None for n in named}
         for micro in zip(*(t.chunk(shares) for t in b)):
-            with Float32Islands(low):
+            with islands(low):
                 loss = work(*micro) / shares
             loss.backward()
             total += loss.detach().float()

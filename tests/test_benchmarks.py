@@ -1,5 +1,7 @@
-"""The benchmark runner finds modules and reads its command line; no benchmark runs here."""
+"""The benchmark runner finds modules and reads its command line; no benchmark runs here (the GPU
+recipes' steps are built and run once on the CPU, slow tier)."""
 import importlib
+import importlib.util
 
 import pytest
 
@@ -85,3 +87,19 @@ def test_sim_accuracy_reproducibility_ranks_runs_against_runs():
     # a prediction against every other run's measurement (ordered pairs)
     assert len(rep["predicted"]) == 6 and rep["predicted"][1] == pytest.approx(1.0)
     assert rep["predicted"][0] == pytest.approx(0.8)   # [1,2,3,4] against [1,2,4,3]
+
+
+@pytest.mark.slow
+def test_gpu_recipe_steps_build_and_run_on_the_cpu(tmp_path):
+    """``python -m benchmarks.gpu --recipes --fp8`` times these steps on a GPU; here each is built on
+    a small GPT on the CPU (float8 emulated) and runs one step, so the GPU's code path is exercised."""
+    import torch
+    gpu = importlib.import_module("benchmarks.gpu")
+    model, batch = gpu.build(meta=False, layers=1, dim=32, heads=2, batch=2, seq=16, vocab=64)
+    steps = gpu.recipe_steps(model, batch, str(tmp_path), torch.device("cpu"), fp8=True)
+    expected = {"cube bf16", "cube bf16-autocast", "cube fp8"}
+    if importlib.util.find_spec("torchao") is not None:
+        expected |= {"eager bf16", "torchao fp8"}
+    assert set(steps) == expected
+    for step in steps.values():
+        step()

@@ -169,3 +169,41 @@ def test_forward_runs_in_the_weights_dtype_with_float32_islands(tmp_path):
     errors = parity(_Islands(), sample, "cube.policies.data:PASData", 2, steps=3, opt="adamw", build=_build("adamw"),
                     reference=functools.partial(main_params_reference, shares=2), precision="bf16")
     assert max(max(e) for e in errors) <= EXACT, errors
+
+
+def test_tp_reduce_dtype_sums_partial_products_in_float32():
+    """``tp_reduce_dtype=torch.float32``: a row-parallel product reads float32 inputs, is summed in
+    float32 and rounded to bf16 where it is read (the generated code prints the casts)."""
+    m, sample = build("gpt_nobias")
+    src = cube.plan(m, sample, "cube.policies.megatron:PASMegatronTP", 2, precision="bf16",
+                    tp_reduce_dtype=torch.float32).sources()[0]
+    assert ("linear_3 = aten.linear.default(view_3.to(torch.float32), "
+            "self.layers_0_attn_c_proj_weight.to(torch.float32))") in src
+    assert "runtime.collectives.all_reduce(linear_3, ranks=(0, 1), inplace=True)" in src
+    assert "aten.add.Tensor(add, linear_3_sum.to(torch.bfloat16))" in src
+    assert "aten.linear.default(layer_norm_f, self.layers_0_attn_q_proj_weight)" in src   # column-parallel: whole sums
+
+
+@pytest.mark.parametrize("dtype,precision,match", [
+    (torch.bfloat16, "bf16", "tp_reduce_dtype must be None"),
+    (torch.float32, None, "precision=None has none"),
+    (torch.float32, "bf16-autocast", "precision='bf16-autocast' has none"),
+])
+def test_tp_reduce_dtype_refusals(dtype, precision, match):
+    with pytest.raises(ValueError, match=match):
+        cube.compile(torch.nn.Linear(2, 2), iter([]), PAS="cube.policies.single:PASSingle", precision=precision,
+                     tp_reduce_dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_reduce_dtype_makes_the_forward_exact(world):
+    """Summed in float32, the first step's loss (the forward alone) equals the recipe by hand; the
+    backward's partial sums (the gradient of a value several column-parallel products read) still
+    round otherwise than one process's (docs/precision.md): parameters within ``TP_TOL_SGD``."""
+    m, sample = build("gpt_nobias")
+    errors = parity(m, sample, "cube.policies.megatron:PASMegatronTP", world, steps=1, opt="sgd", build=_build("sgd"),
+                    reference=functools.partial(main_params_reference, shares=1), precision="bf16",
+                    tp_reduce_dtype=torch.float32)
+    assert max(e[0] for e in errors) <= EXACT, errors
+    assert max(e[1] for e in errors) <= TP_TOL_SGD, errors

@@ -84,12 +84,6 @@ def test_bad_precision_is_a_clear_error():
         cube.compile(torch.nn.Linear(2, 2), iter([]), PAS="cube.policies.single:PASSingle", precision="float16")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a Hopper GPU")
-def test_fp8_is_refused_with_what_it_lacks():
-    with pytest.raises(ValueError, match="precision='fp8'.*no CUDA GPU"):
-        cube.compile(torch.nn.Linear(2, 2), iter([]), PAS="cube.policies.single:PASSingle", precision="fp8")
-
-
 def test_fp16_main_parameters_skip_an_overflowed_step(tmp_path):
     step, model, sample = _fp16_model(tmp_path, "fp16")
     opt = cube.build_optimizer(model, torch.optim.SGD, lr=0.1)

@@ -145,6 +145,18 @@ class _Emitter:
                 box = call.layout.outputs[0] if call.layout.outputs else ()
                 lead = [f"self, {draw.index}, {tuple(box)!r}, {fn or _target_str(op.target)}"]
                 fn = "runtime.rng.call"
+            out8 = self.half.float8.get(id(op.root))
+            if out8 is not None:   # precision="fp8": the linear's products in float8 (cube.passes.float8)
+                if fn is not None:
+                    raise ValueError(f"precision='fp8': op {op.name!r} ({op.root.where()}) runs as {fn}, which has "
+                                     f"no float8 form (a schedule splitting backward, ZB-H1/ZB-V/DualPipeV, "
+                                     f"defers its weight gradient). Use another schedule, or precision='bf16'")
+                fn = "runtime.float8.linear"
+                kwargs = dict(kwargs)
+                if len(call.amax_ranks) > 1:
+                    kwargs["ranks"] = call.amax_ranks
+                if out8 == torch.float32:   # a partial sum reduced in float32 (tp_reduce_dtype)
+                    kwargs["out_dtype"] = out8
         self.subst, self.casts = call.subst, self.half.casts.get(id(op.root), {})
         parts = [self.value(a) for a in args]
         parts += [f"{k}={self.value(v)}" for k, v in kwargs.items()]
@@ -245,7 +257,8 @@ class _Emitter:
             lines.append(f"    PRECISION = {self.graph.precision!r}   # " +
                          ("forward under torch.autocast, float32 parameters" if "autocast" in self.graph.precision
                           else "forward in the low-precision weights' dtype, float32 main parameters in "
-                               "cube.build_optimizer"))
+                               "cube.build_optimizer" + ("; linear layers in float8 (runtime.float8)"
+                                                         if self.graph.precision == "fp8" else "")))
         if getattr(self.graph, "zero", 0) == 3:
             lines.append("    ZERO = 3   # parameters summed over a group are sharded over it, gathered in forward")
         lines.append("")

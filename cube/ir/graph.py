@@ -32,7 +32,8 @@ class IRGraph:
         self.stages: List[List[IROperator]] = []
         self.schedule = None   # a cube.schedule.Schedule, set by cube.schedule.sched_*
         self.zero = 0   # ZeRO stage of the plan (cube.compile(zero=)); 3 shards parameters in the plan
-        self.precision = None   # None, "bf16", "fp16", "bf16-autocast", "fp16-autocast" (cube.compile(precision=))
+        self.precision = None   # None, "bf16", "fp16", "fp8", "bf16-autocast", "fp16-autocast" (cube.compile(precision=))
+        self.tp_reduce_dtype = None   # partial products summed in this dtype (cube.compile(tp_reduce_dtype=))
         self.exact_rng = False   # random ops draw the single device's numbers (cube.compile(exact_rng=))
         # a pipeline plan's graph traced on one micro-batch of the global batch: how a step cuts the
         # batch and what each micro-batch's loss is a share of (cube.passes.micro.MicroBatches)
@@ -268,6 +269,7 @@ class IRGraph:
         out.recompute_groups = [[twin.get(id(o), o) for o in g] for g in self.recompute_groups]
         out.stages = [[twin.get(id(o), o) for o in st] for st in self.stages]
         out.schedule, out.zero, out.precision = self.schedule, self.zero, self.precision
+        out.tp_reduce_dtype = getattr(self, "tp_reduce_dtype", None)
         out.exact_rng = getattr(self, "exact_rng", False)
         out.micro = getattr(self, "micro", None)
         out.lost = [replace(r, node=twin.get(id(r.node), r.node)) for r in self.lost]

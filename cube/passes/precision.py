@@ -33,9 +33,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from cube.ir.graph import IRGraph
+from cube.ir.layout import piece_layout
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
+from cube.passes.float8 import float8_ops
 from cube.runtime.amp import DTYPES, main_params
 
 
@@ -53,11 +55,15 @@ class LowPrecision:
         casts: id of a traced op (``op.root``) -> {id of a logical input: the dtype it is cast to
             before the op reads it}.
         out_casts: id of a traced op -> the dtype its (single) output is cast to.
+        float8: id of a traced op whose products run in float8 (``precision="fp8"``,
+            ``cube.passes.float8``) -> the dtype of its output (bf16; float32 when it is a partial
+            sum reduced in float32).
     """
 
     dtypes: Dict[int, torch.dtype] = field(default_factory=dict)
     casts: Dict[int, Dict[int, torch.dtype]] = field(default_factory=dict)
     out_casts: Dict[int, torch.dtype] = field(default_factory=dict)
+    float8: Dict[int, torch.dtype] = field(default_factory=dict)
 
 
 def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
@@ -72,6 +78,10 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
     kind = kind or device_type()
     out = plan.dtypes
     seen = set()
+    fp8 = float8_ops(graph)
+    wide = getattr(graph, "tp_reduce_dtype", None)
+    partial = partial_products(graph) if wide is not None else set()
+    widened = set()   # logical values made wide (partial sums reduced in ``wide``): read back in ``low``
 
     def dtype_of(t: IRTensor) -> torch.dtype:
         t = t.logical
@@ -100,7 +110,11 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             floats = [t.logical for t in op.inputs if t.dtype.is_floating_point]
             casts: Dict[int, torch.dtype] = {}
             out_cast = None
-            if info.half == "fp32" or (info.half == "fp32_cpu" and kind == "cpu"):
+            if id(op) in partial:   # a partial product leaves in ``wide``, from low-precision inputs
+                casts = {id(t): wide for t in floats if dtype_of(t) != wide}
+                if id(op) in fp8:
+                    casts = {id(t): low for t in floats if dtype_of(t) != low}
+            elif info.half == "fp32" or (info.half == "fp32_cpu" and kind == "cpu"):
                 casts = {id(t): torch.float32 for t in floats if dtype_of(t) != torch.float32}
                 if info.half == "fp32_cpu" and casts:   # its output back in its input's dtype
                     out_cast = dtype_of(floats[0])
@@ -109,6 +123,8 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             elif info.half == "stats":   # weight and bias beside float32 running statistics
                 casts = {id(a.logical): torch.float32 for a in op.args[1:3]
                          if isinstance(a, IRTensor) and dtype_of(a) != torch.float32}
+            if id(op) not in partial:   # a sum reduced in ``wide`` is rounded once, where it is read
+                casts.update({id(t): low for t in floats if id(t) in widened})
             try:
                 result = run(op, casts)
             except Exception:   # mixed dtypes an op refuses: every float input in the low precision
@@ -129,6 +145,14 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             if len(got) == len(op.outputs):
                 for o, r in zip(op.outputs, got):
                     out[id(o.logical)] = r.dtype
+            if id(op) in fp8:
+                plan.float8[id(op)] = low
+            if id(op) in partial:
+                for o in op.outputs:
+                    out[id(o.logical)] = wide
+                    widened.add(id(o.logical))
+                if id(op) in fp8:
+                    plan.float8[id(op)] = wide
             if out_cast is not None and len(op.outputs) == 1 and out.get(id(op.outputs[0].logical)) != out_cast:
                 plan.out_casts[id(op)] = out_cast
                 out[id(op.outputs[0].logical)] = out_cast
@@ -138,6 +162,30 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             if t.part_of is not None and id(t.part_of) in out:
                 out[id(t)] = out[id(t.part_of)]
     return plan
+
+
+def partial_products(graph: IRGraph) -> set:
+    """Ids of the traced matrix products (autocast's low list) a piece of which makes a partial sum
+    (tensor parallel: its reduction split over ranks) and whose readers take a low-precision input:
+    under ``cube.compile(tp_reduce_dtype=torch.float32)`` these compute in float32, are summed over
+    ranks in float32 and rounded to the low precision once, where they are read. A product read by
+    a float32 island (a loss) keeps its low-precision sum: the island would widen the rounded value
+    again, a second cast the generated code does not print."""
+    cache: dict = {}
+    found = set()
+    for piece in graph.select(ntype=IRFwOperation):
+        lay = piece_layout(piece, cache)
+        if op_info(piece.root.name).autocast == "low" and lay.out_terms and lay.out_terms[0]:
+            found.add(id(piece.root))
+    if not found:
+        return found
+    outputs = {id(o.logical): id(piece.root) for piece in graph.select(ntype=IRFwOperation)
+               if id(piece.root) in found for o in piece.root.outputs}
+    for piece in graph.select(ntype=IRFwOperation):
+        if op_info(piece.root.name).half in ("fp32", "fp32_cpu", "stats"):
+            for t in piece.root.inputs:
+                found.discard(outputs.get(id(t.logical)))
+    return found
 
 
 def runtime_dtypes(graph: IRGraph, kind: str = "") -> Dict[int, torch.dtype]:

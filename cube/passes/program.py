@@ -22,6 +22,8 @@ from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.adapter import P2P_KINDS
 from cube.passes.check import check_stage
+from cube.passes.float8 import mark_amax_ranks
+from cube.passes.precision import device_type
 from cube.passes.rank_plans import Call, RankPlan, build_plans
 from cube.passes.recompute import Run, check_recompute, find_runs, gather_transfers
 from cube.passes.stages import held_stages, op_stages, stage_calls, stages_of
@@ -157,6 +159,7 @@ def build_program(graph: IRGraph, world: int, ranks: Optional[Sequence[int]] = N
     """
     check_recompute(graph)
     plans = build_plans(graph, world)
+    mark_amax_ranks(graph, plans, cuda=device_type() == "cuda")
     check_stage(graph, "plan")
     groups = all_groups(plans)
     actions = schedule_actions(graph, plans) if graph.schedule is not None else {}
@@ -181,6 +184,8 @@ def all_groups(plans: Dict[int, RankPlan]) -> List[Tuple[int, ...]]:
                 groups.add(tuple(sorted(call.step.ranks)))
             if len(call.term_ranks) > 1:
                 groups.add(tuple(sorted(call.term_ranks)))
+            if len(call.amax_ranks) > 1:
+                groups.add(call.amax_ranks)
             if call.inside is not None:
                 groups.update(tuple(sorted(g)) for g in call.inside.groups)
         for _, ranks in plan.reduce:

@@ -38,6 +38,7 @@ class Call:
     rerun: bool = True                      # a collective step recompute may run again in backward
     defer_wgrad: Optional[str] = None       # split backward: the cube.runtime.zb function leaving its weight grad to W
     inside: Optional[Inside] = None         # a piece communicating inside its call (cube.passes.inside)
+    amax_ranks: Tuple[int, ...] = ()        # a float8 piece: ranks whose pieces share its scales (cube.passes.float8)
 
 
 @dataclass

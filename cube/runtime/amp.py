@@ -1,7 +1,7 @@
 """Mixed precision: half-precision weights with float32 main parameters, or autocast over float32
 weights; loss scaling for fp16.
 
-Two recipes (``cube.compile(precision=)``; docs/precision.md):
+The recipes (``cube.compile(precision=)``; docs/precision.md):
 
 - ``"bf16"`` / ``"fp16"``, Megatron-LM's: each rank holds its weight pieces in the low precision
   for compute; ``cube.build_optimizer`` keeps float32 *main parameters* and the optimizer state
@@ -10,6 +10,8 @@ Two recipes (``cube.compile(precision=)``; docs/precision.md):
   gradient* (``param.main_grad``: each micro-batch's low-precision gradient is added to it as
   soon as autograd makes it, and the data parallel sums run on it, in float32). Checkpoints and
   ``cube.runtime.zero.whole_parameters`` see the float32 main parameters.
+- ``"fp8"``: ``"bf16"``'s, the linear layers' three matrix products in float8 with dynamic
+  tensorwise scales (torchao's float8 training; ``cube.passes.float8``, ``cube.runtime.float8``).
 - ``"bf16-autocast"`` / ``"fp16-autocast"``: float32 parameters, gradients and optimizer state;
   matrix products run in the low precision under ``torch.autocast``, which casts the weights at
   every forward.
@@ -34,9 +36,9 @@ import torch.distributed as dist
 from cube.errors import CubeInternalError
 from cube.runtime.compiled import outside_graph
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16,
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16,
           "bf16-autocast": torch.bfloat16, "fp16-autocast": torch.float16}
-PRECISIONS = (None, "bf16", "fp16", "bf16-autocast", "fp16-autocast")
+PRECISIONS = (None, "bf16", "fp16", "fp8", "bf16-autocast", "fp16-autocast")
 
 
 def check_precision(precision, where: str = "cube.compile") -> None:
@@ -45,13 +47,29 @@ def check_precision(precision, where: str = "cube.compile") -> None:
         check_fp8(where)
     if precision not in PRECISIONS:
         raise ValueError(f"{where}: precision must be None, 'bf16', 'fp16' (half-precision weights, float32 "
-                         f"main parameters in cube.build_optimizer) or 'bf16-autocast', 'fp16-autocast' "
+                         f"main parameters in cube.build_optimizer), 'fp8' ('bf16' with the linear layers' "
+                         f"matrix products in float8) or 'bf16-autocast', 'fp16-autocast' "
                          f"(torch.autocast over float32 weights), got {precision!r}")
 
 
+def check_tp_reduce_dtype(dtype, precision, where: str = "cube.compile") -> None:
+    """Refuses a ``tp_reduce_dtype`` other than None and ``torch.float32``, or one without a
+    main-parameter precision (whose partial products are low precision)."""
+    if dtype is None:
+        return
+    if dtype != torch.float32:
+        raise ValueError(f"{where}: tp_reduce_dtype must be None (partial sums in the weights' dtype) or "
+                         f"torch.float32, got {dtype!r}")
+    if not main_params(precision):
+        raise ValueError(f"{where}: tp_reduce_dtype=torch.float32 widens the low-precision partial products of "
+                         f"precision='bf16', 'fp16' or 'fp8'; precision={precision!r} has none (float32 plans sum "
+                         f"in float32 already, autocast plans in autocast's dtype). Drop tp_reduce_dtype")
+
+
 def main_params(precision) -> bool:
-    """Whether ``precision`` is the recipe with low-precision weights and float32 main parameters."""
-    return precision in ("bf16", "fp16")
+    """Whether ``precision`` is the recipe with low-precision weights and float32 main parameters
+    (``"fp8"`` is ``"bf16"``'s, its linear layers' products in float8)."""
+    return precision in ("bf16", "fp16", "fp8")
 
 
 def is_fp16(precision) -> bool:
@@ -144,27 +162,15 @@ class SkipOnOverflow:
 
 
 def check_fp8(where: str = "cube.compile") -> None:
-    """Refuses ``precision="fp8"`` with what is missing: FP8 matrix products (torchao's float8
-    linear layers, as torchtitan offers them) need a Hopper (or newer) GPU and torchao."""
-    missing = []
-    if not torch.cuda.is_available():
-        missing.append("no CUDA GPU is visible")
-    elif torch.cuda.get_device_capability() < (8, 9):
-        missing.append(f"{torch.cuda.get_device_name()} has compute capability "
-                       f"{'.'.join(map(str, torch.cuda.get_device_capability()))}; FP8 matrix products need "
-                       f"8.9 (Ada) or 9.0 (Hopper) and up")
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError:
-        missing.append("torchao is not installed (pip install torchao)")
-    if missing:
+    """Refuses ``precision="fp8"`` on a CUDA GPU without float8 matrix products (compute capability
+    below 8.9: Ada is 8.9, Hopper 9.0). On the CPU ``torch._scaled_mm`` emulates them (slowly):
+    allowed, for tests and checks."""
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        cc = ".".join(map(str, torch.cuda.get_device_capability()))
         raise ValueError(f"{where}: precision='fp8' runs the linear layers' matrix products in float8 "
-                         f"(torchao's float8 training, over the bf16 recipe), but " + "; ".join(missing) +
-                         ". Use precision='bf16' here")
-    raise ValueError(f"{where}: precision='fp8' is not available in cube's generated code yet: its "
-                     f"matrix products are ATen calls, not the nn.Linear modules torchao converts. "
-                     f"benchmarks/gpu.py --fp8 measures torchao's float8 linear layers on the plain model; "
-                     f"use precision='bf16'")
+                         f"(torch._scaled_mm), which needs a GPU of compute capability 8.9 or newer (Ada, "
+                         f"Hopper: H100, H200, L4, L40S); {torch.cuda.get_device_name()} has {cc}. "
+                         f"Use precision='bf16' here")
 
 
 # ---------------------------------------------------------------------------- main parameters
