@@ -248,8 +248,8 @@ FSDP_ANCHORS = [
     ("Llama 3 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama3-70b", 64, 1, 8192, "all", 331),
     ("Llama 2 13B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-13b", 64, 2, 4096, None, 2162),
     ("Llama 2 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-70b", 64, 2, 4096, "all", 353),
-    ("Llama 3.1 8B, 8 H100", TITAN_H100, "dgx-h100", "llama3-8b", 8, 2, 8192, None, 5762),
-    ("Llama 3.1 8B, 128 H100", TITAN_H100, "dgx-h100", "llama3-8b", 128, 2, 8192, None, 5605),
+    ("Llama 3.1 8B, 8 H100", TITAN_H100, "h100-hbm2e-500w", "llama3-8b", 8, 2, 8192, None, 5762),
+    ("Llama 3.1 8B, 128 H100", TITAN_H100, "h100-hbm2e-500w", "llama3-8b", 128, 2, 8192, None, 5605),
 ]
 ANCHOR_TOLERANCE = 0.15   # each row's predicted tokens/s per GPU within 15% of the published figure
 
