@@ -230,7 +230,9 @@ def main_zero3(hardware: str = "dgx-a100-80g", out=None, quick: bool = False):
 # precision, SDPA attention, AdamW), each predicted as PASData under ZeRO-3 on the profile:
 # name, source, hardware, model, GPUs, local batch, sequence, recompute, published tokens/s per GPU.
 # torchtitan's "selective" activation checkpointing recomputes a few ops (or every other layer):
-# priced here as no recompute (the closest cube plan; the prediction is then a little fast).
+# priced here as no recompute (the closest cube plan; the prediction is then a little fast). The H100
+# rows ran on 96 GB HBM2e H100s at a 500 W limit: the h100-hbm2e-500w profile, from datasheet numbers
+# (nothing in a profile is fitted to these rows).
 LLAMA = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
