@@ -413,6 +413,7 @@ def _expert_numel(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.ndim >= 3)   # the (E, ., .) expert weights
 
 
+@pytest.mark.slow   # building and tracing Hugging Face's Mixtral takes 10-40 s here; the FLOP test below is fast
 def test_expert_parallel_prices_the_all_to_alls_from_the_token_counts_and_cuts_expert_memory():
     """Under ``ep`` each MoE layer's rows go to the ranks holding their experts by an all-to-all and
     come back by another (forward, and their adjoints in backward): each takes this rank's (token,

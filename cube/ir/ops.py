@@ -199,8 +199,9 @@ _add("instance_norm", running_stats="use_input_stats")
 BUILTIN = frozenset(_ROWS)
 
 # the cost of ops cube has no annotation rule for (added after BUILTIN: they stay outside it):
-# Hugging Face's grouped expert matmuls, one expert's matrix per row of their first input
-_add("_grouped_mm grouped_mm_fallback", cost="matmul")
+# Hugging Face's grouped expert matmuls, one expert's matrix per row of their first input (batched:
+# not a linear layer's product of an input and a weight, which tensor parallel splits)
+_add("_grouped_mm grouped_mm_fallback", cost="matmul", batched=True)
 
 
 def op_info(name: str) -> OpInfo:
