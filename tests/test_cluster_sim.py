@@ -488,3 +488,15 @@ def test_the_cluster_search_tries_expert_parallel_on_a_moe_model():
     ranked = search(model, batch, 16, A100, budget=4, progress=lambda line: None)
     eps = [t for t in ranked if t.plan.ep > 1 and t.result is not None]
     assert eps and all(0 < t.step_time < 10 and t.tokens_per_s > 0 for t in eps), [t.plan.name for t in ranked]
+
+
+def test_moe_imbalance_on_the_command_line_is_checked(tmp_path, capsys):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "8", "--policy", "PASData", "--moe-imbalance", "0.5"])
+    assert "--moe-imbalance 0.5: the busiest rank receives at least the mean rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # this host's costs are measured: no cluster's MoE layers to price
+        main([str(spec), "--ngpus", "8", "--policy", "PASData", "--moe-imbalance", "1.2"])
+    assert "--moe-imbalance prices a cluster's MoE layers: pass --hardware" in capsys.readouterr().err
