@@ -230,7 +230,9 @@ def main_zero3(hardware: str = "dgx-a100-80g", out=None, quick: bool = False):
 # precision, SDPA attention, AdamW), each predicted as PASData under ZeRO-3 on the profile:
 # name, source, hardware, model, GPUs, local batch, sequence, recompute, published tokens/s per GPU.
 # torchtitan's "selective" activation checkpointing recomputes a few ops (or every other layer):
-# priced here as no recompute (the closest cube plan; the prediction is then a little fast).
+# priced here as no recompute (the closest cube plan; the prediction is then a little fast). The H100
+# rows ran on 96 GB HBM2e H100s at a 500 W limit: the h100-hbm2e-500w profile, from datasheet numbers
+# (nothing in a profile is fitted to these rows).
 LLAMA = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
@@ -248,8 +250,8 @@ FSDP_ANCHORS = [
     ("Llama 3 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama3-70b", 64, 1, 8192, "all", 331),
     ("Llama 2 13B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-13b", 64, 2, 4096, None, 2162),
     ("Llama 2 70B, 64 A100", TITAN_A100, "dgx-a100-80g", "llama2-70b", 64, 2, 4096, "all", 353),
-    ("Llama 3.1 8B, 8 H100", TITAN_H100, "dgx-h100", "llama3-8b", 8, 2, 8192, None, 5762),
-    ("Llama 3.1 8B, 128 H100", TITAN_H100, "dgx-h100", "llama3-8b", 128, 2, 8192, None, 5605),
+    ("Llama 3.1 8B, 8 H100", TITAN_H100, "h100-hbm2e-500w", "llama3-8b", 8, 2, 8192, None, 5762),
+    ("Llama 3.1 8B, 128 H100", TITAN_H100, "h100-hbm2e-500w", "llama3-8b", 128, 2, 8192, None, 5605),
 ]
 ANCHOR_TOLERANCE = 0.15   # each row's predicted tokens/s per GPU within 15% of the published figure
 

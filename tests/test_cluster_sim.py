@@ -399,3 +399,104 @@ def test_the_cluster_search_keeps_to_its_wall_clock_budget_and_reports_throughpu
     assert best.runs_on == "nccl" and " nccl " in table(ranked, 16).splitlines()[1]
     with pytest.raises(ValueError, match="budget_s=0 leaves no time"):
         search(model, batch, 16, A100, budget_s=0)
+
+
+def _mixtral(layers=1, batch=8, seq=128):
+    """A Mixtral-shaped MoE (Hugging Face's, 8 experts, 2 per token) small enough to trace in seconds."""
+    pytest.importorskip("transformers")
+    from benchmarks.mixtral import build
+    return build(layers=layers, batch=batch, seq=seq, hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=1000)
+
+
+def _expert_numel(model) -> int:
+    return sum(p.numel() for p in model.parameters() if p.ndim >= 3)   # the (E, ., .) expert weights
+
+
+@pytest.mark.slow   # building and tracing Hugging Face's Mixtral takes 10-40 s here; the FLOP test below is fast
+def test_expert_parallel_prices_the_all_to_alls_from_the_token_counts_and_cuts_expert_memory():
+    """Under ``ep`` each MoE layer's rows go to the ranks holding their experts by an all-to-all and
+    come back by another (forward, and their adjoints in backward): each takes this rank's (token,
+    expert) rows, tokens x experts per token x hidden x the rows' bytes, after the per-expert counts
+    (one integer per expert). Each rank holds ``1/ep`` of the expert weights and of their state."""
+    model, batch = _mixtral()
+    cfg = model.model.config
+    world, tokens = 4, batch[0].numel()
+    per_rank = tokens // world * cfg.num_experts_per_tok * cfg.hidden_size * 4   # float32 rows, as traced
+    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16")
+    held, traces = {}, {}
+    for ep in (1, 2, 4):
+        res = simulate_policy(model, batch, "PASMegatron", world, options={"tp": 1, "pp": 1, "nmicros": 1, "ep": ep},
+                              traces=traces, **kw)
+        sent = sorted((e.nbytes, e.cat) for e in res.events if e.rank == 0 and e.thread == "comm"
+                      and e.name.startswith("all_to_all"))
+        layers = cfg.num_hidden_layers
+        want = [] if ep == 1 else sorted([(8 * cfg.num_local_experts, "forward")] * layers
+                                         + [(per_rank, "forward")] * 2 * layers + [(per_rank, "backward")] * 2 * layers)
+        assert sent == want, (ep, sent)
+        held[ep] = res.memory[0][0][1]   # rank 0 at the start of the step: parameters and optimizer state
+    numel, experts = sum(p.numel() for p in model.parameters()), _expert_numel(model)
+    per_param = held[1] / numel   # every parameter whole at ep=1 (and a few buffers)
+    assert held[1] - held[2] == pytest.approx(per_param * experts / 2, rel=1e-3)
+    assert held[2] - held[4] == pytest.approx(per_param * experts / 4, rel=1e-3)
+
+
+def test_the_experts_grouped_matmuls_are_priced_by_their_flops():
+    from cube.ir.ops import flops
+    rows, d, f, e = 512, 64, 128, 8
+    assert flops("grouped_mm_fallback", [(rows, d), (e, d, 2 * f), (e,)], [(rows, 2 * f)]) == 2 * rows * d * 2 * f
+    fused = flops("moe_experts", [(rows // 2,), (rows // 2, d), (rows,), (e // 2, 2 * f, d), (e // 2, d, f)], [(rows, d)])
+    assert fused == 2 * rows * (2 * f * d + d * f)   # every (token, expert) row through both expert weights
+
+
+@pytest.mark.slow
+def test_a_busier_expert_parallel_rank_slows_the_step_monotonically():
+    """``moe_imbalance``: the busiest rank of an expert parallel group receives that many times the
+    mean rows; its all-to-alls and experts grow by it, and so does the step."""
+    model, batch = _mixtral(layers=2, batch=64, seq=256)
+    traces, steps = {}, []
+    for f in (1.0, 1.2, 1.5, 2.0):
+        res = simulate_policy(model, batch, "PASMegatron", 16, costs=DeviceCosts(A100, "bf16", moe_imbalance=f),
+                              comm=ClusterComm(A100), precision="bf16", symmetric=True, traces=traces,
+                              options={"tp": 1, "pp": 1, "nmicros": 1, "ep": 4})
+        steps.append(res.step_time)
+    assert steps == sorted(steps) and len(set(steps)) == len(steps), steps
+    with pytest.raises(ValueError, match="moe_imbalance=0.9: the busiest rank"):
+        DeviceCosts(A100, "bf16", moe_imbalance=0.9)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep,zero", [(2, 0), (4, 1)])
+def test_expert_parallel_pipelines_extrapolate_their_micro_batches(ep, zero):
+    """An ``ep`` pipeline given more micro-batches than its steady state needs is simulated with
+    ``pp + 1`` and extended (``cube.sim.symmetry``): within 1% of simulating every rank and every
+    micro-batch."""
+    model, batch = _mixtral(layers=4, batch=64, seq=256)
+    options = {"tp": 1, "pp": 2, "ep": ep, "nmicros": 8}
+    kw = dict(costs=DeviceCosts(A100, "bf16"), comm=ClusterComm(A100), precision="bf16", options=options, zero=zero)
+    full = simulate_policy(model, batch, "PASMegatron", 16, **kw)
+    sym = simulate_policy(model, batch, "PASMegatron", 16, symmetric=True, **kw)
+    assert sym.micro == (3, 8) and len(sym.ranks) < len(full.ranks)
+    assert sym.step_time == pytest.approx(full.step_time, rel=0.01)
+    assert sym.peak_memory == pytest.approx(full.peak_memory, rel=0.02)
+
+
+@pytest.mark.slow
+def test_the_cluster_search_tries_expert_parallel_on_a_moe_model():
+    from cube.sim.cluster_search import search
+    model, batch = _mixtral(layers=2, batch=64, seq=256)
+    ranked = search(model, batch, 16, A100, budget=4, progress=lambda line: None)
+    eps = [t for t in ranked if t.plan.ep > 1 and t.result is not None]
+    assert eps and all(0 < t.step_time < 10 and t.tokens_per_s > 0 for t in eps), [t.plan.name for t in ranked]
+
+
+def test_moe_imbalance_on_the_command_line_is_checked(tmp_path, capsys):
+    from cube.sim.__main__ import main
+    spec = tmp_path / "spec.py"
+    spec.write_text(SPEC)
+    with pytest.raises(SystemExit):
+        main([str(spec), "--hardware", "dgx-a100-80g", "--ngpus", "8", "--policy", "PASData", "--moe-imbalance", "0.5"])
+    assert "--moe-imbalance 0.5: the busiest rank receives at least the mean rows" in capsys.readouterr().err
+    with pytest.raises(SystemExit):   # this host's costs are measured: no cluster's MoE layers to price
+        main([str(spec), "--ngpus", "8", "--policy", "PASData", "--moe-imbalance", "1.2"])
+    assert "--moe-imbalance prices a cluster's MoE layers: pass --hardware" in capsys.readouterr().err

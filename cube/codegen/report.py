@@ -54,7 +54,8 @@ def sent_bytes(call: Call) -> int:
 def _inside_bytes(call: Call, way: str) -> int:
     """Bytes a piece communicating inside its call (``cube.passes.inside``) sends in forward (``"f"``)
     or backward (``"b"``): its messages (a halo's backward sends back what it received), any
-    reordering, and its all-reduces (ring algorithm), as ``cube.sim.program`` counts them."""
+    reordering, its all-reduces (ring algorithm) and its all-to-alls (a split MoE layer's two each
+    way, ``(n - 1) / n`` of its rows leaving), as ``cube.sim.program`` counts them (balanced)."""
     inside = call.inside
     if inside is None:
         return 0
@@ -64,7 +65,8 @@ def _inside_bytes(call: Call, way: str) -> int:
         p2p = inside.bw_p2p if inside.bw_p2p is not None else inside.recvs
         k, ar = 2, inside.all_reduce if inside.bw_all_reduce is None else inside.bw_all_reduce
     ring = _ring("all_reduce", len(inside.groups[0]), ar) if ar and inside.groups else 0
-    return sum(b for _, b in p2p) + sum(r[k] for r in inside.reorder) + ring
+    a2a = 2 * _ring("all_to_all", len(inside.groups[0]), inside.all_to_all) if inside.all_to_all else 0
+    return sum(b for _, b in p2p) + sum(r[k] for r in inside.reorder) + ring + a2a
 
 
 def _ring(kind: str, n: int, nbytes: int) -> int:
@@ -138,7 +140,9 @@ def _call_line(call: Call) -> str:
                      for t, b, term in zip(op.outputs, lay.outputs, lay.out_terms))
     where = f"  [{op.module_path}]" if op.module_path else ""
     inside = call.inside
-    if inside is not None and (inside.p2p or inside.all_reduce):
+    if inside is not None and inside.all_to_all:
+        where += f"  {inside.fn} all-to-alls {inside.all_to_all} B of rows twice over {inside.groups[0]}"
+    elif inside is not None and (inside.p2p or inside.all_reduce):
         fn = inside.fn or "its op"
         where += f"  {fn} sends {sum(b for _, b in inside.p2p)} B" + "".join(
             f" to {peer}" for peer, _ in inside.p2p[:1] if len(inside.p2p) == 1)

@@ -27,7 +27,8 @@ class OpInfo:
         name: the op name (``aten.linear.default`` -> ``linear``).
         rule: the name of its annotation rule in ``cube.trace.rules.RULES`` (None: none).
         cost: how its FLOPs are counted: ``"matmul"`` (``2 x outputs x reduced size``),
-            ``"conv"``, ``"attention"``, or ``"memory"`` (bound by the bytes it moves).
+            ``"conv"``, ``"attention"``, ``"experts"`` (a fused MoE layer: its grouped matmuls,
+            ``2 x rows x in x out`` per expert weight), or ``"memory"`` (bound by the bytes it moves).
         batched: a matmul of two activations (``bmm``, ``einsum``), not of an input and a weight.
         alias: its output is a view of input 0 (no new memory, no bytes moved).
         same_elements: its output holds input 0's elements, possibly reshaped (a loss's
@@ -162,6 +163,7 @@ _add("linear addmm matmul mm", cost="matmul")
 _add("bmm baddbmm einsum", cost="matmul", batched=True)
 _add("conv1d conv2d conv3d convolution", cost="conv")
 _add("scaled_dot_product_attention", cost="attention")
+_add("moe_experts", cost="experts")
 _add("""view _unsafe_view reshape transpose permute expand t unsqueeze squeeze select slice alias detach
 unflatten flatten split chunk unbind narrow as_strided view_as expand_as view_as_complex view_as_real""", alias=True)
 _add("linear mm addmm bmm baddbmm matmul einsum embedding convolution conv1d conv2d conv3d", saves_output=False)
@@ -196,6 +198,11 @@ _add("instance_norm", running_stats="use_input_stats")
 
 BUILTIN = frozenset(_ROWS)
 
+# the cost of ops cube has no annotation rule for (added after BUILTIN: they stay outside it):
+# Hugging Face's grouped expert matmuls, one expert's matrix per row of their first input (batched:
+# not a linear layer's product of an input and a weight, which tensor parallel splits)
+_add("_grouped_mm grouped_mm_fallback", cost="matmul", batched=True)
+
 
 def op_info(name: str) -> OpInfo:
     """The row of op ``name`` (``OpInfo(name)`` when cube has none)."""
@@ -227,7 +234,10 @@ def flops(name: str, ins: Sequence[Shape], outs: Sequence[Shape]) -> int:
 
     Matmul-like ops: ``2 x outputs x reduced size`` (the last dim of the first matrix input);
     attention: the two matmuls (``QK^T`` and ``PV``) over all query/key pairs; convolutions:
-    ``2 x outputs x weight size per output channel``.
+    ``2 x outputs x weight size per output channel``; a fused MoE layer (``moe_experts``): every
+    (token, expert) row of its output through each expert weight ``(E, a, b)`` it reads (its
+    3-dim inputs), ``2 x rows x a x b`` each (the grouped matmuls; routing and gathers are bound
+    by memory).
     """
     if not outs:
         return 0
@@ -240,6 +250,8 @@ def flops(name: str, ins: Sequence[Shape], outs: Sequence[Shape]) -> int:
         q, k, v = ins[:3]
         pairs = _numel(q) // max(q[-1], 1) * k[-2]
         return 2 * pairs * (q[-1] + v[-1])
+    if info.cost == "experts":
+        return sum(2 * outs[0][0] * s[1] * s[2] for s in ins if len(s) == 3)
     if info.cost == "conv" and len(ins) >= 2:
         w = ins[1]
         return 2 * out * (_numel(w) // max(w[0], 1))

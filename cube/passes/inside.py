@@ -56,6 +56,10 @@ class Inside:
             meet every key block: the number of blocks).
         counts: a mean loss over valid targets: the generated code passes the global count
             (``count=``) or the ranks whose pieces of the batch sum it (``count_ranks=``).
+        all_to_all: bytes of this rank's rows each all-to-all over ``groups[0]`` takes (a split MoE
+            layer: the dispatch before its experts' compute and the combine after, and their adjoints
+            in backward), under a balanced router; ``experts``: the per-expert row counts exchanged
+            before the dispatch (an all-to-all of that many integers).
     """
 
     fn: Optional[str]
@@ -73,6 +77,8 @@ class Inside:
     work: float = 1.0
     bw_all_reduce: Optional[int] = None
     counts: bool = False
+    all_to_all: int = 0
+    experts: int = 0
 
 
 def _inside_splits(p: IROperator) -> List[Tuple[int, str, int, int]]:
@@ -311,8 +317,9 @@ def _vocab_loss(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
 def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
     """A fused MoE layer split by experts (``cube.runtime.experts.moe``): this rank's tokens go to
     the ranks holding their experts by one all-to-all (split sizes exchanged first) and come back by
-    another. How many rows go where is data; the bytes below are those of a balanced router (each
-    pair's row sent with probability ``(n - 1) / n``), for the report and the simulator."""
+    another. How many rows go where is data; ``all_to_all`` is this rank's (token, expert) rows, the
+    input of each all-to-all, of which a balanced router sends ``(n - 1) / n`` away (the simulator
+    prices it, and a busiest rank receiving more, ``cube.sim.program``)."""
     root = op.root
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
     pos, n = _position(op, f)
@@ -323,11 +330,9 @@ def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Piece
     first, stop = layout.inputs[w][0]
     rows = box_shape(layout.outputs[0])
     per_pair = math.prod(rows[1:]) * root.outputs[0].dtype.itemsize
-    sent = 2 * (rows[0] * per_pair // n)   # to each peer under a balanced router: dispatch, then combine
-    peers = tuple((q, sent) for q in ranks if q != r)
     return Inside("runtime.experts.moe", tuple(op.inputs), dict(root.kwargs, ranks=ranks, first=first,
                                                                 local=stop - first),
-                  groups=(ranks,), p2p=peers, recvs=peers)
+                  groups=(ranks,), all_to_all=rows[0] * per_pair, experts=root.kwargs.get("experts", 0))
 
 
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {

@@ -115,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-symmetric", dest="symmetric", action="store_false", help="simulate every rank")
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="print the prediction as JSON (or write it to PATH)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0, metavar="F",
+                   help="with --hardware: in a MoE layer split by experts (ep), the busiest rank receives F times "
+                        "the mean (token, expert) rows (default 1: a balanced router)")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
@@ -130,6 +133,9 @@ def main(argv=None) -> int:
         p.error(str(e))
     if args.recalibrate and args.no_calibrate:
         p.error("--recalibrate measures the collectives again; --no-calibrate uses defaults: give one")
+    if not args.moe_imbalance >= 1:
+        p.error(f"--moe-imbalance {args.moe_imbalance}: the busiest rank receives at least the mean rows; pass 1 "
+                f"(balanced) or more (1.2: 20% over the mean)")
     if options and not args.policy:
         p.error("--option passes keyword options to --policy; the search chooses its own")
 
@@ -139,6 +145,8 @@ def main(argv=None) -> int:
         hw = hardware.load(args.hardware)
     except ValueError as e:
         p.error(str(e))
+    if args.moe_imbalance != 1 and hw.is_host:
+        p.error("--moe-imbalance prices a cluster's MoE layers: pass --hardware (a cluster profile) with it")
     if args.recalibrate and not hw.is_host:
         p.error(f"--recalibrate measures this host's collectives; --hardware {args.hardware} takes its costs from "
                 f"the profile")
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
         peaks = hw.device["peak_tflops"]
         precision = args.precision or ("bf16" if "bf16" in peaks else next(iter(peaks)))
         precision = None if precision == "fp32" else precision
-        costs, comm, host = DeviceCosts(hw, precision), ClusterComm(hw), None
+        costs, comm, host = DeviceCosts(hw, precision, moe_imbalance=args.moe_imbalance), ClusterComm(hw), None
     symmetric = args.symmetric if args.symmetric is not None else not hw.is_host
     if args.policy:
         result = api.simulate_policy(model, batch, args.policy, args.ngpus, costs=costs, comm=comm,
@@ -212,7 +220,7 @@ def _cluster_search(model, batch, args, hw, precision, cap) -> int:
     from cube.sim import cluster_search
     started = time.perf_counter()
     ranked = cluster_search.search(model, batch, args.ngpus, hw, precision, mem_cap=cap, budget=args.budget,
-                                   budget_s=args.budget_s)
+                                   budget_s=args.budget_s, moe_imbalance=args.moe_imbalance)
     print(cluster_search.table(ranked, args.ngpus, args.top))
     print(f"{len(ranked)} plans simulated in {time.perf_counter() - started:.1f} s")
     if hw.kind == "gpu":   # what a user launching there needs to know before launching

@@ -48,13 +48,22 @@ class DeviceCosts(Estimator):
     ``half_model``: price the step as a runtime that keeps the model itself in the low precision
     (Megatron-LM's fp16/bf16 training: half-precision weights and activations, float32 main
     parameters in the optimizer): every float activation at 2 bytes and no autocast casts. By
-    default the step is priced as cube runs it (``torch.autocast`` over float32 weights)."""
+    default the step is priced as cube runs it (``torch.autocast`` over float32 weights).
 
-    def __init__(self, hardware: Hardware, precision: Optional[str] = "bf16", half_model: bool = False):
+    ``moe_imbalance``: in a MoE layer split by experts, the busiest rank of an expert parallel group
+    receives this many times the mean (token, expert) rows (1: a balanced router); its all-to-alls
+    and its experts' compute grow by it, and so does the step (``cube.sim.program``)."""
+
+    def __init__(self, hardware: Hardware, precision: Optional[str] = "bf16", half_model: bool = False,
+                 moe_imbalance: float = 1.0):
         if hardware.is_host:
             raise ValueError(f"{hardware.name!r} is this host: its costs are measured (cube.sim.profile), not "
                              f"read from a profile")
+        if not moe_imbalance >= 1.0:
+            raise ValueError(f"moe_imbalance={moe_imbalance!r}: the busiest rank of an expert parallel group "
+                             f"receives at least the mean rows; pass 1 (balanced) or more (1.2: 20% over the mean)")
         super().__init__()
+        self.moe_imbalance = float(moe_imbalance)
         self.hw = hardware
         self.precision = precision or "fp32"
         self.peak = hardware.peak_flops(self.precision)

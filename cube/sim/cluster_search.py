@@ -31,11 +31,13 @@ not see finish, the slowest so far being the guess):
 - the plans given (``include``: a policy's plan, to be beaten) and two seeds
   (the fewest model parallel devices, and the largest ``tp`` with the fewest
   pipeline ranks, whose static memory leaves half the cap free; interleaved,
-  recompute, micro-batches of one sample) are simulated first;
+  recompute, micro-batches of one sample; on a MoE model a third, the fewest
+  model parallel devices with the experts cut over the most ``ep`` neighbours)
+  are simulated first;
 - from the best plan so far it simulates the neighbours (one knob changed:
   the ZeRO stage, sequence parallel, interleaving, the schedule, the pipeline depth, the
-  tensor parallel degree, the micro-batch size, recompute, context and expert parallel;
-  ``moves``; the knob that
+  tensor parallel degree, the micro-batch size, recompute, context and expert parallel
+  (first on a MoE model); ``moves``; the knob that
   last helped first) and moves to the first that is better: within the cap
   and faster, or, among plans over the cap, needing less memory;
 - when none is, a plan over the cap (by at most half of it) but faster than
@@ -184,11 +186,12 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def static_bytes(params: int, itemsize: int, plan: Plan) -> float:
+def static_bytes(params: int, itemsize: int, plan: Plan, experts: int = 0) -> float:
     """A lower bound of a rank's static memory under ``plan``: its share of the ``params`` elements
-    (each held by at least one of the ``tp * pp`` ranks of a replica) with their gradients and AdamW
-    state, the state cut over ``dp`` by ZeRO (``cube.sim.step_end`` counts the same)."""
-    share = params / (plan.tp * plan.pp * plan.ep)   # expert parallel cuts the experts only: still a bound
+    (each held by at least one of the ``tp * pp`` ranks of a replica; the ``experts`` among them,
+    MoE expert weights, cut over ``ep`` too) with their gradients and AdamW state, the state cut over
+    ``dp`` by ZeRO (``cube.sim.step_end`` counts the same)."""
+    share = (params - experts) / (plan.tp * plan.pp) + experts / (plan.tp * plan.pp * plan.ep)
     state = ADAM_STATE_BYTES / (plan.dp if plan.zero else 1)
     # ZeRO-2/3 cut gradients and parameters at rest, but a step holds each bucket's whole gradient
     # until it is reduced and (ZeRO-3) every gathered parameter until then: not cut here
@@ -205,6 +208,9 @@ def moves(space: Space, p: Plan) -> Iterator[Tuple[str, Optional[Plan], bool]]:
 
     pps = space.pps(p.tp)
     k = pps.index(p.pp) if p.pp in pps else -1
+    if space.experts:   # expert parallel first on a MoE model: experts cut over data parallel neighbours
+        yield "more expert parallel", at(ep=p.ep * 2), False
+        yield "less expert parallel", at(ep=p.ep // 2) if p.ep > 1 else None, True
     for z in ZERO_STAGES:   # fully sharded data parallel (2, 3) against the distributed optimizer (1) or none
         if z != p.zero:
             yield f"zero {z}", at(zero=z), z < p.zero
@@ -227,9 +233,6 @@ def moves(space: Space, p: Plan) -> Iterator[Tuple[str, Optional[Plan], bool]]:
     if space.seq > 1:   # context parallel: activations cut along the sequence
         yield "more context parallel", at(cp=p.cp * 2) if p.cp * 2 <= MAX_CP else None, False
         yield "less context parallel", at(cp=p.cp // 2) if p.cp > 1 else None, True
-    if space.experts:   # expert parallel: experts cut over data parallel neighbours
-        yield "more expert parallel", at(ep=p.ep * 2), False
-        yield "less expert parallel", at(ep=p.ep // 2) if p.ep > 1 else None, True
 
 
 @dataclass
@@ -257,7 +260,7 @@ class Tried(Predicted):
 def search(model: torch.nn.Module, batch, world: int, hardware: Hardware, precision: Optional[str] = "bf16",
            mem_cap: Optional[float] = None, budget: int = 16, include: Sequence[Plan] = (),
            micro_batches: Sequence[int] = MICRO_BATCHES, progress: Optional[Callable[[str], None]] = None,
-           budget_s: Optional[float] = None) -> List[Tried]:
+           budget_s: Optional[float] = None, moe_imbalance: float = 1.0) -> List[Tried]:
     """Searches ``PASMegatron`` plans of ``model`` on ``world`` devices of ``hardware`` (module docstring).
 
     Args:
@@ -273,6 +276,8 @@ def search(model: torch.nn.Module, batch, world: int, hardware: Hardware, precis
         budget_s: wall seconds the search may take (None: no limit besides ``budget``): a plan is
             simulated only while the seconds spent plus the slowest simulation so far fit in it
             (the first is always simulated).
+        moe_imbalance: the busiest expert parallel rank's (token, expert) rows over the mean
+            (``DeviceCosts``; 1: a balanced router).
 
     Returns:
         The simulated plans ranked, best first (``Tried.rank_key``).
@@ -288,7 +293,8 @@ def search(model: torch.nn.Module, batch, world: int, hardware: Hardware, precis
     if budget_s is not None and not budget_s > 0:
         raise ValueError(f"cluster search: budget_s={budget_s} leaves no time; pass a positive number of seconds")
     climb = _Climb(model, batch, world, hardware, precision, float(mem_cap if mem_cap is not None else hardware.memory_bytes), budget,
-                   tuple(micro_batches), progress or (lambda line: print(line, file=sys.stderr, flush=True)), budget_s)
+                   tuple(micro_batches), progress or (lambda line: print(line, file=sys.stderr, flush=True)), budget_s,
+                   moe_imbalance)
     for plan in include:
         climb.run(plan, "given")
     for plan in _seeds(climb.space, lambda p: climb.static(p) <= climb.cap * SEED_STATIC_SHARE):
@@ -302,12 +308,12 @@ class _Climb:
 
     def __init__(self, model, batch, world: int, hardware: Hardware, precision: Optional[str], cap: float,
                  budget: int, micro_batches: Tuple[int, ...], progress: Callable[[str], None],
-                 budget_s: Optional[float] = None):
+                 budget_s: Optional[float] = None, moe_imbalance: float = 1.0):
         from cube.sim.cluster import ClusterComm, DeviceCosts
         self.model, self.batch, self.world, self.precision = model, batch, world, precision
         self.cap, self.budget, self.progress = cap, budget, progress
         self.budget_s, self.started, self.slowest = budget_s, time.perf_counter(), 0.0
-        self.costs, self.comm = DeviceCosts(hardware, precision), ClusterComm(hardware)
+        self.costs, self.comm = DeviceCosts(hardware, precision, moe_imbalance=moe_imbalance), ClusterComm(hardware)
         self.peak = hardware.peak_flops(precision or "fp32")
         # every plan the space holds runs on NCCL (pipelines with several stages per rank on ordered
         # channels, cube.runtime.p2p.ordered); this host's profile runs them on gloo
@@ -319,6 +325,7 @@ class _Climb:
         seq = sample[0].shape[1] if sample and sample[0].ndim >= 2 else 1
         # MoE experts: weights with a leading expert dim (PASMegatron's ep), the fewest of them
         experts = min((p.shape[0] for p in trainable if p.ndim >= 3), default=0)
+        self.expert_params = sum(p.numel() for p in trainable if p.ndim >= 3)
         self.space = Space(world, samples, _layers(model, sample, structure, precision, self.traces),
                            hardware.gpus_per_node, micro_batches, seq, experts)
         self.tokens = samples * seq   # per step
@@ -329,7 +336,7 @@ class _Climb:
         self.last = ""
 
     def static(self, plan: Plan) -> float:
-        return static_bytes(self.params, self.itemsize, plan)
+        return static_bytes(self.params, self.itemsize, plan, self.expert_params)
 
     def run(self, plan: Plan, origin: str) -> Optional[Tried]:
         """Simulates ``plan`` (None when it was already, or the budget is spent)."""
@@ -395,21 +402,25 @@ class _Climb:
 
 
 def _seeds(space: Space, fits: Callable[[Plan], bool]) -> List[Plan]:
-    """Two plans to start from (interleaved where there are stages, recompute, micro-batches of one
+    """Plans to start from (interleaved where there are stages, recompute, micro-batches of one
     sample, ZeRO-1 only where nothing fits without): the fewest model parallel devices (``tp``
-    first, then ``pp``) that ``fits``, and the largest ``tp`` inside a node with the fewest
-    pipeline ranks that ``fits``."""
-    def first(tps: Sequence[int]) -> Optional[Plan]:
+    first, then ``pp``) that ``fits``, the largest ``tp`` inside a node with the fewest
+    pipeline ranks that ``fits``, and on a MoE model the fewest model parallel devices that
+    ``fits`` with its experts cut over the most data parallel neighbours (``ep``)."""
+    def first(tps: Sequence[int], eps: Sequence[int] = (1,)) -> Optional[Plan]:
         for zero in (0, 1):
             for n in sorted({tp * pp for tp in tps for pp in space.pps(tp)}):
                 for tp in tps:
-                    for v in (2, 1):
-                        plan = space.plan(tp, n // tp, 1, nvirtual=v, recompute=True, zero=zero) \
-                            if n % tp == 0 else None
-                        if plan is not None and fits(plan):
-                            return plan
+                    for ep in eps:
+                        for v in (2, 1):
+                            plan = space.plan(tp, n // tp, 1, nvirtual=v, recompute=True, zero=zero, ep=ep) \
+                                if n % tp == 0 else None
+                            if plan is not None and fits(plan):
+                                return plan
         return None
     found = [first(space.tps()), first([max(space.tps())])]
+    if space.experts:
+        found.append(first(space.tps(), sorted(_divisors(space.experts), reverse=True)))
     return [p for k, p in enumerate(found) if p is not None and p not in found[:k]]
 
 

@@ -69,6 +69,7 @@ class Builder(Writer, StepEnd):
         self._statics: Dict[int, tuple] = {}   # call index -> what its forward does (_fw_static)
         self.actions = actions = program.actions
         self.backend = getattr(comm, "backend", "gloo")
+        self.moe_imbalance = float(getattr(costs, "moe_imbalance", 1.0))   # a split MoE layer's busiest rank
         self.buckets = make_buckets(graph, plan, getattr(comm, "group_size", None))
         self.attrs = {id(t): t for t, _ in plan.attrs}
         self.attr_bytes = {id(t): nbytes_of(box_shape(b), t.dtype) for t, b in plan.attrs}
@@ -318,6 +319,9 @@ class Builder(Writer, StepEnd):
         each overlapping a share of the compute (a ring's steps), a reordering's messages around
         them, and its all-reduce."""
         inside, me, tag = call.inside, self.plan.rank, ("inside", id(call.op.root))
+        if inside.all_to_all:
+            self.exchange_rows(call, cat, way, dur)
+            return
         if way == "f":
             sends, recvs = inside.p2p, inside.recvs
         elif inside.bw_p2p is not None:
@@ -351,6 +355,22 @@ class Builder(Writer, StepEnd):
         nbytes = inside.all_reduce if way == "f" or inside.bw_all_reduce is None else inside.bw_all_reduce
         if nbytes and inside.groups:
             self.coll("all_reduce", inside.groups[0], nbytes, cat)
+
+    def exchange_rows(self, call: Call, cat: str, way: str, dur: float) -> None:
+        """A MoE layer split by experts (``cube.runtime.experts``): in forward the per-expert row
+        counts (an all-to-all of one integer per expert), the rows to the ranks holding their
+        experts (an all-to-all of this rank's rows, ``Inside.all_to_all``), the experts' compute,
+        the rows back (another); backward runs the two all-to-alls' adjoints around its compute.
+        The busiest rank of the group receives ``moe_imbalance`` times the mean rows (a router that
+        is not balanced): its all-to-alls move and its experts compute that many, and every rank is
+        priced as that one, as the all-to-alls make the others wait for it (its memory is not)."""
+        inside, f = call.inside, self.moe_imbalance
+        group, nbytes = inside.groups[0], int(round(inside.all_to_all * f))
+        if way == "f" and inside.experts:
+            self.coll("all_to_all", group, 8 * inside.experts, cat)
+        self.coll("all_to_all", group, nbytes, cat)
+        self.compute(dur * f, _label(call.op), cat)
+        self.coll("all_to_all", group, nbytes, cat)
 
     def fw_step(self, call: Call, micro: int, cat: str) -> None:
         s = call.step
