@@ -38,11 +38,14 @@ _PARAM_CHAIN = frozenset("transpose t permute to _to_copy contiguous clone alias
 TOKENS, EXPERT = "t", "e"   # the annotation's letters (cube.ir.layout ties them under a split of e)
 
 
-def fuse_experts(graph: IRGraph, num: int) -> List[IRFwOperation]:
+def fuse_experts(graph: IRGraph, num: int, capacity_factor: Optional[float] = None) -> List[IRFwOperation]:
     """Replaces every proved sort-dispatch MoE region of ``graph`` by one ``moe_experts`` op.
 
     Args:
         num: the data parallel degree the batch is split over (the proof follows that split).
+        capacity_factor: None: dropless; a positive number ``c``: each expert takes at most
+            ``ceil(c * T * k / E)`` of the batch's ``T * k`` (token, expert) pairs, kept in their
+            tokens' order in the batch, the rest dropped (``cube.runtime.experts``).
 
     Returns:
         The fused ops, in program order.
@@ -59,7 +62,11 @@ def fuse_experts(graph: IRGraph, num: int) -> List[IRFwOperation]:
                          + "; ".join(flow.unproven.values()))
     pos = {id(op): i for i, op in enumerate(graph.ops)}
     regions.sort(key=lambda r: pos[id(r.sort)])
-    return [_fuse(graph, r) for r in regions]
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                        not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
+        raise ValueError(f"expert parallel: capacity_factor={capacity_factor!r} must be a positive number (each "
+                         f"expert takes ceil(capacity_factor * tokens * top_k / experts) pairs) or None (dropless)")
+    return [_fuse(graph, r, capacity_factor) for r in regions]
 
 
 def _refuse(op: IRFwOperation, why: str) -> ValueError:
@@ -68,7 +75,7 @@ def _refuse(op: IRFwOperation, why: str) -> ValueError:
                       f"alone. Drop ep= for this model (its experts then stay whole on every rank)")
 
 
-def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
+def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = None) -> IRFwOperation:
     ops = list(region.ops)
     inside = {id(op) for op in ops}
     made = {id(t): op for op in ops for t in op.outputs}
@@ -181,6 +188,9 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
     kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
                   body=(ops.index(body[0]), ops.index(body[-1])), combine=slot[id(y)], experts=experts,
                   outputs=tuple(slot[id(t)] for t in outputs))
+    if capacity_factor is not None:   # the arrival order inside an expert: the sort's indices
+        perm = region.sort.outputs[1] if region.sort.name == "sort" else region.sort.outputs[0]
+        kwargs.update(capacity=float(capacity_factor), perm=slot[id(perm)], layer=grouped[0].module_path)
     from cube.runtime.experts import moe
     fused = IRFwOperation(EXPERTS, inputs=inputs, outputs=outputs, target=moe, args=tuple(inputs), kwargs=kwargs,
                           anno=parse(anno, len(inputs)), module_path=grouped[0].module_path, source=grouped[0].source)
