@@ -32,7 +32,8 @@ FACTOR = 1.0
 
 def _mixtral(experts: int = 4):
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, **SMALL)
+    cfg = transformers.MixtralConfig(num_local_experts=experts, num_experts_per_tok=2,
+                                     **dict(SMALL, num_hidden_layers=1))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (4, S), generator=gen)
     return LM(transformers.MixtralForCausalLM(no_dropout(cfg))), (ids, ids.clone())
