@@ -75,11 +75,14 @@ def expert_parallel(graph: IRGraph, data: Flow, over: Union[MeshDim, int]) -> Fl
     return expert_flow(graph, data, _size(over))
 
 
-def fuse_moe(graph: IRGraph, dp: int) -> list:
+def fuse_moe(graph: IRGraph, dp: int, capacity_factor: Optional[float] = None) -> list:
     """Turns each MoE layer that sorts its tokens by expert (Hugging Face's grouped_mm experts:
     Mixtral, Qwen2-MoE, Qwen3-MoE) into one ``moe_experts`` op that ``expert_parallel`` splits
     by experts, dropless, tokens exchanged by all-to-all (``cube.ir.experts``). A graph without
     a sort of the tokens is left as it is (experts as one batched ``(E, ...)`` weight).
+    ``capacity_factor``: None (dropless) or ``c``: each expert takes at most
+    ``ceil(c * tokens * top_k / experts)`` of the batch's (token, expert) pairs, first come first
+    kept in the batch's token order, the rest dropped (``cube.runtime.experts.dropped`` counts them).
 
     Returns:
         The fused ops.
@@ -89,8 +92,12 @@ def fuse_moe(graph: IRGraph, dp: int) -> list:
     """
     from cube.ir.experts import fuse_experts
     if not any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation)):
+        if capacity_factor is not None:
+            raise ValueError(f"fuse_moe: capacity_factor={capacity_factor!r} applies to MoE layers that sort their "
+                             f"tokens by expert (Hugging Face's grouped_mm experts), and the model has none; "
+                             f"leave capacity_factor out")
         return []
-    return fuse_experts(graph, dp)
+    return fuse_experts(graph, dp, capacity_factor)
 
 
 def grid(ngpus: int, *, tp: int = 1, pp: int = 1, policy: str = "policy") -> DeviceMesh:

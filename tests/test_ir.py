@@ -87,6 +87,27 @@ def test_no_grad_region_is_inlined():
     assert any(op.grad_enabled and op.name == "linear" for op in graph.select(ntype=IRFwOperation))
 
 
+class _Float32Gate(torch.nn.Module):
+    """A router computed under ``torch.autocast(dtype=torch.float32)`` (torchtitan's MoE router): on a
+    CPU torch has no float32 autocast, warns, and runs the region as written."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        with torch.autocast(device_type=x.device.type, dtype=torch.float32):
+            scores = self.gate(x)
+        return scores.softmax(-1).sum()
+
+
+@pytest.mark.filterwarnings("ignore:CPU Autocast only supports")
+def test_an_autocast_region_torch_turned_off_is_inlined():
+    model, sample = _Float32Gate(), (torch.randn(2, 6, 8),)
+    graph, _ = build_graph(export(model, sample), model, "tuple")
+    assert [op.name for op in graph.select(ntype=IRFwOperation)] == ["linear", "softmax", "sum"]
+
+
 def test_metadata_asserts_are_dropped():
     pytest.importorskip("transformers")
     graph = _graph("hf_llama")

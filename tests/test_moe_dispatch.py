@@ -37,6 +37,8 @@ class SortMoE(nn.Module):
         h = self.emb(x).flatten(0, 1)                        # (tokens, D): the batch is the outer factor
         w, ids = self.router(h).softmax(-1).topk(K, dim=-1)
         w, ids = w.reshape(-1), ids.reshape(-1)              # one row per (token, expert) pair
+        if self.variant == "onehot":                         # torchtitan's way: counted before the sort
+            return self._onehot(h, y)
         keys, perm = torch.sort(ids, descending=self.variant == "descending")
         xs, ws = h[perm // K], w[perm]                       # the pairs in expert order
         if self.variant == "cumsum":
@@ -66,6 +68,21 @@ class SortMoE(nn.Module):
         return loss
 
 
+    def _onehot(self, h, y):
+        """Per-expert counts from a one-hot of the top-k ids summed over the tokens (before the
+        sort), a stable argsort, grouped matmuls, the rows scattered back (``scatter_add``)."""
+        probs = self.router(h).softmax(-1)
+        w, ids = probs.topk(K, dim=-1)
+        counts = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, ids, True).sum(0)
+        perm = torch.argsort(ids.reshape(-1), stable=True)
+        xs, ws = h[perm // K], w.reshape(-1)[perm]
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        gate, val = torch.ops.transformers.grouped_mm_fallback(xs, self.up, offs).chunk(2, dim=-1)
+        rows = torch.ops.transformers.grouped_mm_fallback(F.silu(gate) * val, self.down, offs) * ws[:, None]
+        out = torch.zeros_like(h).scatter_add(0, (perm // K).reshape(-1, 1).expand(-1, D), rows)
+        return F.cross_entropy(self.head(h + out), y.flatten())
+
+
 def _sample(batch: int = 2):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, V, (batch, S), generator=gen)
@@ -83,6 +100,19 @@ def test_a_sort_dispatch_moe_pipelines_exactly(variant):
     assert [flow.tracked[id(t)] for t in flow.local[id(sort)].outputs] == [0]
     errors = parity(model, _sample(), functools.partial(PAS1F1B, nmicros=2), 2, steps=2, nmicros=2)
     assert max(max(e) for e in errors) < 1e-5, errors
+
+
+def test_counts_before_the_sort_are_proved_but_not_pipelined():
+    """Group offsets counted from a one-hot of the top-k ids before the sort (torchtitan's MoE) make
+    a token-local region (expert parallel counts each rank's tokens again); micro-batches would need
+    the same recount, and stay refused, naming the op."""
+    torch.manual_seed(0)
+    graph = cube.trace_model(SortMoE("onehot"), _sample(4)).graph
+    flow = batch_flow(graph, 2)
+    (region,) = {id(r): r for r in flow.local.values()}.values()
+    assert not flow.unproven and region.sort.name == "argsort" and len(region.recount) == 1
+    with pytest.raises(ValueError, match="op 'cumsum'.*not linear"):
+        cube.plan(SortMoE("onehot"), _sample(), functools.partial(PAS1F1B, nmicros=2), 2)
 
 
 @pytest.mark.parametrize("variant,op", [("cumsum", "'cumsum'"), ("unrestored", "'view'"), ("capacity", "'slice'"),

@@ -37,6 +37,7 @@ them, a capacity cut ``rows[:capacity]``) is not proved: the sort stays refused,
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
@@ -55,6 +56,8 @@ _RESHAPES = frozenset("view reshape _unsafe_view flatten".split())
 _LIKE = frozenset("empty_like zeros_like ones_like full_like new_empty new_zeros new_ones new_full".split())
 _ZERO = frozenset("zeros zeros_like new_zeros".split())
 _CREATION = frozenset("empty zeros ones full".split())
+# scatter_add along dim 0; torchtitan's deterministic_scatter_add(out, index, src) is the same sum
+_SCATTER_ADD = frozenset("scatter_add deterministic_scatter_add".split())
 _RANDOM = frozenset("dropout dropout_ alpha_dropout native_dropout rand_like randn_like".split())
 # the exact integers each dtype holds (a cast of ids, counts or positions must keep them)
 _EXACT = {torch.int32: 2 ** 31, torch.int64: 2 ** 63, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
@@ -75,12 +78,16 @@ class Region:
             micro-batch.
         needs: the tensors made after the sort that it reads as one row per token: the batch must
             reach them along dim 0 (``Dispatch.late``).
+        recount: offsets tensor id -> ``(groups, dtype)`` for group offsets counted outside the
+            region over the whole batch from the sorted ids (``Dispatch._whole_offsets``): the fused
+            layer counts them again from its own tokens' ids (``bincount`` then ``cumsum``).
     """
 
     sort: IRFwOperation
     ops: List[IRFwOperation]
     outputs: List[IRTensor]
     sizes: Dict[int, int] = field(default_factory=dict)
+    recount: Dict[int, tuple] = field(default_factory=dict)
     scaled: Set[int] = field(default_factory=set)
     needs: List[IRTensor] = field(default_factory=list)
 
@@ -270,7 +277,7 @@ class Dispatch:
                                         f"hold them exactly")
         if name in _LIKE and first is not None and first.kind not in ("rows", "keys"):
             return {id(out): _Val("fresh", zero=name in _ZERO)}
-        if "perm" in kinds or "inv" in kinds:
+        if "perm" in kinds or "inv" in kinds or "permcol" in kinds:
             return self._indexing(op, vals, m, tracked, region)
         if "keys" in kinds and name in ("histc", "bincount"):
             return {id(out): _Val("counts", bound=self._counts(op, first))}
@@ -280,8 +287,8 @@ class Dispatch:
                 return {id(out): _Val("offsets", bound=first.bound)}
             raise _NotLocal(op, "reads the tokens per group counted over the whole batch (an auxiliary loss, say): "
                                 "a value of the whole batch, not of each token")
-        if "offsets" in kinds:
-            return self._grouped(op, vals)
+        if "offsets" in kinds or (name in _GROUPED_MM and ("rows" in kinds or "keys" in kinds)):
+            return self._grouped(op, vals, region)
         if "fresh" in kinds:
             raise _NotLocal(op, "reads a tensor made only to put the sorted pairs back, for something else")
         return self._rows(op, vals, m)
@@ -305,13 +312,56 @@ class Dispatch:
                                 f"depend on the batch")
         return length
 
-    def _grouped(self, op: IRFwOperation, vals: Dict[int, _Val]) -> Dict[int, object]:
+    def _whole_offsets(self, offs: IRTensor, region: Region) -> Optional[_Val]:
+        """Group offsets counted before the sort from the ids it sorts: ``cumsum`` over the
+        per-group count ``sum`` (over every dim but the last) of a one-hot ``scatter`` of ``topk``
+        indices into a zero tensor, the sort's ids being those indices flattened. They equal the
+        ``histc``/``cumsum`` of the sorted ids over the whole batch; the fused layer counts its own
+        tokens' ids again (``Region.recount``). None when ``offs`` is not that."""
+        ids = region.sort.inputs[0]
+        cum = self.makers.get(id(offs))
+        if cum is None or cum.name != "cumsum" or len(cum.inputs) != 1 or _arg(cum, 1, "dim", 0) not in (0, -1) or \
+                offs.ndim != 1 or offs.dtype.is_floating_point or not _exact(offs, ids.shape[0] + 1):
+            return None
+        total = self.makers.get(id(cum.inputs[0]))
+        if total is None or total.name != "sum" or len(total.inputs) != 1:
+            return None
+        hot = total.inputs[0]
+        dims = _arg(total, 1, "dim", None)
+        if hot.ndim < 2 or sorted(d % hot.ndim for d in (dims or ())) != list(range(hot.ndim - 1)) or \
+                _arg(total, 2, "keepdim", False):
+            return None
+        scatter = self.makers.get(id(hot))
+        if scatter is None or scatter.name != "scatter" or _arg(scatter, 1, "dim") not in (-1, hot.ndim - 1) or \
+                len(scatter.inputs) != 2 or _arg(scatter, 3, "value") not in (True, 1):
+            return None
+        zero, index = scatter.args[0], scatter.args[2]
+        zmaker = self.makers.get(id(zero))
+        groups = hot.shape[-1]
+        if zmaker is None or zmaker.name not in _ZERO or not isinstance(index, IRTensor) or \
+                index is not scatter.inputs[1] or self._id_bound(index) != groups or \
+                self.makers.get(id(index)) is None or self.makers[id(index)].name != "topk":
+            return None   # a topk's indices: distinct per token, so the one-hot counts each pair once
+        src = ids   # the sorted ids: the same indices, flattened
+        while src is not index:
+            maker = self.makers.get(id(src))
+            if maker is None or maker.name not in _RESHAPES or len(maker.inputs) != 1:
+                return None
+            src = maker.inputs[0]
+        if math.prod(ids.shape) != math.prod(index.shape):
+            return None
+        region.recount[id(offs)] = (groups, offs.dtype)
+        return _Val("offsets", bound=groups)
+
+    def _grouped(self, op: IRFwOperation, vals: Dict[int, _Val], region: Optional[Region] = None) -> Dict[int, object]:
         """A grouped matmul of sorted rows by the offsets of the same sort: row-wise."""
         if op.name not in _GROUPED_MM:
             raise _NotLocal(op, "reads the group offsets of the sorted pairs (counted over the whole batch) other "
                                 "than as a grouped matmul's offs")
         x, w, offs = op.args[0], op.args[1], _arg(op, 2, "offs")
         xv, ov = vals.get(id(x)), vals.get(id(offs)) if isinstance(offs, IRTensor) else None
+        if ov is None and isinstance(offs, IRTensor) and region is not None:
+            ov = self._whole_offsets(offs, region)
         if ov is None or ov.kind != "offsets" or xv is None or xv.kind not in ("rows", "keys") or x.ndim != 2:
             raise _NotLocal(op, "is a grouped matmul whose input is not the sorted rows its offsets count")
         if not isinstance(w, IRTensor) or w.ndim != 3 or w.shape[0] != ov.bound or id(w) in self.batchy or \
@@ -334,6 +384,19 @@ class Dispatch:
             floor = name == "floor_divide" or op.kwargs.get("rounding_mode") == "floor"
             if v.kind == "perm" and floor and isinstance(k, int) and k > 0 and m % (v.c * k) == 0:
                 return {id(out): _Val("perm", c=v.c * k)}
+        if (name in _RESHAPES or name == "expand") and len(op.inputs) == 1 and val(op.args[0]) is not None and \
+                val(op.args[0]).kind in ("perm", "permcol") and out.ndim == 2 and out.shape[0] == m and \
+                (out.shape[1] == 1 or (name == "expand" and op.inputs[0].ndim == 2)):
+            return {id(out): _Val("permcol", c=val(op.args[0]).c)}   # each row: its pair's position, repeated
+        if name in _SCATTER_ADD:
+            base, idx, src = (op.args[0], op.args[2], op.args[3]) if name == "scatter_add" else op.args[:3]
+            iv, sv = val(idx), val(src)
+            if (name != "scatter_add" or op.args[1] in (0, -base.ndim)) and iv is not None and \
+                    iv.kind == "permcol" and sv is not None and sv.kind in ("rows", "keys") and src.ndim == 2 and \
+                    tuple(idx.shape) == tuple(src.shape) and base.ndim == 2 and base.shape[1] == src.shape[1] and \
+                    (val(base) is None or val(base).kind == "fresh") and \
+                    self._base(base, iv.c, m, tracked, vals, True, region):
+                return {id(out): "batch"}   # index_add(base, 0, perm // c, rows), written element-wise
         if name in ("index", "index_select"):
             x = op.args[0]
             if name == "index":

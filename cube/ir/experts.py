@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import torch
+
 from cube.ir.annotation import parse
 from cube.ir.dispatch import Region
 from cube.ir.graph import IRGraph
@@ -34,15 +36,19 @@ from cube.ir.tensor import IRTensor, TensorKind
 
 EXPERTS = "moe_experts"
 _GROUPED = frozenset("_grouped_mm grouped_mm_fallback".split())
+_CASTS = frozenset("to _to_copy contiguous clone alias".split())
 _PARAM_CHAIN = frozenset("transpose t permute to _to_copy contiguous clone alias".split())
 TOKENS, EXPERT = "t", "e"   # the annotation's letters (cube.ir.layout ties them under a split of e)
 
 
-def fuse_experts(graph: IRGraph, num: int) -> List[IRFwOperation]:
+def fuse_experts(graph: IRGraph, num: int, capacity_factor: Optional[float] = None) -> List[IRFwOperation]:
     """Replaces every proved sort-dispatch MoE region of ``graph`` by one ``moe_experts`` op.
 
     Args:
         num: the data parallel degree the batch is split over (the proof follows that split).
+        capacity_factor: None: dropless; a positive number ``c``: each expert takes at most
+            ``ceil(c * T * k / E)`` of the batch's ``T * k`` (token, expert) pairs, kept in their
+            tokens' order in the batch, the rest dropped (``cube.runtime.experts``).
 
     Returns:
         The fused ops, in program order.
@@ -59,7 +65,11 @@ def fuse_experts(graph: IRGraph, num: int) -> List[IRFwOperation]:
                          + "; ".join(flow.unproven.values()))
     pos = {id(op): i for i, op in enumerate(graph.ops)}
     regions.sort(key=lambda r: pos[id(r.sort)])
-    return [_fuse(graph, r) for r in regions]
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                        not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
+        raise ValueError(f"expert parallel: capacity_factor={capacity_factor!r} must be a positive number (each "
+                         f"expert takes ceil(capacity_factor * tokens * top_k / experts) pairs) or None (dropless)")
+    return [_fuse(graph, r, capacity_factor) for r in regions]
 
 
 def _refuse(op: IRFwOperation, why: str) -> ValueError:
@@ -68,7 +78,7 @@ def _refuse(op: IRFwOperation, why: str) -> ValueError:
                       f"alone. Drop ep= for this model (its experts then stay whole on every rank)")
 
 
-def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
+def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = None) -> IRFwOperation:
     ops = list(region.ops)
     inside = {id(op) for op in ops}
     made = {id(t): op for op in ops for t in op.outputs}
@@ -87,7 +97,7 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
                 if m is None or id(m) in inside or m.name not in _PARAM_CHAIN or len(m.inputs) != 1:
                     continue
                 src = m.inputs[0]
-                if (src.kind is TensorKind.PARAM or id(src) in made) and \
+                if (src.kind is TensorKind.PARAM or id(src) in made or _param_chain(src, makers)) and \
                         all(id(r) in inside for r in readers.get(id(t), ())):
                     ops.append(m)
                     inside.add(id(m))
@@ -101,9 +111,12 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
     offs = grouped[0].args[2] if len(grouped[0].args) > 2 else grouped[0].kwargs.get("offs")
     experts = grouped[0].args[1].shape[0]
     x = grouped[0].args[0]
+    while id(x) in made and made[id(x)].name in _CASTS and len(made[id(x)].inputs) == 1:
+        x = made[id(x)].inputs[0]   # the rows before their casts (each grouped matmul may cast them again)
     # the body: from the gathered rows through the grouped matmuls
     flowing, body = {id(x)}, []
-    first, last = order[id(grouped[0])], order[id(grouped[-1])]
+    first = min(order[id(r)] for r in readers.get(id(x), ()) if id(r) in inside)
+    last = order[id(grouped[-1])]
     for op in ops:
         if first <= order[id(op)] <= last and any(id(t) in flowing for t in op.inputs):
             body.append(op)
@@ -151,6 +164,8 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
     externals: List[IRTensor] = []
     for op in ops:
         for t in op.inputs:
+            if id(t) in region.recount:   # counted again from this rank's ids (below)
+                continue
             if id(t) not in made and t.kind is not TensorKind.PARAM and all(t is not e for e in externals):
                 externals.append(t)
     for t in externals:
@@ -166,6 +181,15 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
     inputs = externals + weights
     slot: Dict[int, int] = {id(t): i for i, t in enumerate(inputs)}
     program = []
+    ids = region.sort.inputs[0]
+    for t in {id(op.args[2] if len(op.args) > 2 else op.kwargs.get("offs")): None for op in grouped}:
+        if t in region.recount:   # group offsets counted over the whole batch: this rank's own, from its ids
+            groups, dtype = region.recount[t]
+            counts = len(slot)
+            slot[("counts", t)] = counts
+            slot[t] = len(slot)
+            program.append((torch.ops.aten.bincount.default, (f"%{slot[id(ids)]}", None, groups), {}, (counts,)))
+            program.append((torch.ops.aten.cumsum.default, (f"%{counts}", 0), {"dtype": dtype}, (slot[t],)))
     for op in ops:
         for t in op.outputs:
             slot[id(t)] = len(slot)
@@ -174,21 +198,43 @@ def _fuse(graph: IRGraph, region: Region) -> IRFwOperation:
             args = tuple(f"#{slot[id(region.sort.inputs[0])]}" if a == region.sizes[id(op)] else a for a in args)
         program.append((op.target, args, _refs(op.kwargs, slot, op),
                         tuple(slot[id(t)] for t in op.outputs)))
+    lead = len(program) - len(ops)   # the recounting steps before the region's own
     rows = min(t.shape[0] for t in externals + outputs)
     anno = ", ".join(_dims(t, rows, f"x{i}") for i, t in enumerate(externals)) + ", " + \
         ", ".join(f"{EXPERT}~ " + " ".join(f"w{i}_{d}^" for d in range(1, p.ndim)) for i, p in enumerate(weights)) + \
         " -> " + ", ".join(_dims(t, rows, f"o{i}") for i, t in enumerate(outputs))
     kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
-                  body=(ops.index(body[0]), ops.index(body[-1])), combine=slot[id(y)], experts=experts,
+                  body=(ops.index(body[0]) + lead, ops.index(body[-1]) + lead), combine=slot[id(y)], experts=experts,
                   outputs=tuple(slot[id(t)] for t in outputs))
+    if capacity_factor is not None:   # the arrival order inside an expert: the sort's indices
+        perm = region.sort.outputs[1] if region.sort.name == "sort" else region.sort.outputs[0]
+        kwargs.update(capacity=float(capacity_factor), perm=slot[id(perm)], layer=grouped[0].module_path)
     from cube.runtime.experts import moe
     fused = IRFwOperation(EXPERTS, inputs=inputs, outputs=outputs, target=moe, args=tuple(inputs), kwargs=kwargs,
                           anno=parse(anno, len(inputs)), module_path=grouped[0].module_path, source=grouped[0].source)
-    at = order[id(ops[0])]
     graph.ops = [op for op in graph.ops if id(op) not in inside]
+    # after every op making its inputs (some may come after the region's first op: a view of the
+    # routing weights taken after the sort), before every op reading its outputs
+    at = 1 + max((i for i, op in enumerate(graph.ops) for t in op.outputs if any(t is e for e in externals)),
+                 default=-1)
+    out_ids = {id(t) for t in outputs}
+    first_reader = min((i for i, op in enumerate(graph.ops) if any(id(t) in out_ids for t in op.inputs)),
+                       default=len(graph.ops))
+    if at > first_reader:
+        raise _refuse(grouped[0], "reads a value made after an op that reads the layer's output")
     graph.ops.insert(at, fused)
     graph._pos = {}
     return fused
+
+
+def _param_chain(t: IRTensor, makers: Dict[int, IRFwOperation]) -> bool:
+    """Whether ``t`` is a parameter through transposes and casts alone (``w.bfloat16().t()``)."""
+    while t.kind is not TensorKind.PARAM:
+        m = makers.get(id(t))
+        if m is None or m.name not in _PARAM_CHAIN or len(m.inputs) != 1:
+            return False
+        t = m.inputs[0]
+    return True
 
 
 def _dims(t: IRTensor, rows: int, tag: str) -> str:

@@ -21,6 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from cube.errors import CubeInternalError
 from cube.ir import halo, ring
+from cube.ir.experts import EXPERTS, TOKENS
 from cube.ir.layout import PieceLayout, box_shape
 from cube.ir.operator import IRFwOperation, IROperator
 from cube.ir.ops import op_info
@@ -330,9 +331,26 @@ def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Piece
     first, stop = layout.inputs[w][0]
     rows = box_shape(layout.outputs[0])
     per_pair = math.prod(rows[1:]) * root.outputs[0].dtype.itemsize
-    return Inside("runtime.experts.moe", tuple(op.inputs), dict(root.kwargs, ranks=ranks, first=first,
-                                                                local=stop - first),
-                  groups=(ranks,), all_to_all=rows[0] * per_pair, experts=root.kwargs.get("experts", 0))
+    kwargs = dict(root.kwargs, ranks=ranks, first=first, local=stop - first)
+    groups: Tuple[Ranks, ...] = (ranks,)
+    if root.kwargs.get("capacity") is not None:   # the per-expert counts of every block of the batch
+        batch = group_of(by, r, (TOKENS, f))
+        kwargs.update(batch=batch, start=layout.inputs[0][0][0])
+        groups = (ranks, batch) if batch != ranks else groups
+    return Inside("runtime.experts.moe", tuple(op.inputs), kwargs, groups=groups, all_to_all=rows[0] * per_pair,
+                  experts=root.kwargs.get("experts", 0))
+
+
+def _experts_whole(op: IRFwOperation) -> Inside:
+    """A fused MoE layer not split by experts: its program on the piece's tokens, all experts
+    here. Capacity mode split along the tokens would cut each rank's capacity from its own tokens
+    alone: refused."""
+    root = op.root
+    if root.kwargs.get("capacity") is not None and any(f == TOKENS and n > 1 for f, _, n in op.splits):
+        raise ValueError(f"{root.name} ({root.where()}): a capacity-factor MoE layer split along its tokens must "
+                         f"also split its experts over those ranks (capacity counts the whole batch's tokens); "
+                         f"plan it with PASMegatron(ep=dp, capacity_factor=...) or run it on one device")
+    return Inside("runtime.experts.moe", tuple(op.inputs), dict(root.kwargs))
 
 
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
@@ -349,8 +367,10 @@ def plan_inside(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
     Raises:
         CubeInternalError: the op splits a ``~`` factor but has no ``OpInfo.inside`` kind.
     """
-    if not isinstance(op, IRFwOperation) or op.anno is None or not _inside_splits(op):
+    if not isinstance(op, IRFwOperation) or op.anno is None:
         return None
+    if not _inside_splits(op):
+        return _experts_whole(op) if op.name == EXPERTS else None
     kind = op_info(op.name).inside
     if kind not in KINDS:
         raise CubeInternalError(f"{op.name} ({op.root.where()}): split along a '~' factor without a planner "

@@ -57,7 +57,8 @@ def _mesh(ngpus: int, tp: Optional[int], pp: Optional[int]):
 def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional[int] = None,
                 nmicros: Optional[int] = None, cost: Optional[Callable] = None, nvirtual: Optional[int] = None,
                 recompute: Recompute = None, sp: bool = False, ep: int = 1,
-                schedule_name: Optional[str] = None, cp: int = 1, vocab_parallel: bool = True) -> IRGraph:
+                schedule_name: Optional[str] = None, cp: int = 1, vocab_parallel: bool = True,
+                capacity_factor: Optional[float] = None) -> IRGraph:
     """Plans ``graph`` on a ``pp x dp x tp`` mesh of ``resource.ngpus`` devices with 1F1B.
 
     Args:
@@ -77,6 +78,14 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, Qwen3-MoE) are first
             fused into one op each (``cube.toolkit.fuse_moe``): dropless, the all-to-all's split
             sizes exchanged at run time.
+        capacity_factor: with the fused MoE layers above, the GShard/Switch capacity rule instead
+            of dropless: each expert takes at most ``ceil(capacity_factor * T * top_k / E)`` of the
+            step's ``T * top_k`` (token, expert) pairs, ``T`` the tokens of the whole batch, kept
+            in their tokens' order in the batch; the others are dropped (zero expert output, the
+            residual carries the token) and counted (``cube.runtime.experts.dropped``). Needs
+            ``tp == pp == nmicros == 1``, and ``ep > 1`` on more than one device (the ranks of
+            the batch exchange their per-expert counts in the experts' call); ``ep=1`` on one
+            device is the single-device run of the same rule.
         schedule_name: ``"1f1b"`` (default; interleaved with ``nvirtual > 1``), ``"zb-h1"``,
             ``"zbv"`` or ``"dualpipev"`` (the last two: two stages per pipeline rank in a V;
             ``nvirtual`` must be left out or 2).
@@ -103,8 +112,12 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
         raise ValueError(f"PASMegatron: schedule_name={name!r} runs {want} stage(s) per pipeline rank, "
                          f"but nvirtual={nvirtual}; leave nvirtual out")
     nvirtual = want or nvirtual or config.virtual_stages(default=1)
-    if ep != 1:   # MoE layers that sort their tokens by expert become one op each (cube.ir.experts)
-        fuse_moe(graph, mesh["dp"].size)
+    if capacity_factor is not None and (mesh["tp"].size, pp, nmicros) != (1, 1, 1):
+        raise ValueError(f"PASMegatron: capacity_factor={capacity_factor} counts each expert's pairs over the whole "
+                         f"batch in one call; tp={mesh['tp'].size}, pp={pp}, nmicros={nmicros} are not planned with "
+                         f"it yet: use tp=1, pp=1, nmicros=1 (or drop capacity_factor for dropless experts)")
+    if ep != 1 or capacity_factor is not None:   # MoE layers that sort their tokens by expert become one op each
+        fuse_moe(graph, mesh["dp"].size, capacity_factor)   # (cube.ir.experts)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "

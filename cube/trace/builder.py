@@ -466,6 +466,13 @@ class _Builder:
             self.env[node] = self.run(sub_module.graph, bool(enabled), list(operands))
             self.grad_enabled = grad_enabled
             return
+        if name == "wrap_with_autocast" and len(node.args) >= 5 and not node.args[2]:
+            # an autocast region torch turned off while tracing (CPU autocast to float32, which torch
+            # does not have, warns and runs the region as written): its ops as they are
+            sub, operands = node.args[4], list(node.args[5:])
+            self.env[node] = self.run(self.env[sub].graph, grad_enabled, operands)
+            self.grad_enabled = grad_enabled
+            return
         if flex.is_flex(target):
             return self._flex(node)
         if not isinstance(target, torch._ops.OpOverload):
