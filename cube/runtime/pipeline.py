@@ -48,7 +48,6 @@ from cube.runtime import p2p, session, zb
 from cube.runtime.collectives import wire
 
 LOSS_TAG = (1 << 30) - 1
-_SPLIT_REMOTE = True
 
 Step = Tuple[str, int, Optional[int]]   # (kind "F"/"B"/"W", micro-batch, stage or None: the rank's only stage)
 
@@ -105,11 +104,8 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
     nmicros = len(batches)
     forwards = [(i, s) for kind, i, s in steps if kind == "F"]
     split = any(kind == "W" for kind, _, _ in steps)   # zero-bubble: B leaves weight gradients to W
-    # a B followed at once by its own W (DualPipeV's full backwards) is one whole backward, nothing to
-    # defer, unless its stage's inputs came from other ranks: split, its input gradients leave for the
-    # rank waiting for them before the weight gradients are computed (the W, right after)
+    # a B followed at once by its own W (DualPipeV's full backwards) is one whole backward: nothing to defer
     whole = {k for k, (kind, i, s) in enumerate(steps[:-1]) if kind == "B" and steps[k + 1] == ("W", i, s)}
-    merged = set()   # the B's of ``whole`` run as one backward: their W's have nothing left to do
     deferred: Dict[Tuple[int, Optional[int]], list] = session.current().wgrads.pending
     roots: Dict[Tuple[int, Optional[int]], tuple] = {}   # (micro, stage) -> its loss (or None) and markers
     losses: List[Optional[torch.Tensor]] = [None] * nmicros
@@ -129,7 +125,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
                 roots[(i, s)] = (out, p2p.take_markers())
                 if out is not None:   # the stage making the loss
                     losses[i] = out
-            elif kind == "B" and split and (k not in whole or (_SPLIT_REMOTE and recvs.get(s))):
+            elif kind == "B" and split and k not in whole:
                 out, markers = roots.pop((i, s))
                 with zb.collecting() as work:   # the linears' weight gradients wait for this W
                     p2p.backward(out, markers, scale=1.0)
@@ -137,8 +133,7 @@ def _run(model, batches: Sequence[Sequence[torch.Tensor]], steps: List[Step], lo
             elif kind == "B":
                 out, markers = roots.pop((i, s))
                 p2p.backward(out, markers, scale=1.0)   # a share of the global loss: no rescaling
-                merged.add(k)
-            elif k - 1 not in merged:
+            elif k - 1 not in whole:
                 zb.apply(deferred.pop((i, s)))
     p2p.set_micro(0)
     p2p.finish()
