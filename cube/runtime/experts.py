@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from cube.runtime.collectives import _all_gather, all_to_all_data, group, to_wire
+from cube.runtime.collectives import all_gather, all_to_all_data, group, to_wire
 from cube.runtime.compiled import outside_graph
 
 
@@ -204,7 +204,7 @@ def _capacity(counts: torch.Tensor, perm: torch.Tensor, factor: float, layer: st
     """
     experts, rows = counts.numel(), perm.numel()
     mine = torch.cat([counts.new_tensor([start]), counts]).view(1, -1)
-    every = _all_gather(mine.to(torch.long), batch, 0) if len(batch) > 1 else mine.to(torch.long)
+    every = all_gather(mine.to(torch.long), batch, 0)   # one rank: itself
     before = every[every[:, 0] < start, 1:].sum(0)                       # each expert's pairs on earlier tokens
     total = every[:, 1:].sum(0)
     cap = math.ceil(factor * int(total.sum()) / experts)
