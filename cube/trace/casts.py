@@ -74,7 +74,8 @@ def _low_stand_in(model: torch.nn.Module, low: torch.dtype) -> Iterator[None]:
 
 def low_casts(model: torch.nn.Module, sample: tuple, ep, low: torch.dtype, dynamic_batch: bool = False) -> int:
     """Marks (``MARK``) the casts of ``ep`` (the float32 export of ``model`` on ``sample``) that go to
-    the low precision when the model's weights are ``low`` (module docstring). Returns how many."""
+    the low precision when the model's weights are ``low``, and makes the readers of a cast the float32
+    program gave back as its input read that input (module docstring). Returns how many changes."""
     from cube.trace.export import export
     with _low_stand_in(model, low):
         try:
@@ -99,7 +100,7 @@ def low_casts(model: torch.nn.Module, sample: tuple, ep, low: torch.dtype, dynam
             a.meta[MARK] = low
             count += 1
         elif _kept(a) and not _kept(b):
-            _unshare(a, b, twin)
+            count += _unshare(a, b, twin)
     return count
 
 
@@ -126,16 +127,18 @@ def _kept(node: torch.fx.Node) -> bool:
     return isinstance(src, torch.fx.Node) and _dtype(src) is not None and _dtype(src) == _dtype(node)
 
 
-def _unshare(a: torch.fx.Node, b: torch.fx.Node, twin: dict) -> None:
+def _unshare(a: torch.fx.Node, b: torch.fx.Node, twin: dict) -> int:
     """``a`` gave back its input in float32 and ``b``, its twin, casts: a reader of ``a`` whose twin
     reads ``b``'s input (the model's ``residual = x`` before ``x.to(torch.float32)``) reads ``a``'s
-    input instead, as the model does."""
-    src = a.args[0]
+    input instead, as the model does. Returns how many readers changed."""
+    src, count = a.args[0], 0
     for user in list(a.users):
         other = twin.get(user)
         if other is None or b in other.all_input_nodes or b.args[0] not in other.all_input_nodes:
             continue
         user.replace_input_with(a, src)
+        count += 1
+    return count
 
 
 def retarget(target, args: tuple, kwargs: dict, dtype: torch.dtype):
