@@ -88,16 +88,39 @@ def _build(opt: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy,world,shares,opt,tol", [
-    ("cube.policies.single:PASSingle", 1, 1, "adamw", EXACT),
-    ("cube.policies.data:PASData", 2, 2, "adamw", EXACT),
-    ("cube.policies.data:PASData", 2, 2, "sgd", EXACT),
-    ("cube.policies.megatron:PASMegatronTP", 2, 1, "sgd", TP_TOL_SGD),
-], ids=["single-adamw", "data2-adamw", "data2-sgd", "tensor2-sgd"])
-def test_hf_llama_bf16_equals_its_bf16_copy_by_hand(policy, world, shares, opt, tol):
+@pytest.mark.parametrize("policy,world,nmicros,shares,opt,tol", [
+    ("cube.policies.single:PASSingle", 1, 1, 1, "adamw", EXACT),
+    ("cube.policies.data:PASData", 2, 1, 2, "adamw", EXACT),
+    ("cube.policies.data:PASData", 2, 1, 2, "sgd", EXACT),
+    ("tests/extra_policies.py:PAS1F1B", 2, 4, 4, "adamw", EXACT),   # the micro-batch's trace retargets too
+    ("cube.policies.megatron:PASMegatronTP", 2, 1, 1, "sgd", TP_TOL_SGD),
+], ids=["single-adamw", "data2-adamw", "data2-sgd", "pipe2-1f1b", "tensor2-sgd"])
+def test_hf_llama_bf16_equals_its_bf16_copy_by_hand(policy, world, nmicros, shares, opt, tol):
     """The plan against the model's bf16 copy run by hand (its casts then go to bf16 by themselves),
-    float32 main parameters and the same optimizer step."""
+    float32 main parameters and the same optimizer step, on the plan's batch pieces. The copy's
+    buffers stay float32, as the plan's do (``main_params_reference``)."""
     m, sample = build("hf_llama")
-    errors = parity(m, sample, policy, world, steps=3, opt=opt, build=_build(opt),
+    errors = parity(m, sample, policy, world, steps=3, nmicros=nmicros, opt=opt, build=_build(opt),
                     reference=functools.partial(main_params_reference, shares=shares), precision="bf16")
     assert max(max(e) for e in errors) <= tol, f"relative errors per rank (loss, parameters): {errors}"
+
+
+class _ReadsItsDtype(torch.nn.Module):
+    """A forward whose ops depend on its weights' dtype: its two programs cannot be matched."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = self.w(x.to(self.w.weight.dtype))
+        if self.w.weight.dtype == torch.float32:
+            h = h * 2
+        return torch.nn.functional.mse_loss(h.to(x.dtype), y)
+
+
+def test_programs_that_differ_keep_the_traced_casts(caplog):
+    m, sample = _ReadsItsDtype(), (torch.randn(4, 8), torch.randn(4, 8))
+    with caplog.at_level("INFO", logger="cube"):
+        assert low_casts(m, sample, export(m, sample), torch.bfloat16) == 0
+    assert "casts to its values' dtype stay float32" in caplog.text
