@@ -9,6 +9,7 @@ they cast to bf16, so the residual stream and attention's probabilities are bf16
 values' dtype: their programs do not change.
 """
 import functools
+import re
 
 import pytest
 import torch
@@ -46,6 +47,10 @@ def test_hf_llama_casts_to_its_values_dtype_follow_the_weights():
     assert len(softmax) == 2 and all(dtypes[id(op.outputs[0])] == torch.float32 for op in softmax)
     probs = [op for op in casts if op.inputs[0] in [s.outputs[0] for s in softmax]]
     assert len(probs) == 2 and all(out[id(op)] == torch.bfloat16 for op in probs)
+    # the residual stream: the decoder layers' own adds
+    residual = [op for op in graph.select(ntype=IRFwOperation)
+                if op.name == "add" and re.fullmatch(r"model\.model\.layers\.\d+", op.module_path)]
+    assert len(residual) == 4 and all(dtypes[id(op.outputs[0])] == torch.bfloat16 for op in residual)
     # every value the attention's and the MLP's products read is bf16: no cast before them
     plan = low_precision(graph, "cpu")
     linears = [op for op in graph.select(ntype=IRFwOperation) if op.name in ("linear", "matmul", "bmm")]
