@@ -47,6 +47,7 @@ from cube.runtime import watchdog as rt_watchdog
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
 from cube.trace import build_graph, export
+from cube.trace.casts import low_casts
 from cube.trace.export import TraceError
 from cube.trace.rules import REGISTRY
 
@@ -256,8 +257,9 @@ class CompiledStep:
                      *((f"tp_reduce_dtype={self.tp_reduce_dtype}",) if self.tp_reduce_dtype is not None else ()),
                      # main-parameter plans: the float32 islands (and so the code) differ between CPU and CUDA
                      # (before: the forward under autocast over the low-precision weights)
-                     *((f"autocast-device={device_type()}", "half=islands") if rt_amp.main_params(self.precision)
-                       else ()),
+                     # (and casts to a value's own dtype go to the weights' dtype: cube.trace.casts)
+                     *((f"autocast-device={device_type()}", "half=islands", "casts=low")
+                       if rt_amp.main_params(self.precision) else ()),
                      # random ops draw through cube.runtime.rng (before: the default generator as it stood)
                      "rng=keyed",
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
@@ -709,6 +711,8 @@ def trace_model(model: torch.nn.Module, batch, *, zero: int = 0, precision: Opti
     timings = {} if timings is None else timings
     with _phase("trace", timings):
         ep = export(model, sample, dynamic_batch=dynamic_batch)
+        if rt_amp.main_params(precision):   # the casts to a value's own dtype: to the weights' (cube.trace.casts)
+            low_casts(model, sample, ep, rt_amp.DTYPES[precision], dynamic_batch=dynamic_batch)
     with _phase("ir", timings):
         graph, consts = build_graph(ep, model, structure)
         graph.zero = zero

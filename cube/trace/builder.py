@@ -17,6 +17,7 @@ from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
 from cube import config
 from cube.trace import flex
+from cube.trace.casts import MARK, retarget
 from cube.trace.fused import split_fused
 from cube.trace.rows import unflatten_rows
 from cube.trace.rules import REGISTRY, Registry
@@ -380,7 +381,11 @@ class _Builder:
     def _type_as(self, node: torch.fx.Node, args, kwargs, val):
         """``x.type_as(y)`` reads only y's dtype: a cast of x, or x itself."""
         x, other = args[0], args[1]
-        if x.dtype == other.dtype:
+        low = node.meta.get(MARK)   # a cast to the low precision (``cube.trace.casts``)
+        if low is not None:
+            self.env[node] = self._op(node, torch.ops.aten._to_copy.default, [x], {"dtype": low},
+                                      [_tensor_of(val, node.name)]).outputs[0]
+        elif x.dtype == other.dtype:
             self.env[node] = x
             self._alias(node, node.args[0])
         else:
@@ -497,6 +502,10 @@ class _Builder:
         else:
             outputs = [_tensor_of(val, node.name)]
             value = outputs[0]
+        if node.meta.get(MARK) is not None:   # a cast to the low precision (``cube.trace.casts``)
+            moved = retarget(target, args, kwargs, node.meta[MARK])
+            target, (args, kwargs) = (target, moved) if moved is not None else \
+                (torch.ops.aten._to_copy.default, ((args[0],), {"dtype": node.meta[MARK]}))
         self._op(node, target, args, kwargs, outputs)
         self.env[node] = value
         if inplace.is_view(node):
