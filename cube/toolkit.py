@@ -33,8 +33,16 @@ def _size(over: Union[MeshDim, int]) -> int:
 
 def data_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
     """Where the batch goes when split over ``over`` (a mesh dimension or a count): per op, its
-    ``(idx, dim)``; the data operation splits its tensors along dim 0."""
+    ``(idx, dim)``; the data operation splits its tensors along dim 0.
+
+    Before a split (``over`` > 1) of a graph not yet staged, each MoE layer that sorts its tokens
+    by expert and that cube proves token-local becomes one ``moe_experts`` op
+    (``cube.ir.experts.fuse_local``): each rank runs it on its own tokens with every expert, no
+    token gathered. A layer not proved stays as it is and runs whole on the tokens gathered
+    (reported, ``cube.ir.lost``). Policies that stage a pipeline fuse before ``graph.staging``."""
+    from cube.ir.experts import fuse_local
     n = _size(over)
+    fuse_local(graph, n)
     return batch_flow(graph, n) if n > 1 else Flow(batch=True)
 
 
