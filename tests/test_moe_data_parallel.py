@@ -10,6 +10,7 @@ import functools
 import pytest
 
 import cube
+import cube.ir.experts
 from cube.policies.data import PASData
 from cube.policies.megatron3d import PASMegatron
 from tests.inprocess import assert_exact, parity
@@ -25,7 +26,7 @@ def _assert_token_local(model, sample, policy, world: int) -> None:
     assert plan.lost == [], [r.describe() for r in plan.lost]
     for rank, src in plan.sources().items():
         assert "runtime.experts.moe(" in src, rank
-        assert "torch.sort(" not in src and "torch.argsort(" not in src, rank
+        assert "runtime.collectives.all_gather" not in src, rank
 
 
 @pytest.mark.parametrize("name,policy,world,opt", [
@@ -55,3 +56,18 @@ def test_the_load_balancing_loss_stays_the_whole_batchs(opt):
     probabilities; it is the single device's under PASData on 4 ranks."""
     model, sample = _model("mixtral", output_router_logits=True, router_aux_loss_coef=0.1)
     assert_exact(parity(model, sample, PASData, 4, steps=2, opt=opt))
+
+
+@pytest.mark.slow
+def test_a_layer_cube_cannot_fuse_stays_gathered_reported_and_exact(monkeypatch):
+    """A proved region that the fusion refuses keeps today's plan: it runs whole on the tokens
+    gathered, each of its ops reported as a lost split, and the step is still exact."""
+    def refuse(graph, region, capacity_factor=None):
+        raise ValueError("refused")
+    monkeypatch.setattr(cube.ir.experts, "_fuse", refuse)
+    model, sample = _model("mixtral")
+    plan = cube.plan(model, sample, PASData, 2)
+    assert {r.op for r in plan.lost} == {"sort", "index"}
+    assert all("runtime.experts.moe" not in src and "runtime.collectives.all_gather" in src
+               for src in plan.sources().values())
+    assert_exact(parity(model, sample, PASData, 2, steps=2, opt="sgd"))
