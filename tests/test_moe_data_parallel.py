@@ -50,6 +50,17 @@ def test_moe_layers_stay_data_parallel_and_exact(name, policy, world, opt):
 
 
 @pytest.mark.slow
+def test_pipeline_stages_cut_after_the_fusion():
+    """PASMegatron dp2 x pp2 (1F1B, 2 micro-batches) fuses before it cuts its stages: each
+    micro-batch's tokens of each data-parallel rank run the fused layer, exactly."""
+    model, sample = _model("mixtral")
+    pas = functools.partial(PASMegatron, tp=1, pp=2, nmicros=2)
+    plan = cube.plan(model, sample, pas, 4)
+    assert plan.lost == [] and all("runtime.experts.moe(" in src for src in plan.sources().values())
+    assert_exact(parity(model, sample, pas, 4, steps=2, nmicros=2, opt="adamw"))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("opt", ["adamw", "sgd"])
 def test_the_load_balancing_loss_stays_the_whole_batchs(opt):
     """Mixtral's router auxiliary loss (``output_router_logits=True``) reads every token's router

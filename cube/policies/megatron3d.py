@@ -78,7 +78,9 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             by all-to-all (``cube.toolkit.expert_parallel``). MoE layers that sort their tokens by
             expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, Qwen3-MoE) are first
             fused into one op each (``cube.toolkit.fuse_moe``): dropless, the all-to-all's split
-            sizes exchanged at run time.
+            sizes exchanged at run time. With ``ep=1`` (and ``cp=1``) on ``dp > 1`` the proved
+            ones are fused too (``cube.ir.experts.fuse_local``), before the stages are cut: each
+            data-parallel rank runs its own tokens through every expert.
         capacity_factor: with the fused MoE layers above, the GShard/Switch capacity rule instead
             of dropless: each expert takes at most ``ceil(capacity_factor * T * top_k / E)`` of the
             step's ``T * top_k`` (token, expert) pairs, ``T`` the tokens of the whole batch, kept
