@@ -82,3 +82,13 @@ def test_a_layer_cube_cannot_fuse_stays_gathered_reported_and_exact(monkeypatch)
     assert all("runtime.experts.moe" not in src and "runtime.collectives.all_gather" in src
                for src in plan.sources().values())
     assert_exact(parity(model, sample, PASData, 2, steps=2, opt="sgd"))
+
+
+@pytest.mark.slow
+def test_deepseek_v2_moe_layers_stay_data_parallel():
+    """DeepSeek-V2 (tests.zoo's tiny config: shared experts, a first dense layer) under PASData on
+    2 ranks: its MoE layer is fused, nothing gathered, exact (parameters with the zoo's floor)."""
+    from tests.zoo import PARAM_FLOOR, build
+    model, sample = build("deepseek_v2")
+    _assert_token_local(model, sample, PASData, 2)
+    assert_exact(parity(model, sample, PASData, 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR))
