@@ -24,6 +24,7 @@ is refused with the op named.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -93,8 +94,8 @@ def fuse_local(graph: IRGraph, num: int) -> List[IRFwOperation]:
     for region in regions:
         try:
             fused.append(_fuse(graph, region))
-        except ValueError:   # not a program cube can run on a piece of the tokens: the region stays
-            continue
+        except ValueError as why:   # not a program cube can run on a piece of the tokens: the region
+            logging.getLogger("cube").debug("data parallel keeps an MoE layer unfused: %s", why)   # stays
     return fused
 
 
