@@ -6,6 +6,8 @@ A Mixtral-shaped model (``transformers.MixtralConfig``: 8 experts, top-2, hidden
 Transformers' default ``grouped_mm`` experts kernel), a global batch of 8 sequences of 64 tokens,
 AdamW, 4 gloo ranks under torchrun:
 
+- under ``PASData``, the MoE layers fused into one ``moe_experts`` call each (every rank runs its
+  own tokens through every expert) and the ops that run on gathered tokens (planned in process);
 - step time, ``PASMegatron(ep=4)`` (each rank holds 2 of the 8 experts; tokens reach them by
   all-to-all) against ``PASData`` (every rank holds every expert): the slowest rank's median;
 - parameter + optimizer bytes per rank, measured on the generated modules after an AdamW step;
@@ -117,6 +119,16 @@ def remote_pairs(model, batch, ranks: int, experts: int) -> int:
     return pairs
 
 
+def data_plan(cfg) -> tuple:
+    """Under ``PASData`` on ``ep`` ranks (planned in this process): the fused MoE calls in rank 0's
+    code (each runs the rank's own tokens through every expert) and the ops that lose the batch
+    split (run whole on the gathered tokens)."""
+    import cube
+    from cube.policies.data import PASData
+    plan = cube.plan(_model(cfg), _batches(cfg, 1)[0], PASData, cfg["ep"])
+    return plan.source(0).count("runtime.experts.moe("), len(plan.lost)
+
+
 def worker(args) -> None:
     """One rank of a torchrun job (``--mode ep``: ``PASMegatron(ep=)``; ``data``: ``PASData``)."""
     from cube.policies.data import PASData
@@ -155,7 +167,10 @@ def main(quick: bool = False, **overrides):
     measured = sum(r["a2a"] for r in ep)
     ep_t, data_t = ep[0]["step"], data[0]["step"]
     ep_b, data_b = max(r["bytes"] for r in ep), max(r["bytes"] for r in data)
+    fused, gathered = data_plan(cfg)
     rows = [
+        {"benchmark": "moe", "name": "data parallel MoE layers fused / layers", "ratio": fused / cfg["layers"],
+         "detail": f"{fused} moe_experts calls per rank on its own tokens; {gathered} ops run on gathered tokens"},
         {"benchmark": "moe", "name": "step time", "ratio": ep_t / data_t,
          "detail": f"ep{n} {ep_t * 1e3:.1f} ms / data parallel {data_t * 1e3:.1f} ms"},
         {"benchmark": "moe", "name": "parameter + AdamW bytes per rank", "ratio": ep_b / data_b,

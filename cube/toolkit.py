@@ -31,10 +31,21 @@ def _size(over: Union[MeshDim, int]) -> int:
     return over.size if isinstance(over, MeshDim) else int(over)
 
 
-def data_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+def data_parallel(graph: IRGraph, over: Union[MeshDim, int], fuse: bool = True) -> Flow:
     """Where the batch goes when split over ``over`` (a mesh dimension or a count): per op, its
-    ``(idx, dim)``; the data operation splits its tensors along dim 0."""
+    ``(idx, dim)``; the data operation splits its tensors along dim 0.
+
+    Before a split (``over`` > 1) of a graph not yet staged, each MoE layer that sorts its tokens
+    by expert and that cube proves token-local becomes one ``moe_experts`` op
+    (``cube.ir.experts.fuse_local``): each rank runs it on its own tokens with every expert, no
+    token gathered. A layer not proved stays as it is and runs whole on the tokens gathered
+    (reported, ``cube.ir.lost``). Policies that stage a pipeline fuse before ``graph.staging``;
+    ``fuse=False`` keeps the layers as they are (a plan whose stage starts count the unfused ops,
+    or one that also splits the sequence)."""
+    from cube.ir.experts import fuse_local
     n = _size(over)
+    if fuse:
+        fuse_local(graph, n)
     return batch_flow(graph, n) if n > 1 else Flow(batch=True)
 
 
@@ -272,7 +283,7 @@ def grid_plan(graph: IRGraph, resource, config: dict) -> IRGraph:
     if config.get("zero", 0) == 3 and getattr(graph, "zero", 0) != 3:
         raise ValueError("PASAuto: the plan uses ZeRO-3; compile with cube.compile(..., zero=3)")
     mesh = DeviceMesh(("pp", pp), ("dp", dp), ("tp", tp))
-    data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"])
+    data, tensor = data_parallel(graph, mesh["dp"], fuse=pp == 1), tensor_parallel(graph, mesh["tp"])
     if config.get("sp") and tp > 1:   # Megatron-SP: the memory-bound ops between tp regions along the sequence
         tensor = sequence_parallel(graph, tensor, mesh["tp"])
     if pp == 1:

@@ -196,8 +196,8 @@ def test_new_like_creations_read_no_data_and_train_exactly(tmp_path):
 def test_hf_deepseek_v2_complex_rotary_data_parallel_moves_no_activations(tmp_path):
     """Transformers' DeepSeek-V2 rotates queries and keys in complex numbers (view_as_complex, as
     Llama 3's reference code): under PASData only gradient sums are sent. Its layers are made dense
-    (first_k_dense_replace): the default MoE kernel sorts the batch's tokens by expert, which is
-    gathered (docs/models.md)."""
+    (first_k_dense_replace): the rotary alone is checked here (its MoE layers under PASData:
+    tests/test_moe_data_parallel.py)."""
     import transformers
 
     cfg = transformers.DeepseekV2Config(vocab_size=zoo.V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -24,6 +24,7 @@ is refused with the op named.
 """
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -70,6 +71,32 @@ def fuse_experts(graph: IRGraph, num: int, capacity_factor: Optional[float] = No
         raise ValueError(f"expert parallel: capacity_factor={capacity_factor!r} must be a positive number (each "
                          f"expert takes ceil(capacity_factor * tokens * top_k / experts) pairs) or None (dropless)")
     return [_fuse(graph, r, capacity_factor) for r in regions]
+
+
+def fuse_local(graph: IRGraph, num: int) -> List[IRFwOperation]:
+    """Replaces every sort-dispatch MoE region of ``graph`` that ``batch_flow`` proves token-local
+    and :func:`_fuse` can write as a program by one dropless ``moe_experts`` op, so that a split
+    of the batch over ``num`` ranks runs it on each rank's own tokens, all experts on every rank
+    (``cube.passes.inside._experts_whole``). A region cube cannot prove or fuse is left as it is:
+    the batch split then runs it whole on the tokens gathered, and reports it (``cube.ir.lost``).
+
+    Returns:
+        The fused ops, in program order.
+    """
+    if num < 2 or graph.stages or not any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation)):
+        return []   # after staging the stages hold the region's ops: fuse before graph.staging
+    from cube.ir.follow import batch_flow   # follow imports dispatch; keep the import graph acyclic
+    flow = batch_flow(graph, num)
+    regions = list({id(r): r for r in flow.local.values()}.values())   # the proved ones (flow.unproven: not)
+    pos = {id(op): i for i, op in enumerate(graph.ops)}
+    regions.sort(key=lambda r: pos[id(r.sort)])
+    fused = []
+    for region in regions:
+        try:
+            fused.append(_fuse(graph, region))
+        except ValueError as why:   # not a program cube can run on a piece of the tokens: the region
+            logging.getLogger("cube").debug("data parallel keeps an MoE layer unfused: %s", why)   # stays
+    return fused
 
 
 def _refuse(op: IRFwOperation, why: str) -> ValueError:
@@ -212,17 +239,18 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     from cube.runtime.experts import moe
     fused = IRFwOperation(EXPERTS, inputs=inputs, outputs=outputs, target=moe, args=tuple(inputs), kwargs=kwargs,
                           anno=parse(anno, len(inputs)), module_path=grouped[0].module_path, source=grouped[0].source)
-    graph.ops = [op for op in graph.ops if id(op) not in inside]
+    rest = [op for op in graph.ops if id(op) not in inside]
     # after every op making its inputs (some may come after the region's first op: a view of the
     # routing weights taken after the sort), before every op reading its outputs
-    at = 1 + max((i for i, op in enumerate(graph.ops) for t in op.outputs if any(t is e for e in externals)),
+    at = 1 + max((i for i, op in enumerate(rest) for t in op.outputs if any(t is e for e in externals)),
                  default=-1)
     out_ids = {id(t) for t in outputs}
-    first_reader = min((i for i, op in enumerate(graph.ops) if any(id(t) in out_ids for t in op.inputs)),
-                       default=len(graph.ops))
-    if at > first_reader:
+    first_reader = min((i for i, op in enumerate(rest) if any(id(t) in out_ids for t in op.inputs)),
+                       default=len(rest))
+    if at > first_reader:   # refused before the graph changes: a caller may keep the region as it is
         raise _refuse(grouped[0], "reads a value made after an op that reads the layer's output")
-    graph.ops.insert(at, fused)
+    rest.insert(at, fused)
+    graph.ops = rest
     graph._pos = {}
     return fused
 

@@ -31,7 +31,7 @@ def PASContext(graph: IRGraph, resource, cp: Optional[int] = None, tp: int = 1, 
                          f"tensor parallel tp={tp} groups; pass cp= and tp= whose product divides the device "
                          f"count (the data parallel degree is devices / (cp * tp))")
     mesh = DeviceMesh(("dp", resource.ngpus // (cp * tp)), ("cp", cp), ("tp", tp))
-    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), cp=context_parallel(graph, mesh["cp"]),
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"], fuse=cp == 1), cp=context_parallel(graph, mesh["cp"]),
               tp=tensor_parallel(graph, mesh["tp"]))
     apply_recompute(graph, recompute)
     return graph

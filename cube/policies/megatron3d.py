@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 from cube import config, schedule
 from cube.ir import IRGraph
+from cube.ir.experts import fuse_local
 from cube.schedule.balance import stage_starts
 from cube.toolkit import (Recompute, apply_recompute, context_parallel, data_parallel, expert_parallel, fuse_moe, grid,
                           place_data, place_stages, sequence_parallel, tensor_parallel)
@@ -77,7 +78,9 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             by all-to-all (``cube.toolkit.expert_parallel``). MoE layers that sort their tokens by
             expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, Qwen3-MoE) are first
             fused into one op each (``cube.toolkit.fuse_moe``): dropless, the all-to-all's split
-            sizes exchanged at run time.
+            sizes exchanged at run time. With ``ep=1`` (and ``cp=1``) on ``dp > 1`` the proved
+            ones are fused too (``cube.ir.experts.fuse_local``), before the stages are cut: each
+            data-parallel rank runs its own tokens through every expert.
         capacity_factor: with the fused MoE layers above, the GShard/Switch capacity rule instead
             of dropless: each expert takes at most ``ceil(capacity_factor * T * top_k / E)`` of the
             step's ``T * top_k`` (token, expert) pairs, ``T`` the tokens of the whole batch, kept
@@ -118,6 +121,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
                          f"it yet: use tp=1, pp=1, nmicros=1 (or drop capacity_factor for dropless experts)")
     if ep != 1 or capacity_factor is not None:   # MoE layers that sort their tokens by expert become one op each
         fuse_moe(graph, mesh["dp"].size, capacity_factor)   # (cube.ir.experts)
+    elif cp == 1:   # data parallel: the proved ones become one op each, run on each rank's own tokens
+        fuse_local(graph, mesh["dp"].size)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "

@@ -51,7 +51,7 @@ def PASPipeDream(graph: IRGraph, resource, stage_to_num_ranks: Ranks = None, sch
     place_data(graph, meshes)   # every stage reads the batch
     for mesh, stage in zip(meshes, stages):
         ops = [op for op in stage if not isinstance(op, IRDataOperation)]
-        place_all(graph, mesh, ops, dp=data_parallel(graph, mesh["dp"]))
+        place_all(graph, mesh, ops, dp=data_parallel(graph, mesh["dp"], fuse=False))   # ops listed before
     apply_recompute(graph, recompute)
     if len(meshes) > 1:
         getattr(schedule, f"sched_{schedule_name}")(graph, nmicros or config.micro_batches(), len(meshes))
