@@ -243,8 +243,8 @@ def test_cluster_search_ranks_plans_under_the_memory_cap(capsys):
     model, batch = _gpt(batch=64)
     given = Plan(tp=2, pp=2, dp=4, micro_batch=1, nmicros=16, nvirtual=2)   # PASMegatron's plan to beat
     lines = []
-    ranked = search(model, batch, 16, A100, budget=8, include=[given], progress=lines.append)
-    assert 1 < len(ranked) <= 8 and len(lines) == len(ranked)
+    ranked = search(model, batch, 16, A100, budget=5, include=[given], progress=lines.append)
+    assert 1 < len(ranked) <= 5 and len(lines) == len(ranked)
     assert [t.rank_key() for t in ranked] == sorted(t.rank_key() for t in ranked)
     mine = next(t for t in ranked if t.plan == given)
     assert mine.origin == "given" and mine.feasible   # a small GPT fits an A100 whatever the plan
@@ -258,7 +258,7 @@ def test_cluster_search_ranks_plans_under_the_memory_cap(capsys):
     peaks = sorted(t.peak for t in ranked if t.result is not None)
     cap = (peaks[0] + peaks[-1]) / 2
     params = sum(p.numel() for p in model.parameters())
-    capped = search(model, batch, 16, A100, mem_cap=cap, budget=6, progress=lambda line: None)
+    capped = search(model, batch, 16, A100, mem_cap=cap, budget=4, progress=lambda line: None)
     assert all(t.feasible == (t.peak <= cap) for t in capped if t.result is not None)
     assert capped[0].feasible and capped[0].peak <= cap
     assert all(static_bytes(params, 4, t.plan) <= cap for t in capped)

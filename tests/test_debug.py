@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import cube.debug
 from tests.launch import ROOT, _env, parity_across_ranks
+from tests.tiers import tiered
 
 CASES = [
     # (model, policy, ranks, micro-batches, environment)
@@ -27,7 +28,10 @@ def _in_one_process(model, policy, nproc, nmicros, env, out):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("model,policy,nproc,nmicros,env", CASES, ids=[c[1].split(":")[1] for c in CASES])
+# PASHybrid's 4-rank launch in the slow tier: tests/test_parallel.py's hf_llama-PASHybrid-4 runs that
+# plan on 4 processes in the default tier, and PAS1F1BData checks one process against several here
+@pytest.mark.parametrize("model,policy,nproc,nmicros,env",
+                         tiered(CASES, [c[1].split(":")[1] for c in CASES], slow={"PASHybrid"}))
 def test_plan_in_one_process_equals_multi_process_run(model, policy, nproc, nmicros, env, tmp_path):
     (tmp_path / "mp").mkdir()
     (tmp_path / "one").mkdir()

@@ -14,6 +14,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention 
 import cube  # noqa: E402
 from cube.trace import flex  # noqa: E402
 from tests.inprocess import assert_exact, parity  # noqa: E402
+from tests.tiers import tiered  # noqa: E402
 
 V, D, H, S = 64, 32, 4, 16
 
@@ -77,12 +78,14 @@ def test_traced_as_one_op_with_batch_and_head_splits_and_a_constant_mask():
     assert text.startswith("b h l^ e^, b h s^ e^, b h s^ f"), text
 
 
-@pytest.mark.parametrize("policy,world,micro,nmicros", [
+# a pipeline of two-sample micro-batches in the slow tier: the one-sample case runs the same schedule,
+# and the document-mask test below a pipeline of two-sample micro-batches
+@pytest.mark.parametrize("policy,world,micro,nmicros", tiered([
     ("cube.policies.data:PASData", 2, 4, 1),
     ("cube.policies.megatron:PASMegatronTP", 2, 4, 1),
     ("cube.policies.pipeline:PAS1F1B", 2, 2, 2),
     ("cube.policies.pipeline:PAS1F1B", 2, 1, 2),
-], ids=["data", "tensor", "pipeline", "pipeline-one-sample"])
+], ["data", "tensor", "pipeline", "pipeline-one-sample"], slow={"pipeline"}))
 def test_trains_exactly_under_every_plan_kind(policy, world, micro, nmicros):
     torch.manual_seed(0)
     with flex.device_check_off():   # the reference's backward on the CPU (cube's op turns it off itself)
