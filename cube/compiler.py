@@ -739,9 +739,8 @@ def plan(model: torch.nn.Module, batch, PAS: Union[Callable, str], world: int = 
     ``exact_rng``: as ``cube.compile``'s.
     """
     rt_amp.check_tp_reduce_dtype(tp_reduce_dtype, precision, "cube.plan")
-    planned = trace_model(model, batch, zero=zero, precision=precision, tp_reduce_dtype=tp_reduce_dtype).plan(PAS, world, options=options,
-                                                                            ranks=ranks, strict=strict,
-                                                                            exact_rng=exact_rng)
+    traced = trace_model(model, batch, zero=zero, precision=precision, tp_reduce_dtype=tp_reduce_dtype)
+    planned = traced.plan(PAS, world, options=options, ranks=ranks, strict=strict, exact_rng=exact_rng)
     _warn_lost(planned.lost, _policy_label(PAS) if callable(PAS) else planned.policy)
     return planned
 

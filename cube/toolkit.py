@@ -101,8 +101,8 @@ def fuse_moe(graph: IRGraph, dp: int, capacity_factor: Optional[float] = None) -
     Raises:
         ValueError: a sort-dispatch layer cube cannot split by experts, naming the op and why.
     """
-    from cube.ir.experts import fuse_experts
-    if not any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation)):
+    from cube.ir.experts import fuse_experts, has_sort
+    if not has_sort(graph):
         if capacity_factor is not None:
             raise ValueError(f"fuse_moe: capacity_factor={capacity_factor!r} applies to MoE layers that sort their "
                              f"tokens by expert (Hugging Face's grouped_mm experts), and the model has none; "

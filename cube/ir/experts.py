@@ -58,14 +58,10 @@ def fuse_experts(graph: IRGraph, num: int, capacity_factor: Optional[float] = No
         ValueError: the graph has no sort-dispatch region, or one cube cannot prove token-local
             or cannot split by experts (naming the op and why).
     """
-    from cube.ir.follow import batch_flow   # follow imports dispatch; keep the import graph acyclic
-    flow = batch_flow(graph, max(num, 2))
-    regions = list({id(r): r for r in flow.local.values()}.values())
-    if flow.unproven:
+    regions, unproven = _regions(graph, max(num, 2))
+    if unproven:
         raise ValueError("expert parallel: cube could not prove a token sort of the MoE layer token-local: "
-                         + "; ".join(flow.unproven.values()))
-    pos = {id(op): i for i, op in enumerate(graph.ops)}
-    regions.sort(key=lambda r: pos[id(r.sort)])
+                         + "; ".join(unproven))
     if capacity_factor is not None and (isinstance(capacity_factor, bool) or
                                         not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
         raise ValueError(f"expert parallel: capacity_factor={capacity_factor!r} must be a positive number (each "
@@ -83,20 +79,31 @@ def fuse_local(graph: IRGraph, num: int) -> List[IRFwOperation]:
     Returns:
         The fused ops, in program order.
     """
-    if num < 2 or graph.stages or not any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation)):
+    if num < 2 or graph.stages or not has_sort(graph):
         return []   # after staging the stages hold the region's ops: fuse before graph.staging
-    from cube.ir.follow import batch_flow   # follow imports dispatch; keep the import graph acyclic
-    flow = batch_flow(graph, num)
-    regions = list({id(r): r for r in flow.local.values()}.values())   # the proved ones (flow.unproven: not)
-    pos = {id(op): i for i, op in enumerate(graph.ops)}
-    regions.sort(key=lambda r: pos[id(r.sort)])
     fused = []
-    for region in regions:
+    for region in _regions(graph, num)[0]:   # the proved ones; the others stay as they are
         try:
             fused.append(_fuse(graph, region))
         except ValueError as why:   # not a program cube can run on a piece of the tokens: the region
             logging.getLogger("cube").debug("data parallel keeps an MoE layer unfused: %s", why)   # stays
     return fused
+
+
+def has_sort(graph: IRGraph) -> bool:
+    """Whether ``graph`` sorts anything (a sort-dispatch MoE layer sorts its tokens by expert)."""
+    return any(op.name in ("sort", "argsort") for op in graph.select(ntype=IRFwOperation))
+
+
+def _regions(graph: IRGraph, num: int) -> Tuple[List[Region], List[str]]:
+    """The sort-dispatch regions ``batch_flow`` proves token-local under a batch split over ``num``
+    ranks, in program order, and why the others are not."""
+    from cube.ir.follow import batch_flow   # follow imports dispatch; keep the import graph acyclic
+    flow = batch_flow(graph, num)
+    regions = list({id(r): r for r in flow.local.values()}.values())
+    pos = {id(op): i for i, op in enumerate(graph.ops)}
+    regions.sort(key=lambda r: pos[id(r.sort)])
+    return regions, list(flow.unproven.values())
 
 
 def _refuse(op: IRFwOperation, why: str) -> ValueError:

@@ -16,6 +16,7 @@ ranks and micro-batches are under torchao (each batch piece its own scales).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Set
 
 from cube.ir.graph import IRGraph
@@ -76,9 +77,7 @@ def mark_amax_ranks(graph: IRGraph, plans: Dict, cuda: bool = False) -> None:
             found.append((call, (id(op.root), x_rows)))
             if cuda:
                 w, x = box_shape(call.layout.inputs[1]), box_shape(x_box)
-                rows_n = 1
-                for d in x[:-1]:
-                    rows_n *= d
+                rows_n = math.prod(x[:-1])
                 if any(d % ALIGN for d in w) or rows_n % ALIGN:
                     raise ValueError(f"precision='fp8': op 'linear' ({op.root.where()}) has a weight piece of shape "
                                      f"{tuple(w)} and an input piece of {rows_n} rows on rank {r}; CUDA's float8 "

@@ -110,10 +110,9 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             floats = [t.logical for t in op.inputs if t.dtype.is_floating_point]
             casts: Dict[int, torch.dtype] = {}
             out_cast = None
-            if id(op) in partial:   # a partial product leaves in ``wide``, from low-precision inputs
-                casts = {id(t): wide for t in floats if dtype_of(t) != wide}
-                if id(op) in fp8:
-                    casts = {id(t): low for t in floats if dtype_of(t) != low}
+            if id(op) in partial:   # a partial product leaves in ``wide``: its inputs in ``wide``, or for a
+                reads = low if id(op) in fp8 else wide   # float8 product (float32 out_dtype) in ``low``
+                casts = {id(t): reads for t in floats if dtype_of(t) != reads}
             elif info.half == "fp32" or (info.half == "fp32_cpu" and kind == "cpu"):
                 casts = {id(t): torch.float32 for t in floats if dtype_of(t) != torch.float32}
                 if info.half == "fp32_cpu" and casts:   # its output back in its input's dtype

@@ -77,6 +77,9 @@ def low_casts(model: torch.nn.Module, sample: tuple, ep, low: torch.dtype, dynam
     the low precision when the model's weights are ``low``, and makes the readers of a cast the float32
     program gave back as its input read that input (module docstring). Returns how many changes."""
     from cube.trace.export import export
+    mine = _ops(ep)
+    if not any(_name(n.target) in _CASTS for n in mine):   # nothing to mark or unshare: no second export
+        return 0
     with _low_stand_in(model, low):
         try:
             other = export(model, sample, dynamic_batch=dynamic_batch)
@@ -84,7 +87,7 @@ def low_casts(model: torch.nn.Module, sample: tuple, ep, low: torch.dtype, dynam
             log.info("precision: the forward in %s does not trace (%s); casts to its values' dtype stay float32",
                      low, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             return 0
-    mine, theirs = _ops(ep), _ops(other)
+    theirs = _ops(other)
     differ = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if not _same(a, b)), None)
     if len(mine) != len(theirs) or differ is not None:
         log.info("precision: the forward in %s runs other ops than in float32 (%d against %d ops, first "
