@@ -66,8 +66,10 @@ def _assumed(result, hw, args, options: dict, precision) -> str:
     what the prediction assumed (precision, micro-batches, recompute, ZeRO, the policy's options)."""
     from cube.sim.report import prediction
     p = prediction(result, hw, args.ngpus, precision, 0.0, policy=args.policy, options=options)
-    mfu = f", MFU {p['mfu'] * 100:.1f}% of {hw.name}'s {precision or 'fp32'} peak" if p["mfu"] is not None else \
+    mfu = f", MFU {p['mfu'] * 100:.1f}% of {hw.name}'s {p['mfu_peak']} peak" if p["mfu"] is not None else \
         " (this host: no peak to measure MFU against)"
+    if p["mfu"] is not None and precision == "fp8":   # torchtitan's convention: MFU is ill-defined over both
+        mfu += " (fp8: counted against the bf16 peak, as the float8 and bf16 products mix)"
     micro = p.get("micro_batches")
     said = [f"precision {p['precision']}", f"ZeRO-{args.zero}" if args.zero else "no ZeRO",
             f"recompute {options.get('recompute', 'as CUBE_RECOMPUTE or none')}",
@@ -108,8 +110,9 @@ def main(argv=None) -> int:
     p.add_argument("--hardware", default="cpu-host",
                    help="the cluster: a shipped profile (dgx-a100-80g, dgx-h100, cpu-host: this machine, measured) "
                         "or a JSON profile (python -m cube.sim.calibrate --out my-cluster.json)")
-    p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="training precision on a profiled cluster (default bf16; fp32 on cpu-host)")
+    p.add_argument("--precision", choices=["bf16", "fp16", "fp8", "fp32"], default=None,
+                   help="training precision on a profiled cluster (default bf16; fp32 on cpu-host); fp8: bf16 with "
+                        "the linear layers' products in float8 (a profile with an fp8 peak, e.g. dgx-h100)")
     p.add_argument("--symmetric", dest="symmetric", action="store_true", default=None,
                    help="simulate one rank of each symmetric class (default on a profiled cluster)")
     p.add_argument("--no-symmetric", dest="symmetric", action="store_false", help="simulate every rank")
@@ -150,6 +153,10 @@ def main(argv=None) -> int:
     if args.recalibrate and not hw.is_host:
         p.error(f"--recalibrate measures this host's collectives; --hardware {args.hardware} takes its costs from "
                 f"the profile")
+    if args.precision == "fp8" and hw.is_host:
+        p.error(f"--precision fp8 with --hardware {args.hardware}: this host's op costs are measured by timing "
+                f"the traced aten ops, which are not the float8 kernels cube.runtime.float8 runs; pass a profile "
+                f"with an fp8 peak (--hardware dgx-h100 or h100-hbm2e-500w) or --precision bf16")
     model, batch = load_spec(args.spec)
     precision = None if args.precision == "fp32" else args.precision
     if hw.is_host:
@@ -163,7 +170,11 @@ def main(argv=None) -> int:
         peaks = hw.device["peak_tflops"]
         precision = args.precision or ("bf16" if "bf16" in peaks else next(iter(peaks)))
         precision = None if precision == "fp32" else precision
-        costs, comm, host = DeviceCosts(hw, precision, moe_imbalance=args.moe_imbalance), ClusterComm(hw), None
+        try:
+            costs = DeviceCosts(hw, precision, moe_imbalance=args.moe_imbalance)
+        except ValueError as e:   # fp8 on a profile without float8 tensor cores
+            p.error(str(e))
+        comm, host = ClusterComm(hw), None
     symmetric = args.symmetric if args.symmetric is not None else not hw.is_host
     if args.policy:
         result = api.simulate_policy(model, batch, args.policy, args.ngpus, costs=costs, comm=comm,

@@ -15,6 +15,13 @@ an eager training step, forward and backward) ops cost the device alone and
 the host issues them on a clock of its own (``cube.sim.engine``), so a busy
 device hides the host and a slow host leaves the device waiting.
 
+Under ``precision="fp8"`` every op is priced as under ``"bf16"`` except the linear layers the
+plan runs in float8 (``cube.passes.precision.LowPrecision.float8``): their forward product and
+the two backward products on the profile's ``fp8`` peak (its GEMM curve), and the amax, scale and
+cast passes ``cube.runtime.float8`` runs around them as eager kernels, each bound by memory and
+launched on its own (``cube.sim.float8``); autograd keeps their 1-byte operands. A profile
+without an ``fp8`` peak refuses it.
+
 ``ClusterComm``: collectives over the ranks they actually join. Ranks are
 numbered node by node (``rank // gpus_per_node`` is the node, as torchrun and
 Megatron number them). Inside a node, the NVLink bus bandwidth; across nodes
@@ -35,15 +42,17 @@ from cube.ir.tensor import TensorKind
 from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
 from cube.runtime.amp import DTYPES
+from cube.sim import float8
 from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
-from cube.sim.hardware import Hardware
+from cube.sim.hardware import Hardware, mfu_precision
 
-PRECISION_BYTES = {"bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp8": 2, "tf32": 4, "fp32": 4}
 
 
 class DeviceCosts(Estimator):
     """Op, optimizer and copy costs of one device of ``hardware`` training at ``precision``
-    (``bf16``/``fp16``: matmuls on the half-precision peak; None: float32 on the fp32 peak).
+    (``bf16``/``fp16``: matmuls on the half-precision peak; ``fp8``: as ``bf16``, the float8
+    linear layers' products on the fp8 peak; None: float32 on the fp32 peak).
 
     ``half_model``: price the step as a runtime that keeps the model itself in the low precision
     (Megatron-LM's fp16/bf16 training: half-precision weights and activations, float32 main
@@ -66,7 +75,9 @@ class DeviceCosts(Estimator):
         self.moe_imbalance = float(moe_imbalance)
         self.hw = hardware
         self.precision = precision or "fp32"
-        self.peak = hardware.peak_flops(self.precision)
+        # fp8: every product but the float8 linears' on the bf16 peak (refused without an fp8 peak)
+        self.fp8_peak = hardware.peak_flops("fp8") if self.precision == "fp8" else None
+        self.peak = hardware.peak_flops(mfu_precision(self.precision))
         self.act_bytes = PRECISION_BYTES.get(self.precision, 4)
         self.launch = hardware.launch
         factor = hardware.device.get("backward_factor", 2.0)
@@ -81,15 +92,28 @@ class DeviceCosts(Estimator):
         self.price_casts = not self.half_model   # cube.sim.program prices the weights' casts
         self.dtypes: Optional[dict] = None       # activation id -> dtype under autocast (bind_dtypes)
         self.casts: Optional[dict] = None        # the low-precision forward's casts (bind_dtypes)
+        self.float8: dict = {}                   # ids of the traced ops run in float8 (bind_dtypes)
         self._memo: dict = {}
 
-    def bind_dtypes(self, dtypes: Optional[dict], casts: Optional[dict] = None) -> None:
+    def bind_dtypes(self, dtypes: Optional[dict], casts: Optional[dict] = None, float8: Optional[dict] = None,
+                    precision: Optional[str] = None) -> None:
         """The dtypes of the graph about to be simulated (``cube.sim.precision.run_dtypes``; None:
         every float tensor at the precision's activation size; always so for a ``half_model``).
         ``casts``: a main-parameter plan's casts (``cube.passes.precision.LowPrecision.casts``), the
-        only ones its ops pay; None: autocast's, from each op's list."""
+        only ones its ops pay; None: autocast's, from each op's list. ``float8``: the ops the plan
+        runs in float8 (``LowPrecision.float8``); ``precision``: the graph's.
+
+        Raises:
+            ValueError: the graph runs ``precision="fp8"`` and these costs another precision, or
+                the reverse (the float8 products would be priced at the wrong rate, or not at all).
+        """
+        if precision is not None and (precision == "fp8") != (self.precision == "fp8"):
+            raise ValueError(f"DeviceCosts({self.hw.name!r}, {self.precision!r}) prices a plan traced with "
+                             f"precision={precision!r}: pass the same precision to both (DeviceCosts(hardware, "
+                             f"{precision!r}) and simulate_policy(..., precision={precision!r}))")
         self.dtypes = None if self.half_model else dtypes
         self.casts = None if self.half_model else casts
+        self.float8 = dict(float8 or {})
 
     def _dtype(self, t):
         """``t``'s dtype when the op runs (autocast's, once bound)."""
@@ -104,12 +128,71 @@ class DeviceCosts(Estimator):
         ins, outs = local_shapes(call)
         op = call.op
         # the same op at the same shapes costs the same: thousands of layers and micro-batches repeat
+        fp8 = self.is_float8(op)
         key = (op.name, tuple(map(tuple, ins)), tuple(map(tuple, outs)), tuple(map(self._dtype, op.inputs)),
-               tuple(map(self._dtype, op.outputs)), tuple(self._targets(op)), needs_grad(call), _causal(op))
+               tuple(map(self._dtype, op.outputs)), tuple(self._targets(op)), needs_grad(call), _causal(op), fp8)
         got = self._memo.get(key)
         if got is None:
-            got = self._memo[key] = super().op_cost(call)
+            got = self._memo[key] = self._float8_cost(call, ins, outs) if fp8 else super().op_cost(call)
         return got
+
+    def is_float8(self, op) -> bool:
+        """Whether the op piece runs as ``cube.runtime.float8.linear`` (the plan's float8 set)."""
+        return bool(self.float8) and id(op.root) in self.float8
+
+    def _float8_cost(self, call, ins, outs) -> OpCost:
+        """A float8 linear piece's ``OpCost``: ``float8_seconds``, each kernel launched on its own
+        (the profile's ``launch_us``); autograd keeps the float8 input and weight and their scales."""
+        got = self.float8_seconds(call, ins, outs)
+        grad = needs_grad(call)
+        fw = got.products[0] + got.passes[0] + got.casts
+        bw = got.products[1] + got.products[2] + got.passes[1] + got.casts if grad else 0.0
+        if self.host is None:   # one launch per kernel: the products, and every pass around them
+            fw += self.launch * got.launches[0]
+            if grad:
+                bw += self.launch * got.launches[1]
+        saved = tuple(("x", n) for n in got.work.saved) if grad else ()
+        return OpCost(fw, bw, saved, tuple(-1 for _ in call.op.outputs), measured=False)
+
+    def float8_seconds(self, call, ins=None, outs=None) -> "float8.Float8Seconds":
+        """The device seconds of a float8 linear piece (``cube.sim.float8``), at its local shapes:
+        its three products on the fp8 peak with the profile's GEMM curve, each at least its 1-byte
+        operands' and its output's bytes at the memory rate; the amax, scale and cast passes and
+        column-major copies around them, bound by memory."""
+        if ins is None:
+            ins, outs = local_shapes(call)
+        op = call.op
+        nx, nw, no = _numel(ins[0]), _numel(ins[1]), _numel(outs[0])
+        sx, sw, so = self._read_itemsize(op, 0), self._read_itemsize(op, 1), self._itemsize(op.outputs[0])
+        grad = needs_grad(call)
+        grad_x = grad and op.inputs[0].requires_grad and 0 not in call.layout.unread
+        bias = (_numel(ins[2]), self._read_itemsize(op, 2)) if len(op.inputs) > 2 else None   # linear(x, w, b)
+        work = float8.float8_linear((nx, sx), (nw, sw), (no, so), grad_x, bias)
+        flops = op_flops(op.name, ins, outs)
+        compute = flops / (self.fp8_peak * self.hw.curve(op_info(op.name).cost).at(flops)) if flops else 0.0
+        rate = self.hw.memory_rate
+
+        def product(a: int, b: int, nbytes: int) -> float:
+            return max(compute, float8.product_bytes(a, b, nbytes) / rate)
+
+        products = (product(nx, nw, no * so),                                  # out = x8 @ w8.T
+                    product(no, nx, nw * sw) if grad else 0.0,                 # grad_w = g8.T @ x8
+                    product(no, nw, nx * sx) if grad_x else 0.0)               # grad_x = g8 @ w8
+        passes = (work.forward.bytes / rate, work.backward.bytes / rate if grad else 0.0)
+        launches = (1 + work.forward.kernels, (1 + grad_x + work.backward.kernels) if grad else 0)
+        return float8.Float8Seconds(products, passes, launches, self._cast_seconds(op, ins), work)
+
+    def _read_itemsize(self, op, k: int) -> int:
+        """Bytes per element of input ``k`` as the op reads it (after a cast the plan prints)."""
+        t = op.inputs[k]
+        target = self._targets(op)[k]
+        return target.itemsize if target is not None else self._itemsize(t)
+
+    def _cast_seconds(self, op, ins) -> float:
+        """Seconds of the copies of the inputs ``op`` reads in another dtype than they have."""
+        nbytes = sum(_numel(s) * (self._itemsize(t) + target.itemsize)
+                     for s, t, target in zip(ins, op.inputs, self._targets(op)) if target is not None)
+        return nbytes / self.hw.memory_rate
 
     def _targets(self, op):
         """Per input of ``op``: the dtype it is cast to before the op reads it, or None."""
@@ -130,13 +213,9 @@ class DeviceCosts(Estimator):
 
     def device_seconds(self, op, ins, outs) -> Tuple[float, float]:
         """``(the op's kernel, autocast's casts of its inputs)``: device seconds of the forward."""
-        nbytes, cast = 0, 0
-        for s, t, target in zip(ins, op.inputs, self._targets(op)):
-            size = self._itemsize(t)
-            if target is not None:
-                cast += _numel(s) * (size + target.itemsize)   # a copy into the dtype the op runs in
-                size = target.itemsize
-            nbytes += _numel(s) * size
+        nbytes = 0
+        for s, t, target in zip(ins, op.inputs, self._targets(op)):   # each read in the dtype the op runs in
+            nbytes += _numel(s) * (target.itemsize if target is not None else self._itemsize(t))
         nbytes += sum(_numel(s) * self._itemsize(t) for s, t in zip(outs, op.outputs))
         op_class = op_info(op.name).cost
         flops = op_flops(op.name, ins, outs)
@@ -144,8 +223,7 @@ class DeviceCosts(Estimator):
         if op_class == "attention" and _causal(op):
             work = flops / 2   # fused attention kernels skip the blocks the causal mask hides
         compute = work / (self.peak * self.hw.curve(op_class).at(flops)) if flops else 0.0
-        rate = self.hw.memory_rate
-        return max(compute, nbytes / rate), cast / rate
+        return max(compute, nbytes / self.hw.memory_rate), self._cast_seconds(op, ins)
 
     def seconds(self, op, ins, outs, is_view: bool, grad: bool) -> Tuple[float, float]:
         if is_view:

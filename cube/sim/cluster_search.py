@@ -55,7 +55,7 @@ import torch
 
 from cube.compiler import batch_structure, trace_model
 from cube.ir.blocks import blocks
-from cube.sim.hardware import Hardware
+from cube.sim.hardware import Hardware, mfu_precision
 from cube.sim.search import Predicted
 from cube.sim.simulate import SimResult
 from cube.sim.step_end import ADAM_STATE_BYTES
@@ -314,7 +314,7 @@ class _Climb:
         self.cap, self.budget, self.progress = cap, budget, progress
         self.budget_s, self.started, self.slowest = budget_s, time.perf_counter(), 0.0
         self.costs, self.comm = DeviceCosts(hardware, precision, moe_imbalance=moe_imbalance), ClusterComm(hardware)
-        self.peak = hardware.peak_flops(precision or "fp32")
+        self.peak = hardware.peak_flops(mfu_precision(precision or "fp32"))   # MFU's (bf16's under fp8)
         # every plan the space holds runs on NCCL (pipelines with several stages per rank on ordered
         # channels, cube.runtime.p2p.ordered); this host's profile runs them on gloo
         self.backend = "nccl" if hardware.kind == "gpu" else "gloo"

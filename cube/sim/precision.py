@@ -4,7 +4,8 @@
 float32 main parameters, gradients and AdamW state (18 bytes per parameter). The forward runs in
 the weights' dtype with the float32 islands ``cube.passes.precision`` decides (losses read float32);
 the simulator takes that pass's dtypes and casts, on a GPU (``run_dtypes``), so it prices the
-program the ranks run.
+program the ranks run. ``"fp8"`` is ``"bf16"``'s with the linear layers the pass marks run in
+float8 (``run_precision``; priced by ``cube.sim.cluster.DeviceCosts``).
 
 ``"bf16-autocast"``/``"fp16-autocast"``: float32 parameters, gradients and AdamW state (16 bytes
 per parameter), each forward call under autocast, which decides every op's output dtype
@@ -34,10 +35,17 @@ def run_dtypes(graph: IRGraph, precision: Optional[str]) -> Tuple[Dict[int, torc
     """``(dtypes, casts)``: per value (by id) its dtype when a rank runs at ``precision``, and a
     main-parameter plan's casts (``cube.passes.precision.LowPrecision.casts``; None under autocast,
     whose casts follow each op's list, and without a precision)."""
+    dtypes, casts, _ = run_precision(graph, precision)
+    return dtypes, casts
+
+
+def run_precision(graph: IRGraph, precision: Optional[str]) -> Tuple[Dict[int, torch.dtype], Optional[dict], dict]:
+    """``run_dtypes``, and the ops a ``precision="fp8"`` plan runs in float8 (id of the traced op ->
+    its output's dtype: ``cube.passes.precision.LowPrecision.float8``; empty otherwise)."""
     if main_params(precision):   # (the pass reads the graph's precision, as the ranks do)
         plan = low_precision(graph, GPU)
-        return plan.dtypes, plan.casts
-    return autocast_dtypes(graph, precision), None
+        return plan.dtypes, plan.casts, plan.float8
+    return autocast_dtypes(graph, precision), None, {}
 
 
 def autocast_dtypes(graph: IRGraph, precision: Optional[str]) -> Dict[int, torch.dtype]:

@@ -15,7 +15,8 @@ instructions are those of ``cube.sim.instructions``. Under a schedule, an action
 micro-batch reaches after the same actions as an earlier one is replayed from it
 (``cube.sim.replay``). Under mixed precision activations take the dtypes autocast
 gives them and low-precision ops hold cast copies of their weights
-(``cube.sim.precision``).
+(``cube.sim.precision``); a float8 linear piece whose scales its op's pieces share
+(``Call.amax_ranks``) all-reduces its amaxes before its product, forward and backward.
 """
 from __future__ import annotations
 
@@ -182,6 +183,8 @@ class Builder(Writer, StepEnd):
             cast = sum(self._cast_seconds(vid, nbytes) for vid, nbytes in casts if not mem.alive(("cast", vid, tag)))
             if cast:
                 self.compute(cast, "autocast cast", cat, host=False)
+        if len(call.amax_ranks) > 1:   # a float8 piece's two amaxes, maxed over the pieces of its op
+            self.coll("all_reduce", call.amax_ranks, 8, cat)
         if call.inside is not None:
             self.inside_comm(call, micro, cat, "f", fw)
         else:
@@ -421,6 +424,8 @@ class Builder(Writer, StepEnd):
                 saved = ("saved", i, self.tag if run is not None else "")
                 if self._needs_grad(call):
                     bw, label = self.costs.op_cost(call).bw, self._fw_static(i, call)[0]
+                    if len(call.amax_ranks) > 1:   # the float8 output gradient's amax, as in forward
+                        self.coll("all_reduce", call.amax_ranks, 4, "backward")
                     grads = self.param_grad_seconds(call)
                     if call.defer_wgrad:   # B: the input's gradient; W gets the weight's (cube.runtime.zb)
                         x = call.op.inputs[DEFERRABLE[call.op.name][0]]

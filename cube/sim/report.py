@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from cube.sim.hardware import mfu_precision
 from cube.sim.simulate import SimResult
 
 GIB = 2**30
@@ -11,15 +12,16 @@ GIB = 2**30
 def prediction(result: SimResult, hardware, ngpus: int, precision: Optional[str], seconds: float,
                policy: Optional[str] = None, options: Optional[dict] = None) -> dict:
     """``step_time_s``, ``peak_memory_gib``, ``seconds`` (wall time of the prediction), the model FLOPs
-    of a step, TFLOP/s per device and MFU against the profile's peak (None on this host), and per
+    of a step, TFLOP/s per device and MFU against the profile's peak (``mfu_peak``: bf16's under fp8;
+    None on this host), and per
     simulated rank its compute, blocking communication and idle (bubble) seconds and its peak memory.
 
     With a symmetric simulation the ranks listed are those simulated (one per class), numbered in
     the real world; ``symmetry`` says how the world was folded."""
     step = result.step_time
     peak = None
-    if not hardware.is_host:
-        peak = hardware.peak_flops(precision or "fp32")
+    if not hardware.is_host:   # fp8: against the bf16 peak (mfu_precision)
+        peak = hardware.peak_flops(mfu_precision(precision or "fp32"))
     tflops = result.model_flops / step / ngpus / 1e12 if step > 0 else 0.0
     fold = result.fold
     ranks = {}
@@ -39,6 +41,7 @@ def prediction(result: SimResult, hardware, ngpus: int, precision: Optional[str]
         "model_flops": result.model_flops,
         "tflops_per_device": tflops,
         "mfu": (tflops * 1e12 / peak) if peak else None,
+        "mfu_peak": mfu_precision(precision or "fp32") if peak else None,
         "memory_fits": (result.peak_memory <= hardware.memory_bytes) if not hardware.is_host else None,
         "ranks": ranks,
     }

@@ -26,7 +26,7 @@ from cube.sim.comm import CommModel
 from cube.sim.costs import Estimator
 from cube.sim.host import Host
 from cube.sim.memory import KINDS, peak
-from cube.sim.precision import run_dtypes
+from cube.sim.precision import run_precision
 from cube.sim.instructions import message_pair
 from cube.sim.program import ACCUMULATE, Builder, Ins
 
@@ -164,10 +164,11 @@ def build_programs(graph: IRGraph, world: int, costs=None, comm: Optional[CommMo
         raise ValueError("simulate: zero=3 needs a graph planned for it (trace_and_plan(..., zero=3))")
     costs = _PerCall(costs if costs is not None else Estimator())
     comm = comm if comm is not None else CommModel()
-    dtypes, casts = run_dtypes(graph, getattr(graph, "precision", None))   # the same for every rank
+    precision = getattr(graph, "precision", None)
+    dtypes, casts, float8 = run_precision(graph, precision)   # the same for every rank
     bind = getattr(costs.inner, "bind_dtypes", None)
     if bind is not None:   # a cost model reading bytes from dtypes: this graph's, as its ranks run it
-        bind(dtypes if getattr(graph, "precision", None) else None, casts)
+        bind(dtypes if precision else None, casts, float8=float8, precision=precision)
     if ranks is None:
         if program is None or sorted(program.ranks) != list(range(world)):
             program = build_program(graph, world)

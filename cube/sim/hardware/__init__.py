@@ -5,8 +5,9 @@ achievable efficiency per op class (GEMM, attention, convolution: a saturating
 curve of the op's size; memory-bound ops: a share of the bandwidth), the host
 dispatch cost per kernel, and the network of a node and between nodes
 (alpha-beta per hop, NCCL's ring and tree). Each number's source is cited in
-the file's ``sources``. Shipped: ``dgx-a100-80g``, ``dgx-h100`` and
-``cpu-host`` (this machine as the simulator measures it: ops profiled,
+the file's ``sources`` (``fp8``: the float8 tensor cores' peak, where the silicon has
+them; MFU is counted against bf16's, ``mfu_precision``). Shipped: ``dgx-a100-80g``, ``dgx-h100``,
+``h100-hbm2e-500w`` and ``cpu-host`` (this machine as the simulator measures it: ops profiled,
 collectives calibrated on gloo). ``python -m cube.sim.calibrate --out
 my-cluster.json`` fits a profile of the machine it runs on.
 """
@@ -47,8 +48,19 @@ class Hardware:
         return self.raw["device"]
 
     def peak_flops(self, precision: str) -> float:
-        """FLOP/s of the dense matrix units at ``precision`` (``bf16``, ``fp16``, ``tf32``, ``fp32``)."""
+        """FLOP/s of the dense matrix units at ``precision`` (``fp8``, ``bf16``, ``fp16``, ``tf32``, ``fp32``).
+
+        Raises:
+            ValueError: the profile gives no peak for ``precision`` (``fp8``: its GPUs have no
+                float8 tensor cores, e.g. the A100's).
+        """
         peaks = self.device["peak_tflops"]
+        if precision == "fp8" and precision not in peaks:
+            having = [n for n in names() if n != self.name and "fp8" in load(n).device.get("peak_tflops", {})]
+            raise ValueError(f"precision='fp8': hardware profile {self.name!r} has no fp8 peak (its peak_tflops: "
+                             f"{', '.join(sorted(peaks))}): its GPUs have no float8 tensor cores. Pass "
+                             f"precision='bf16' (--precision bf16), or a profile with an 'fp8' entry in "
+                             f"peak_tflops ({', '.join(having)})")
         if precision not in peaks:
             raise ValueError(f"hardware profile {self.name!r} gives no peak for {precision!r}; it has "
                              f"{sorted(peaks)}")
@@ -79,6 +91,12 @@ class Hardware:
     @property
     def network(self) -> dict:
         return self.raw["network"]
+
+
+def mfu_precision(precision: str) -> str:
+    """The peak MFU is counted against at ``precision``: its own, bf16's under ``fp8`` (the plan mixes
+    bf16 and float8 products; torchtitan notes MFU is ill-defined there and keeps the bf16 peak)."""
+    return "bf16" if precision == "fp8" else precision
 
 
 def names() -> List[str]:
