@@ -87,9 +87,7 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
         t = t.logical
         if id(t) in out:
             return out[id(t)]
-        if t.kind is TensorKind.PARAM and t.requires_grad and t.dtype.is_floating_point:
-            return low
-        return t.dtype
+        return low if low_weight(t) else t.dtype
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         def run(op, casts):
@@ -161,6 +159,13 @@ def low_precision(graph: IRGraph, kind: str = "") -> LowPrecision:
             if t.part_of is not None and id(t.part_of) in out:
                 out[id(t)] = out[id(t.part_of)]
     return plan
+
+
+def low_weight(t: IRTensor) -> bool:
+    """Whether a main-parameter plan holds ``t`` in its low precision: a trainable floating parameter
+    (its float32 values are the optimizer's main parameter)."""
+    t = t.logical
+    return t.kind is TensorKind.PARAM and t.requires_grad and t.dtype.is_floating_point
 
 
 def partial_products(graph: IRGraph) -> set:

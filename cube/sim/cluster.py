@@ -41,6 +41,7 @@ from cube.ir.ops import flops as op_flops
 from cube.ir.tensor import TensorKind
 from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
+from cube.passes.precision import low_weight
 from cube.runtime.amp import DTYPES
 from cube.sim import float8
 from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
@@ -116,8 +117,13 @@ class DeviceCosts(Estimator):
         self.float8 = dict(float8 or {})
 
     def _dtype(self, t):
-        """``t``'s dtype when the op runs (autocast's, once bound)."""
-        return t.dtype if self.dtypes is None else self.dtypes.get(id(t), t.dtype)
+        """``t``'s dtype when the op runs (autocast's, once bound; a main-parameter plan's weights
+        in its low precision)."""
+        if self.dtypes is None:
+            return t.dtype
+        if self.casts is not None and self.low is not None and low_weight(t):
+            return self.low
+        return self.dtypes.get(id(t), t.dtype)
 
     def _itemsize(self, t) -> int:
         if not t.dtype.is_floating_point:

@@ -8,7 +8,7 @@ gradient in backward) that is, in order:
 
 - the amax: ``abs`` (reads ``s n``, writes ``s n``), ``max`` (reads ``s n``), its ``to(float32)``
   (a scalar; no kernel when ``s`` is 4);
-- one ``stack`` of the amaxes (per direction), then per operand the scale
+- one ``stack`` of the amaxes (per direction; a vector of float32), then per operand the scale
   ``fp8_max / clamp(amax.double())``: five scalar kernels;
 - the cast: ``to(float32)`` (reads ``s n``, writes ``4 n``; none when ``s`` is 4), ``* scale`` and
   ``clamp`` (each reads and writes ``4 n``), ``to(float8)`` (reads ``4 n``, writes ``n``).
@@ -57,7 +57,7 @@ def quantize(n: int, s: int) -> Passes:
 
 def scaled(operands) -> Passes:
     """Amaxes, one stack, scales and casts of ``operands`` (each ``(elements, bytes each)``)."""
-    out = Passes(0, 1)   # torch.stack of the amaxes (one all-reduce of them when ranks share scales)
+    out = Passes(4 * len(operands), 1)   # torch.stack of the float32 amaxes (all-reduced when ranks share scales)
     for n, s in operands:
         out = out + amax(n, s) + quantize(n, s) + Passes(0, SCALE_KERNELS)
     return out
