@@ -38,7 +38,9 @@ def test_bad_profiles_are_clear_errors(tmp_path):
         hardware.load(bad)
     with pytest.raises(ValueError, match="no hardware profile file"):
         hardware.load(tmp_path / "missing.json")
-    with pytest.raises(ValueError, match="gives no peak for 'fp8'"):
+    with pytest.raises(ValueError, match="gives no peak for 'fp64'"):
+        A100.peak_flops("fp64")
+    with pytest.raises(ValueError, match="'dgx-a100-80g' has no fp8 peak.*no float8 tensor cores"):
         A100.peak_flops("fp8")
 
 
