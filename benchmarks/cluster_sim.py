@@ -259,7 +259,8 @@ ANCHOR_TOLERANCE = 0.15   # each row's predicted tokens/s per GPU within 15% of 
 # layers (dynamic tensorwise scales), selective AC priced as no recompute as above: the row's fields,
 # then the published tokens/s per GPU of "FSDP + torch.compile" and of "FSDP + torch.compile + Float8".
 # cube runs eager: the published absolute figures include compile's fusions, so the ratio is compared.
-TITAN_H100_FLOAT8 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP2 + torch.compile, H100 at 500 W)"
+TITAN_H100_FLOAT8 = ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Table 1 (FSDP2 + torch.compile, "
+                     "H100 at 500 W)")
 FLOAT8_ANCHOR = ("Llama 3.1 8B, 8 H100", TITAN_H100_FLOAT8, "h100-hbm2e-500w", "llama3-8b", 8, 2, 8192, None,
                  6667, 8532)
 

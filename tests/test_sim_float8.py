@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import cube
-from cube.ir.operator import IRFwOperation
 from cube.passes.float8 import float8_ops
 from cube.runtime import float8 as runtime_float8
 from cube.sim import hardware
@@ -67,7 +66,8 @@ def test_tensor_parallel_pieces_all_reduce_their_amaxes_forward_and_backward():
     forward product and the output gradient's (4 bytes) before the backward, once per such piece."""
     config = GPTConfig(vocab_size=512, block_size=32, n_layer=1, n_head=4, n_embd=64)
     ids = torch.zeros(4, 32, dtype=torch.long)
-    planned = cube.plan(GPT(config), (ids, ids), "PASMegatron", 2, precision="fp8", options={"tp": 2, "pp": 1, "nmicros": 1})
+    planned = cube.plan(GPT(config), (ids, ids), "PASMegatron", 2, precision="fp8",
+                        options={"tp": 2, "pp": 1, "nmicros": 1})
     costs = DeviceCosts(H100, "fp8")
     programs = build_programs(planned.graph, 2, costs, ClusterComm(H100), 0, True, planned.program)
     for r, prog in programs.items():

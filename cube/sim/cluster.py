@@ -43,7 +43,7 @@ from cube.ir.ops import op_info
 from cube.sim.comm import shape_of
 from cube.passes.precision import low_weight
 from cube.runtime.amp import DTYPES
-from cube.sim import float8
+from cube.sim.float8 import Float8Seconds, float8_linear, product_bytes
 from cube.sim.costs import Estimator, OpCost, adamw_workspace, local_shapes, needs_grad
 from cube.sim.hardware import Hardware, mfu_precision
 
@@ -160,7 +160,7 @@ class DeviceCosts(Estimator):
         saved = tuple(("x", n) for n in got.work.saved) if grad else ()
         return OpCost(fw, bw, saved, tuple(-1 for _ in call.op.outputs), measured=False)
 
-    def float8_seconds(self, call, ins=None, outs=None) -> "float8.Float8Seconds":
+    def float8_seconds(self, call, ins=None, outs=None) -> Float8Seconds:
         """The device seconds of a float8 linear piece (``cube.sim.float8``), at its local shapes:
         its three products on the fp8 peak with the profile's GEMM curve, each at least its 1-byte
         operands' and its output's bytes at the memory rate; the amax, scale and cast passes and
@@ -173,20 +173,20 @@ class DeviceCosts(Estimator):
         grad = needs_grad(call)
         grad_x = grad and op.inputs[0].requires_grad and 0 not in call.layout.unread
         bias = (_numel(ins[2]), self._read_itemsize(op, 2)) if len(op.inputs) > 2 else None   # linear(x, w, b)
-        work = float8.float8_linear((nx, sx), (nw, sw), (no, so), grad_x, bias)
+        work = float8_linear((nx, sx), (nw, sw), (no, so), grad_x, bias)
         flops = op_flops(op.name, ins, outs)
         compute = flops / (self.fp8_peak * self.hw.curve(op_info(op.name).cost).at(flops)) if flops else 0.0
         rate = self.hw.memory_rate
 
         def product(a: int, b: int, nbytes: int) -> float:
-            return max(compute, float8.product_bytes(a, b, nbytes) / rate)
+            return max(compute, product_bytes(a, b, nbytes) / rate)
 
         products = (product(nx, nw, no * so),                                  # out = x8 @ w8.T
                     product(no, nx, nw * sw) if grad else 0.0,                 # grad_w = g8.T @ x8
                     product(no, nw, nx * sx) if grad_x else 0.0)               # grad_x = g8 @ w8
         passes = (work.forward.bytes / rate, work.backward.bytes / rate if grad else 0.0)
         launches = (1 + work.forward.kernels, (1 + grad_x + work.backward.kernels) if grad else 0)
-        return float8.Float8Seconds(products, passes, launches, self._cast_seconds(op, ins), work)
+        return Float8Seconds(products, passes, launches, self._cast_seconds(op, ins), work)
 
     def _read_itemsize(self, op, k: int) -> int:
         """Bytes per element of input ``k`` as the op reads it (after a cast the plan prints)."""

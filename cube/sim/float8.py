@@ -17,8 +17,9 @@ Each product takes the reciprocals of its two scales (two scalar kernels) and a 
 of an operand that is not (``scaled_mm``): none in forward, the weight's in the input's gradient,
 the gradient's and the input's in the weight's (each reads and writes its ``n`` bytes). A bias is
 one more kernel each way: its add (reads the output and the bias, writes the output) and its
-gradient's sum (reads the output's gradient, writes the bias's). Autograd keeps the 1-byte input and weight and their two float32 scales,
-not the bf16 input. ``tests/test_sim_float8.py`` counts all of this on a real call.
+gradient's sum (reads the output's gradient, writes the bias's). Autograd keeps the 1-byte input
+and weight and their two float32 scales, not the bf16 input. ``tests/test_sim_float8.py`` counts
+all of this on a real call.
 
 A kernel costs its bytes at the device's memory rate; each one's launch is the profile's
 ``launch_us`` (``cube.sim.cluster.DeviceCosts``). ``torch.compile`` would fuse the amax and cast
