@@ -241,3 +241,13 @@ def hang_timeout() -> float:
     if value < 0:
         raise ValueError(f"CUBE_HANG_TIMEOUT must be 0 (off) or positive, got {env!r}")
     return value
+
+
+def fp8_fused() -> str:
+    """``CUBE_FP8_FUSED``: how ``precision="fp8"`` runs its amax and scale-and-cast kernels
+    (``cube.runtime.float8``): ``auto`` (default) fuses each into one ``torch.compile`` kernel on a
+    CUDA device and runs them eagerly elsewhere; ``1`` fuses them on every device; ``0`` never."""
+    env = os.environ.get("CUBE_FP8_FUSED", "auto").strip().lower() or "auto"
+    if env not in ("auto", "0", "1"):
+        raise ValueError(f"CUBE_FP8_FUSED must be 'auto', '1' or '0', got {env!r}")
+    return env

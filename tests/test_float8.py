@@ -235,3 +235,71 @@ def test_fp8_refuses_pieces_cuda_cannot_multiply(monkeypatch):
     sample = (torch.randn(16, 32), torch.randint(0, 24, (16,)))
     assert "runtime.float8.linear(" in cube.plan(_Odd(), sample, "cube.policies.single:PASSingle", 1,
                                                  precision="fp8").sources()[0]
+
+
+def _linear_step(x, w, b, up):
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    out = cube.runtime.float8.linear(x, w, b)
+    out.backward(up)
+    return out, x.grad, w.grad
+
+
+def _operands():
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 8, 32, generator=g) * 40).to(torch.bfloat16)   # 32 rows: CUDA multiplies multiples of 16
+    x.view(-1)[5] = 3e4   # saturates e4m3 once scaled
+    return (x, torch.randn(48, 32, generator=g).to(torch.bfloat16), torch.randn(48, generator=g).to(torch.bfloat16),
+            torch.randn(4, 8, 48, generator=g).to(torch.bfloat16))
+
+
+@pytest.fixture
+def fresh_kernels(monkeypatch):
+    """cube.runtime.float8 with no fused kernel built yet and no failure recorded."""
+    f8 = cube.runtime.float8
+    monkeypatch.setattr(f8, "_FUSED", {})
+    monkeypatch.setattr(f8, "_fused_failed", False)
+    return f8
+
+
+@pytest.mark.slow   # torch.compile builds three CPU kernels (about 20 s)
+def test_fused_float8_casts_equal_the_eager_ones(monkeypatch, fresh_kernels):
+    """``CUBE_FP8_FUSED=1`` (the default on CUDA) compiles the amax and the scale-and-cast; bit for bit
+    the eager kernels' values, forward and both gradients, saturation included."""
+    ops = _operands()
+    monkeypatch.setenv("CUBE_FP8_FUSED", "0")
+    eager = _linear_step(*ops)
+    monkeypatch.setenv("CUBE_FP8_FUSED", "1")
+    fused = _linear_step(*ops)
+    assert set(fresh_kernels._FUSED) == {"amax", torch.float8_e4m3fn, torch.float8_e5m2}
+    assert not fresh_kernels._fused_failed
+    assert all(torch.equal(a, b) for a, b in zip(eager, fused))
+
+
+def test_float8_casts_run_eagerly_where_compile_fails(monkeypatch, fresh_kernels, caplog):
+    """A device where ``torch.compile`` cannot build the fused kernels (no Triton) runs the eager ones:
+    the same values, one warning naming the switch."""
+    def broken(fn, **kw):
+        def call(*a):
+            raise RuntimeError("no triton here")
+        return call
+    ops = _operands()
+    monkeypatch.setenv("CUBE_FP8_FUSED", "0")
+    eager = _linear_step(*ops)
+    monkeypatch.setenv("CUBE_FP8_FUSED", "1")
+    monkeypatch.setattr(torch, "compile", broken)
+    with caplog.at_level("WARNING", logger="cube"):
+        fallback = _linear_step(*ops)
+        _linear_step(*ops)
+    assert all(torch.equal(a, b) for a, b in zip(eager, fallback))
+    warned = [r for r in caplog.records if "could not fuse the float8 casts" in r.getMessage()]
+    assert len(warned) == 1 and "CUBE_FP8_FUSED=0" in warned[0].getMessage()
+
+
+def test_fp8_fused_setting(monkeypatch, fresh_kernels):
+    """``auto`` fuses on CUDA only (a CPU emulates float8: eager kernels); anything else is refused."""
+    x = torch.ones(4, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUBE_FP8_FUSED", "auto")
+    assert fresh_kernels._kernel("amax", x) is fresh_kernels._EAGER["amax"]
+    monkeypatch.setenv("CUBE_FP8_FUSED", "yes")
+    with pytest.raises(ValueError, match="CUBE_FP8_FUSED must be 'auto', '1' or '0'"):
+        fresh_kernels._kernel("amax", x)

@@ -19,7 +19,8 @@ GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 RTOL = 1e-5
 # against the float32 model: autocast keeps float32 weights (1e-3); the bf16 recipe holds bf16 weights, whose
 # rounding alone is 2^-9 relative (measured 1.8e-3 on an H200): docs/precision.md's tolerance
-LOW = {"bf16": 2e-2, "bf16-autocast": 1e-3}
+LOW = {"bf16": 2e-2, "bf16-autocast": 1e-3, "fp8": 2e-2}   # fp8: tests/test_float8.py's FLOAT32_TOL
+FLOAT8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 NCCL_CASES = [
     # (policy, zero, precision, micro-batches); world size 1 under torchrun: NCCL (ZeRO needs two
@@ -27,12 +28,15 @@ NCCL_CASES = [
     ("cube.policies.data:PASData", 0, "", 1),
     ("cube.policies.data:PASData", 0, "bf16", 1),
     ("cube.policies.data:PASData", 0, "bf16-autocast", 1),
+    ("cube.policies.data:PASData", 0, "fp8", 1),
 ]
 
 
 @pytest.mark.parametrize("policy,zero,precision,nmicros", NCCL_CASES,
                          ids=[f"{p.split(':')[1]}-zero{z}-{pr or 'fp32'}" for p, z, pr, _ in NCCL_CASES])
 def test_nccl_world_size_one_equals_plain_model_on_the_gpu(policy, zero, precision, nmicros, tmp_path):
+    if precision == "fp8" and not FLOAT8:
+        pytest.skip(f"fp8 needs compute capability 8.9 or newer; {torch.cuda.get_device_name()} has not")
     results = parity_across_ranks("gpt_nobias", policy, 1, tmp_path, steps=3, nmicros=nmicros, zero=zero,
                                   precision=precision, optimizer="sgd" if precision else "adamw", env=GPU)
     tol = LOW[precision] if precision else RTOL
@@ -131,3 +135,20 @@ def test_nccl_needs_a_gpu_per_rank(tmp_path):
     with pytest.raises(AssertionError, match="NCCL cannot put two ranks on one GPU"):
         parity_across_ranks("gpt_nobias", "cube.policies.data:PASData", 2, tmp_path, steps=1,
                             env={**GPU, "CUBE_BACKEND": "nccl"})
+
+
+@pytest.mark.skipif(not FLOAT8, reason="float8 products need compute capability 8.9 or newer (Ada, Hopper)")
+def test_fused_float8_casts_equal_the_eager_ones_on_the_gpu(monkeypatch):
+    """On CUDA ``precision="fp8"`` fuses each amax and scale-and-cast by ``torch.compile`` (Triton):
+    bit for bit the eager kernels' values, forward and both gradients (``cube.runtime.float8``)."""
+    import cube.runtime.float8 as f8
+    from tests.test_float8 import _linear_step, _operands
+    monkeypatch.setattr(f8, "_FUSED", {})
+    monkeypatch.setattr(f8, "_fused_failed", False)
+    ops = [t.cuda() for t in _operands()]
+    monkeypatch.setenv("CUBE_FP8_FUSED", "0")
+    eager = _linear_step(*ops)
+    monkeypatch.setenv("CUBE_FP8_FUSED", "auto")
+    fused = _linear_step(*ops)
+    assert not f8._fused_failed and set(f8._FUSED) == {"amax", torch.float8_e4m3fn, torch.float8_e5m2}
+    assert all(torch.equal(a, b) for a, b in zip(eager, fused))

@@ -166,10 +166,12 @@ class _NormLinear(nn.Module):
         return self.proj(self.norm(x)).sum()
 
 
-def test_the_passes_and_saved_tensors_priced_are_those_of_a_real_float8_linear():
-    """The float8 linear of a norm + linear (with a bias) plan, priced on dgx-h100, against a real
-    ``cube.runtime.float8.linear`` call at the same shapes on the CPU: the kernels around its
-    products and the bytes they move, forward and backward, and the tensors autograd saves."""
+def test_the_passes_and_saved_tensors_priced_are_those_of_a_real_float8_linear(monkeypatch):
+    """The float8 linear of a norm + linear (with a bias) plan, priced on dgx-h100 with the eager
+    casts (``CUBE_FP8_FUSED=0``), against a real ``cube.runtime.float8.linear`` call at the same
+    shapes on the CPU: the kernels around its products and the bytes they move, forward and
+    backward, and the tensors autograd saves."""
+    monkeypatch.setenv("CUBE_FP8_FUSED", "0")
     b, s, d, out = 4, 32, 64, 48
     planned = cube.plan(_NormLinear(d, out), (torch.randn(b, s, d),), "PASSingle", 1, precision="fp8")
     costs = _costs(planned, "fp8")
@@ -231,3 +233,25 @@ def test_the_command_line_predicts_fp8_with_mfu_against_the_bf16_peak(tmp_path, 
         with pytest.raises(SystemExit):
             main(base + ["--hardware", hw])
         assert why in capsys.readouterr().err
+
+
+def test_fused_casts_are_priced_as_one_read_and_one_float8_write_per_operand(monkeypatch):
+    """On CUDA the runtime fuses each amax and cast (``CUBE_FP8_FUSED``, default ``auto``): per
+    operand of n bf16 elements the amax reads 2n bytes and the cast reads 2n and writes n, one
+    kernel each, where the eager ones move 33n in seven (abs, max, the amax's float32 cast, the operand's
+    float32 copy, the product by the scale, the clamp, the float8 cast)."""
+    b, s, d, out = 4, 32, 64, 48
+    planned = cube.plan(_NormLinear(d, out), (torch.randn(b, s, d),), "PASSingle", 1, precision="fp8")
+    call, = _calls(planned)
+    priced = {}
+    for mode in ("0", "auto"):
+        monkeypatch.setenv("CUBE_FP8_FUSED", mode)
+        priced[mode] = _costs(planned, "fp8").float8_seconds(call).work
+    eager, fused = priced["0"], priced["auto"]
+    nx, nw, no = b * s * d, out * d, b * s * out
+    forward_saving = sum(33 * n - 5 * n for n in (nx, nw))
+    assert eager.forward.bytes - fused.forward.bytes == forward_saving
+    assert eager.backward.bytes - fused.backward.bytes == 33 * no - 5 * no
+    assert eager.forward.kernels - fused.forward.kernels == 2 * (7 - 2)
+    assert eager.backward.kernels - fused.backward.kernels == 7 - 2
+    assert eager.saved == fused.saved

@@ -20,14 +20,26 @@ by tensor parallelism, an input split along features or sequence, the gradient o
 maximum over them (one all-reduce of two numbers in forward, one in backward), so every rank
 quantizes with the scale one process would use. The pieces of a data-parallel batch split (dim 0
 of the input) keep their own scales, as torchao under FSDP: each batch piece is scaled alone.
+
+Eagerly, an operand's amax and its scale-and-cast are seven kernels that move 33 bytes per element
+of a bf16 operand (``abs``, ``max``, the amax's float32 cast, a float32 copy, the product by the
+scale, the clamp, the 1-byte cast), more than a float8 product saves at most sizes
+(``cube.sim.float8`` prices both). On a CUDA device each is therefore one ``torch.compile`` kernel (``CUBE_FP8_FUSED``, ``cube.config.fp8_fused``): the
+amax reads the operand once, the cast reads it once and writes one byte, as torchao's float8 runs
+under ``torch.compile``. The fused kernels compute the same float32 values and round them the same
+way, so the result does not change; where ``torch.compile`` cannot build them (no Triton), the
+eager kernels run and a warning says so once.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import logging
+import threading
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from cube import config
 from cube.runtime.collectives import group
 from cube.runtime.compiled import outside_graph
 
@@ -38,9 +50,59 @@ EPS = 1e-12                  # the smallest amax a scale divides by (torchao's)
 ALIGN = 16
 
 
+log = logging.getLogger("cube")
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return x.abs().max().to(torch.float32)
+
+
+def _quantizer(dtype: torch.dtype) -> Callable:
+    top = torch.finfo(dtype).max
+
+    def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
+    return quantize
+
+
+_EAGER: Dict[object, Callable] = {"amax": _amax, E4M3: _quantizer(E4M3), E5M2: _quantizer(E5M2)}
+_FUSED: Dict[object, Callable] = {}
+_fused_failed = False
+_lock = threading.Lock()
+
+
+def _kernel(key, x: torch.Tensor) -> Callable:
+    """The amax (``key="amax"``) or scale-and-cast (``key``: the float8 dtype) function for ``x``:
+    fused by ``torch.compile`` where ``cube.config.fp8_fused`` asks for it (module docstring)."""
+    mode = config.fp8_fused()
+    if _fused_failed or mode == "0" or (mode == "auto" and not x.is_cuda):
+        return _EAGER[key]
+    with _lock:
+        if key not in _FUSED:
+            _FUSED[key] = torch.compile(_EAGER[key], dynamic=True, fullgraph=True)
+        return _FUSED[key]
+
+
+def _run(key, x: torch.Tensor, *args) -> torch.Tensor:
+    global _fused_failed
+    fn = _kernel(key, x)
+    if fn is _EAGER[key]:
+        return fn(x, *args)
+    try:
+        return fn(x, *args)
+    except Exception as e:   # noqa: BLE001 - any failure to build the kernel: the eager one computes the same
+        with _lock:
+            if not _fused_failed:
+                log.warning("cube.runtime.float8: torch.compile could not fuse the float8 casts (%s: %s); "
+                            "running them eagerly, slower (CUBE_FP8_FUSED=0 skips the attempt)",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            _fused_failed = True
+        return _EAGER[key](x, *args)
+
+
 def amax(x: torch.Tensor) -> torch.Tensor:
     """The largest absolute value of ``x`` (a 0-dim float32 tensor)."""
-    return x.detach().abs().max().to(torch.float32)
+    return _run("amax", x.detach())
 
 
 def global_amax(values: Sequence[torch.Tensor], ranks: Sequence[int]) -> torch.Tensor:
@@ -58,8 +120,7 @@ def scale_of(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x * scale`` in float32, saturated to ``dtype``'s range and cast to it."""
-    top = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(-top, top).to(dtype)
+    return _run(dtype, x, scale)
 
 
 def scaled_mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,

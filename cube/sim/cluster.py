@@ -18,8 +18,9 @@ device hides the host and a slow host leaves the device waiting.
 Under ``precision="fp8"`` every op is priced as under ``"bf16"`` except the linear layers the
 plan runs in float8 (``cube.passes.precision.LowPrecision.float8``): their forward product and
 the two backward products on the profile's ``fp8`` peak (its GEMM curve), and the amax, scale and
-cast passes ``cube.runtime.float8`` runs around them as eager kernels, each bound by memory and
-launched on its own (``cube.sim.float8``); autograd keeps their 1-byte operands. A profile
+cast passes ``cube.runtime.float8`` runs around them (fused by ``torch.compile`` on CUDA unless
+``CUBE_FP8_FUSED=0``), each bound by memory and launched on its own (``cube.sim.float8``);
+autograd keeps their 1-byte operands. A profile
 without an ``fp8`` peak refuses it.
 
 ``ClusterComm``: collectives over the ranks they actually join. Ranks are
@@ -37,6 +38,7 @@ from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
+from cube import config
 from cube.ir.ops import flops as op_flops
 from cube.ir.tensor import TensorKind
 from cube.ir.ops import op_info
@@ -173,7 +175,7 @@ class DeviceCosts(Estimator):
         grad = needs_grad(call)
         grad_x = grad and op.inputs[0].requires_grad and 0 not in call.layout.unread
         bias = (_numel(ins[2]), self._read_itemsize(op, 2)) if len(op.inputs) > 2 else None   # linear(x, w, b)
-        work = float8_linear((nx, sx), (nw, sw), (no, so), grad_x, bias)
+        work = float8_linear((nx, sx), (nw, sw), (no, so), grad_x, bias, fused=config.fp8_fused() != "0")
         flops = op_flops(op.name, ins, outs)
         compute = flops / (self.fp8_peak * self.hw.curve(op_info(op.name).cost).at(flops)) if flops else 0.0
         rate = self.hw.memory_rate

@@ -21,9 +21,13 @@ gradient's sum (reads the output's gradient, writes the bias's). Autograd keeps 
 and weight and their two float32 scales, not the bf16 input. ``tests/test_sim_float8.py`` counts
 all of this on a real call.
 
+On a CUDA device the runtime fuses each amax and each cast into one ``torch.compile`` kernel
+(``CUBE_FP8_FUSED``, default ``auto``; ``cube.runtime.float8``): the amax reads ``s n`` bytes and
+the cast reads ``s n`` and writes ``n``, one launch each. The simulator prices a GPU, so it prices
+the fused kernels unless ``CUBE_FP8_FUSED=0`` asks for the eager ones above.
+
 A kernel costs its bytes at the device's memory rate; each one's launch is the profile's
-``launch_us`` (``cube.sim.cluster.DeviceCosts``). ``torch.compile`` would fuse the amax and cast
-passes into a few kernels: cube's generated code runs eager, and so is priced.
+``launch_us`` (``cube.sim.cluster.DeviceCosts``).
 """
 from __future__ import annotations
 
@@ -45,22 +49,25 @@ class Passes:
         return Passes(self.bytes + other.bytes, self.kernels + other.kernels)
 
 
-def amax(n: int, s: int) -> Passes:
-    """``x.detach().abs().max().to(float32)`` of ``n`` elements of ``s`` bytes."""
-    return Passes(3 * s * n, 2 + (s != 4))
+def amax(n: int, s: int, fused: bool = False) -> Passes:
+    """``x.detach().abs().max().to(float32)`` of ``n`` elements of ``s`` bytes (``fused``: one kernel)."""
+    return Passes(s * n, 1) if fused else Passes(3 * s * n, 2 + (s != 4))
 
 
-def quantize(n: int, s: int) -> Passes:
-    """``(x.to(float32) * scale).clamp(-top, top).to(float8)`` of ``n`` elements of ``s`` bytes."""
+def quantize(n: int, s: int, fused: bool = False) -> Passes:
+    """``(x.to(float32) * scale).clamp(-top, top).to(float8)`` of ``n`` elements of ``s`` bytes
+    (``fused``: one kernel reading the operand and writing its float8 copy)."""
+    if fused:
+        return Passes((s + 1) * n, 1)
     widen = Passes((s + 4) * n, 1) if s != 4 else Passes()
     return widen + Passes(8 * n + 8 * n + 5 * n, 3)
 
 
-def scaled(operands) -> Passes:
+def scaled(operands, fused: bool = False) -> Passes:
     """Amaxes, one stack, scales and casts of ``operands`` (each ``(elements, bytes each)``)."""
     out = Passes(4 * len(operands), 1)   # torch.stack of the float32 amaxes (all-reduced when ranks share scales)
     for n, s in operands:
-        out = out + amax(n, s) + quantize(n, s) + Passes(0, SCALE_KERNELS)
+        out = out + amax(n, s, fused) + quantize(n, s, fused) + Passes(0, SCALE_KERNELS)
     return out
 
 
@@ -91,14 +98,14 @@ class Float8Linear:
 
 
 def float8_linear(x: Tuple[int, int], w: Tuple[int, int], out: Tuple[int, int], grad_x: bool,
-                  bias: Optional[Tuple[int, int]] = None) -> Float8Linear:
+                  bias: Optional[Tuple[int, int]] = None, fused: bool = False) -> Float8Linear:
     """The passes of a float8 linear whose input, weight, output and bias have ``(elements, bytes
     each)`` ``x``, ``w``, ``out``, ``bias`` (None: no bias; the output's gradient has the output's
     dtype); ``grad_x``: the input needs a gradient (the weight always does: ``cube.passes.float8``
-    converts trainable ones)."""
+    converts trainable ones); ``fused``: each amax and cast one kernel (the runtime's on CUDA)."""
     (nx, _), (nw, _), (no, so) = x, w, out
-    forward = scaled([x, w]) + PRODUCT
-    backward = scaled([out]) + PRODUCT + copy(no) + copy(nx)   # grad_w = g8.t() @ x8: both copied
+    forward = scaled([x, w], fused) + PRODUCT
+    backward = scaled([out], fused) + PRODUCT + copy(no) + copy(nx)   # grad_w = g8.t() @ x8: both copied
     if grad_x:
         backward = backward + PRODUCT + copy(nw)                # grad_x = g8 @ w8: the weight copied
     if bias is not None:
