@@ -19,6 +19,7 @@ from cube import config
 from cube.trace import flex
 from cube.trace.casts import MARK, retarget
 from cube.trace.fused import split_fused
+from cube.trace.merged import unmerge
 from cube.trace.rows import unflatten_rows
 from cube.trace.rules import REGISTRY, Registry
 
@@ -569,6 +570,7 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
     graph = unflatten_rows(graph, registry)
     if config.fused_cut():
         graph = split_fused(graph, registry, b.consts)
+    graph = unmerge(graph, registry)
     ops = _live([op for op in graph.ops if op is not data_op], outs)   # again: what the passes left unread
     read = {id(t) for op in ops for t in op.inputs}
     attrs = [t for t in graph.attrs if t.kind is not TensorKind.CONST or id(t) in read]

@@ -32,6 +32,18 @@ The pass is exact or does nothing. A projection is cut only when:
   with step 1, ``unbind``, ``select``;
 - the blocks are disjoint, cover the dim, number at least two, and each is read.
 
+Between the reshape and the cuts, a chain of ops that only move the block dim or add and drop
+dims of size 1 (``unsqueeze``, ``squeeze``, ``transpose``, ``permute``, ``contiguous``) is
+followed too, when every block is one unit wide: ``nn.MultiheadAttention``'s packed in-projection
+(``linear(x, in_proj_weight)`` to ``3E`` features, ``unflatten(-1, (3, E))``, the 3 moved to the
+front, then ``select`` of q, k and v) is cut into three projections like Llama's. Each block's
+elements are then in the order of its matmul's output, so a ``view`` makes the cut's tensor.
+
+A parameter the model itself cuts into blocks before its matmuls (``nn.MultiheadAttention``'s
+cross-attention: ``w_q, w_kv = in_proj_weight.split([E, 2 * E])``, the bias likewise) is read
+as one sub-parameter per block first (``split_params``), so each block is an ordinary projection
+(and ``w_kv``'s packed output is cut again as above).
+
 A per-head interleaved layout (GPT-NeoX's ``query_key_value``, viewed as ``(B, T, H, 3D)``
 and sliced inside each head) is not cut: its blocks are not contiguous ranges of the features,
 and a split by heads already works on it.
@@ -57,7 +69,8 @@ _MATMULS = {
     "mm": (1, 1, None),       # x @ W (in, out)
     "matmul": (1, 1, None),
 }
-_RESHAPES = {"view", "_unsafe_view", "reshape"}
+_RESHAPES = {"view", "_unsafe_view", "reshape", "unflatten"}
+_MOVES = {"unsqueeze", "squeeze", "transpose", "permute", "contiguous"}   # ops of the chain (module docstring)
 
 
 @dataclass
@@ -85,6 +98,7 @@ class _Fused:
     blocks: List[_Block]
     unit: int
     transpose: Optional[IRFwOperation] = None   # ``x @ W.t()`` (Falcon's linear): the transpose of the weight
+    chain: Tuple[IRFwOperation, ...] = ()       # the ops moving the block dim between the reshape and the cuts
 
 
 def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, torch.Tensor]] = None) -> IRGraph:
@@ -96,6 +110,7 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
     Returns:
         ``graph`` itself when nothing is cut, else a new graph of the same model.
     """
+    graph = split_params(graph, registry)
     readers: Dict[int, List[IRFwOperation]] = {}
     makers: Dict[int, IRFwOperation] = {}
     for op in graph.ops:
@@ -114,7 +129,8 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
     for f in found:
         ops, weights, biases = _cut(f, registry)
         replace[id(f.op)] = ops
-        for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) + f.cuts:
+        for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) + \
+                list(f.chain) + f.cuts:
             replace[id(op)] = []
         subs[id(f.weight)] = weights
         if f.bias is not None:
@@ -122,6 +138,69 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
     ops = [new for op in graph.ops for new in replace.get(id(op), [op])]
     attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
     return IRGraph(ops, attrs, graph.loss, graph.name)
+
+
+_SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split"}
+
+
+def split_params(graph: IRGraph, registry: Registry) -> IRGraph:
+    """``graph`` with each parameter that only a ``split`` reads, cut into blocks along one dim, read
+    as one sub-parameter per block (module docstring); the graph itself when there is none."""
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    subs: Dict[int, IRTensor] = {}          # a split's output -> its sub-parameter
+    params: Dict[int, List[IRTensor]] = {}  # a parameter -> its sub-parameters
+    gone = set()
+    for op in graph.ops:
+        if not isinstance(op, IRFwOperation) or op.name not in _SPLITS or len(op.inputs) != 1 or not op.args:
+            continue
+        p = op.inputs[0]
+        if op.args[0] is not p or p.kind is not TensorKind.PARAM or readers.get(id(p)) != [op] or not p.ndim or \
+                any(o is graph.loss or o.ndim != p.ndim for o in op.outputs) or len(op.outputs) < 2:
+            continue
+        d = _arg(op, 2, "dim", 0) % p.ndim
+        starts = [0]
+        for o in op.outputs:
+            starts.append(starts[-1] + o.shape[d])
+        if starts[-1] != p.shape[d]:
+            continue
+        labels = _assigned(op.source[2] if op.source else "")
+        if len(labels) != len(op.outputs) or len(set(labels)) != len(labels):
+            labels = [f"{a}_{b}" for a, b in zip(starts, starts[1:])]
+        params[id(p)] = []
+        for o, a, b, label in zip(op.outputs, starts, starts[1:], labels):
+            sub = _sub(p, d, a, b, label)
+            subs[id(o)] = sub
+            params[id(p)].append(sub)
+        gone.add(id(op))
+    if not subs:
+        return graph
+    ops = []
+    for op in graph.ops:
+        if id(op) in gone:
+            continue
+        if any(id(t) in subs for t in op.inputs):
+            op = _reread(op, subs, registry)
+        ops.append(op)
+    attrs = [new for t in graph.attrs for new in params.get(id(t), [t])]
+    return IRGraph(ops, attrs, graph.loss, graph.name)
+
+
+def _reread(op: IRFwOperation, subs: Dict[int, IRTensor], registry: Registry) -> IRFwOperation:
+    """``op`` reading ``subs[id(t)]`` wherever it read ``t``."""
+    def swap(a):
+        if isinstance(a, IRTensor):
+            return subs.get(id(a), a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(swap(x) for x in a)
+        return a
+    new = IRFwOperation(name=op.name, inputs=[swap(t) for t in op.inputs], outputs=list(op.outputs),
+                        target=op.target, args=swap(tuple(op.args)), kwargs={k: swap(v) for k, v in op.kwargs.items()},
+                        module_path=op.module_path, source=op.source, grad_enabled=op.grad_enabled)
+    registry.annotate(new)
+    return new
 
 
 def _own_param(t, op: IRFwOperation, readers) -> bool:
@@ -159,19 +238,27 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
     if len(after) == 1 and after[0].name in _RESHAPES and after[0].inputs == [y] and len(after[0].outputs) == 1:
         view, z = after[0], after[0].outputs[0]
         dims = {c for c in range(z.ndim) if math.prod(z.shape[c:]) == features}
-    cuts = readers.get(id(z), [])
-    if not cuts or z is loss:
+    chain, moved = _chain(z, readers, loss)
+    cut_of = moved[-1][0] if chain else z
+    cuts = readers.get(id(cut_of), [])
+    if not cuts or cut_of is loss:
         return None
     blocks: List[_Block] = []
     for cut in cuts:
-        got = _blocks(cut, z, consts, makers)
+        got = _blocks(cut, cut_of, consts, makers)
         if got is None:
             return None
         blocks += got
     dim = {d for d, _ in blocks}
-    if len(dim) != 1 or not dim <= dims:
+    if len(dim) != 1:
         return None
     c = dim.pop()
+    if chain:   # the cut dim of the chain's last tensor back to ``z``'s, the others in their order
+        c = _through(moved[-1][1], c, z.ndim)
+        if c is None or any(blk.stop - blk.start != 1 for _, blk in blocks):
+            return None
+    if c not in dims:
+        return None
     blocks = sorted((blk for _, blk in blocks), key=lambda blk: blk.start)
     edge = 0
     for blk in blocks:
@@ -180,7 +267,64 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
         edge = blk.stop
     if edge != z.shape[c] or len(blocks) < 2:
         return None
-    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]), transpose)
+    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]), transpose, tuple(chain))
+
+
+def _chain(z: IRTensor, readers, loss) -> Tuple[List[IRFwOperation], List[Tuple[IRTensor, List[Optional[int]]]]]:
+    """The ops after ``z``, each its tensor's only reader, that only move dims or add and drop dims
+    of size 1; with, per op, its output and the dim of ``z`` each of the output's dims is (None: a
+    new dim of size 1). Empty when the next op is none of them."""
+    ops: List[IRFwOperation] = []
+    moved: List[Tuple[IRTensor, List[Optional[int]]]] = []
+    t, labels = z, list(range(z.ndim))
+    while True:
+        after = readers.get(id(t), [])
+        if len(after) != 1 or t is loss:
+            break
+        op = after[0]
+        if op.name not in _MOVES or op.inputs != [t] or len(op.outputs) != 1 or op.kwargs or \
+                not op.args or op.args[0] is not t:
+            break
+        labels = _moved(op, t, labels)
+        if labels is None or len(labels) != op.outputs[0].ndim:
+            break
+        ops.append(op)
+        t = op.outputs[0]
+        moved.append((t, labels))
+    return ops, moved
+
+
+def _moved(op: IRFwOperation, t: IRTensor, labels: List[Optional[int]]) -> Optional[List[Optional[int]]]:
+    """``labels`` (per dim of ``t``, the dim of ``z`` it is) after ``op``, or None: not a move."""
+    n, args = t.ndim, op.args[1:]
+    if op.name == "contiguous":
+        return None if args else list(labels)
+    if op.name == "unsqueeze" and len(args) == 1 and isinstance(args[0], int):
+        d = args[0] % (n + 1)
+        return labels[:d] + [None] + labels[d:]
+    if op.name == "squeeze":
+        dims = [a % n for a in (args[0] if args and isinstance(args[0], (list, tuple)) else args)] \
+            if args else [d for d in range(n) if t.shape[d] == 1]
+        if any(not isinstance(d, int) or t.shape[d] != 1 for d in dims):
+            return None
+        return [lab for d, lab in enumerate(labels) if d not in dims or t.shape[d] != 1]
+    if op.name == "transpose" and len(args) == 2 and all(isinstance(a, int) for a in args):
+        a, b = args[0] % n, args[1] % n
+        out = list(labels)
+        out[a], out[b] = out[b], out[a]
+        return out
+    if op.name == "permute" and len(args) == 1 and len(args[0]) == n:
+        return [labels[d % n] for d in args[0]]
+    return None
+
+
+def _through(labels: List[Optional[int]], c: int, n: int) -> Optional[int]:
+    """The dim of ``z`` (of ``n`` dims) that the chain's dim ``c`` is, when the chain kept every other
+    dim of ``z`` of more than one element in its order (size-1 dims may come and go); else None."""
+    if c >= len(labels) or labels[c] is None:
+        return None
+    rest = [lab for d, lab in enumerate(labels) if d != c and lab is not None]
+    return labels[c] if rest == sorted(rest) else None
 
 
 def _transposed_param(w, op: IRFwOperation, readers, makers) -> Optional[IRFwOperation]:
@@ -339,7 +483,8 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         registry.annotate(mm)
         matmuls.append(mm)
         if not direct:
-            target = f.view.target if f.view is not None else torch.ops.aten.view.default
+            target = f.view.target if f.view is not None and f.view.name != "unflatten" else \
+                torch.ops.aten.view.default
             cut = blk.cut
             rs = IRFwOperation(name=target._schema.name.split("::")[-1], inputs=[out], outputs=[blk.out],
                                target=target, args=(out, list(blk.out.shape)), kwargs={},

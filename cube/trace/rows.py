@@ -31,8 +31,11 @@ rewritten only when:
   weight is a transposed 2-D tensor (it becomes ``linear``; aten has no N-D ``addmm``), ops
   with the elementwise rule whose operands from outside broadcast over the rows (every dim but
   the last of size 1), layer and RMS norm over the last dim, softmax along the last dim;
-- no op of the chain writes a tensor or draws random numbers (dropout: a draw follows the
-  memory order, which the other shape may change).
+- no op of the chain writes a tensor or draws random numbers (a draw follows the memory order,
+  which the other shape may change), but a dropout of probability 0: it draws nothing (OPT's
+  ``dropout(fc2(h))`` on its ``(B*T, E)`` rows, dropout off). A dropout that draws keeps the
+  chain as it is: ``exact_rng`` finds the layout of a random op's input in the exported program,
+  which a rewritten op is not in.
 """
 from __future__ import annotations
 
@@ -58,6 +61,7 @@ _MATMULS = {"linear", "matmul", "mm"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
 _TRANSPOSES = {"t", "numpy_T", "transpose", "permute"}
+_DROPOUTS = {"dropout", "native_dropout"}
 
 
 @dataclass
@@ -157,7 +161,7 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor) -> Optio
 def _rowish(op: IRFwOperation) -> bool:
     """Whether ``op`` is of a kind ``_row`` may find row-wise (a first look, before the chain is known)."""
     name = op.name
-    return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name == "addmm" or \
+    return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name in _DROPOUTS or name == "addmm" or \
         op_info(name).rule == "elementwise"
 
 
@@ -170,6 +174,8 @@ def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
 def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tuple, dict]]:
     """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
     arguments), or None."""
+    if op.name in _DROPOUTS and _draws_nothing(op, inside):
+        return op.target, op.name, tuple(op.args), dict(op.kwargs)
     if inplace.effect(op):
         return None
     ins = [t for t in op.inputs if id(t) in inside]
@@ -207,6 +213,13 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
         if all(t.shape[-1] in (1, last) for t in ins) and all(_over_rows(t, rows) for t in out):
             return op.target, name, args, dict(op.kwargs)
     return None
+
+
+def _draws_nothing(op: IRFwOperation, inside) -> bool:
+    """A dropout of a chain value with probability 0 (module docstring)."""
+    x, p = (list(op.args) + [None, None])[:2]
+    return not op.kwargs and len(op.inputs) == 1 and x is op.inputs[0] and id(x) in inside and \
+        isinstance(p, (int, float)) and p == 0
 
 
 def _transposes(op: IRFwOperation) -> bool:
