@@ -24,6 +24,7 @@ import cube
 import cube.debug
 from tests.inprocess import assert_exact, eager_reference, optimizer, parity
 from tests.parity import global_batches
+from tests.tiers import tiered
 from tests.zoo import LM, PARAM_FLOOR, PLANS, S, V
 
 transformers = pytest.importorskip("transformers")
@@ -79,6 +80,25 @@ def test_gpt2_dropout_exact_4_ranks(tp, recompute):
 @pytest.mark.parametrize("plan", ["data", "tensor", "pipeline", "3d"])
 def test_bert_dropout_exact(plan, recompute):
     _exact(_bert, plan, recompute)
+
+
+def _bart(batch: int):
+    """BART as shipped: dropout 0.1, its attention and activation dropouts at 0 (calls that draw
+    nothing, between the ones that do)."""
+    torch.manual_seed(0)
+    cfg = transformers.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                                  encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, max_position_embeddings=64)
+    assert cfg.dropout == 0.1 and cfg.attention_dropout == cfg.activation_dropout == 0.0   # as shipped
+    g = torch.Generator().manual_seed(1)
+    ids, labels = torch.randint(0, V, (batch, S), generator=g), torch.randint(0, V, (batch, S), generator=g)
+    return LM(transformers.BartForConditionalGeneration(cfg)), (ids, labels)
+
+
+@pytest.mark.parametrize("plan", tiered([("data",), ("pipeline",)], ["data", "pipeline"], {"pipeline"}))
+def test_bart_dropout_exact(plan):
+    """The program's dropouts of probability 0 are not counted among the draws (``cube.passes.rng``)."""
+    _exact(_bart, plan, False)
 
 
 def test_exact_leaves_the_generator_where_the_plain_model_does():

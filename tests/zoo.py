@@ -13,8 +13,10 @@ in the gradient, so a gradient of the wrong scale shows). The outcome is ``exact
 (a ``ValueError`` saying why), ``wrong`` or ``crash``; ``python -m tests.zoo`` runs the whole
 table, each case in its own process under a time limit (``hang``), and prints it as Markdown.
 
-``REFUSED`` lists the refusals that are justified, with the reason; any other refusal fails the
-tier's tests.
+Every plan compiles with ``strict=True``: a split the policy asks for and the plan cannot keep
+(an op run whole on gathered inputs, ``cube.ir.lost``) is a refusal, so an exact outcome is also
+one without silent loss of parallelism. ``REFUSED`` lists the refusals that are justified, with
+the reason; any other refusal fails the tier's tests.
 """
 from __future__ import annotations
 
@@ -288,6 +290,7 @@ class Plan:
     options: Tuple[Tuple[str, object], ...] = ()
     nmicros: int = 1
     micro: int = B
+    strict: bool = True   # every split the policy asks for is kept (cube.compile(strict=True)), or refused
 
     def make(self) -> Callable:
         module, name = self.policy.split(":")
@@ -313,6 +316,10 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, "pipeline_1"): ("runs other ops on a micro-batch of 1", "torchtitan's forward takes another path for "
                           "one sample (its document mask's batch_size == 1 branch); micro-batches of 2+ train")
        for m in _TITAN},
+    # a convolutional network has no pair of linear layers for Megatron's split: under strict=True the
+    # policy's "splits nothing" is an error
+    **{(m, "tensor"): ("no linear pairs found to split", "a convolutional network: no pair of linear layers "
+                       "for Megatron-LM's tensor split (data parallel splits it)") for m in ("resnet", "timm_resnet")},
     # torch's batch norm itself refuses one sample per channel in training (timm's ResNet ends at 1x1 pixels)
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
 }
@@ -344,7 +351,7 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
     try:
         with device_check_off():   # the plain model's flex_attention trains on a CPU too (cube.trace.flex)
             errors = parity(model, sample, p.make(), p.world, steps=steps, nmicros=p.nmicros, opt="sgd",
-                            param_floor=PARAM_FLOOR, batches=batches)
+                            param_floor=PARAM_FLOOR, batches=batches, strict=p.strict)
     except Exception as e:   # noqa: BLE001 - every failure is an outcome of the table
         cause = e
         while isinstance(cause, RuntimeError) and cause.__cause__ is not None:

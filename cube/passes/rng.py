@@ -146,7 +146,8 @@ def _input_strides(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> d
     calls: dict = {}
     for node in program.graph.nodes:
         if node.op == "call_function" and node.target in (torch.ops.aten.dropout.default,
-                                                           torch.ops.aten.native_dropout.default):
+                                                           torch.ops.aten.native_dropout.default) and \
+                not _draws_nothing(node):
             calls.setdefault(node.target, []).append(node)
     seen: dict = {}
     out = {}
@@ -162,6 +163,14 @@ def _input_strides(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> d
             continue
         out[id(op)] = None if val.is_contiguous() else tuple(_int(s) for s in val.stride())
     return out
+
+
+def _draws_nothing(node: torch.fx.Node) -> bool:
+    """A dropout call of probability 0 (BART's attention and activation dropouts as shipped) or out of
+    training in the program: not a random op of the graph (``draws``), so not one to count."""
+    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+    return (isinstance(p, (int, float)) and p == 0) or train is False
 
 
 def _int(s) -> int:
