@@ -101,6 +101,24 @@ def test_bart_dropout_exact(plan):
     _exact(_bart, plan, False)
 
 
+def _swin(batch: int):
+    """HF Swin as shipped: stochastic depth 0.1 (``torch.rand`` of one number per sample per block)."""
+    torch.manual_seed(0)
+    cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[4, 8],
+                                  window_size=4, num_labels=10)
+    assert cfg.drop_path_rate == 0.1   # as shipped
+    g = torch.Generator().manual_seed(1)
+    return LM(transformers.SwinForImageClassification(cfg)), \
+        (torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g))
+
+
+@pytest.mark.parametrize("plan", tiered([("data",), ("pipeline",), ("pipeline_1",)], ["data", "pipeline", "pipeline_1"],
+                                        {"pipeline_1"}))
+def test_swin_drop_path_exact(plan):
+    """``rand`` draws the single device's numbers (a piece, or a micro-batch, takes its rows)."""
+    _exact(_swin, plan, False)
+
+
 def test_exact_leaves_the_generator_where_the_plain_model_does():
     """After the compiled steps the default generator is where the plain model's steps leave it."""
     model, sample, p = _exact(_gpt2, "data", False)

@@ -101,8 +101,11 @@ def _reproduce(op: IRFwOperation) -> Tuple[Optional[str], Tuple[int, ...], torch
         return "sdpa", shape, q.dtype, float(_arg(op, "dropout_p")), why
     shape = tuple(out.shape) if out is not None else ()
     dtype = out.dtype if out is not None else torch.float32
-    return None, shape, dtype, 0.0, (f"cube reproduces the draws of dropout, native_dropout and "
-                                     f"scaled_dot_product_attention's dropout only, not of {op.name!r}")
+    if op.name == "rand" and op.target == torch.ops.aten.rand.default and out is not None and \
+            dtype.is_floating_point:   # uniform numbers of the output's shape (timm's and HF's drop path)
+        return "rand", shape, dtype, 0.0, None
+    return None, shape, dtype, 0.0, (f"cube reproduces the draws of dropout, native_dropout, "
+                                     f"scaled_dot_product_attention's dropout and rand only, not of {op.name!r}")
 
 
 def mark_draws(graph: IRGraph, full: Optional[IRGraph] = None, nmicros: int = 1,

@@ -108,7 +108,10 @@ def _begin(model) -> StepRng:
 
 def _draw_whole(kind: str, shape, dtype, p: float, strides=None) -> torch.Tensor:
     """The whole mask of one draw from the default generator, as the single device draws it: on
-    ones laid out as the single device's input (dropout draws in its input's memory order)."""
+    ones laid out as the single device's input (dropout draws in its input's memory order); a
+    ``rand``'s numbers themselves."""
+    if kind == "rand":
+        return aten.rand.default(list(shape), dtype=dtype)
     if strides is None:
         ones = torch.ones(shape, dtype=dtype)
     else:
@@ -204,6 +207,9 @@ def _piece(model, st: StepRng, index: int, box, micro: int) -> torch.Tensor:
 def _exact(model, st: StepRng, index: int, box, micro: int, fn, args, kwargs):
     kind, _shape, dtype, p, _rows, _strides = _table(model)["draws"][index]
     mask = _piece(model, st, index, box, micro)
+    if kind == "rand":   # the piece's numbers are the op's output
+        device = kwargs.get("device")
+        return mask.to(device) if device is not None else mask.clone()
     x = args[0]
     if x.dtype != dtype:
         raise ValueError(f"exact_rng=True: a random op draws in {dtype} on one device but runs in {x.dtype} here "
