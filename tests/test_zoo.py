@@ -1,6 +1,7 @@
 """Models nobody here wrote (``tests.zoo``: Hugging Face families with their shipped configurations)
 under every shipped plan: each trains exactly against the plain model, or is refused for a
-reason listed in ``tests.zoo.REFUSED``.
+reason listed in ``tests.zoo.REFUSED`` (or a split not kept yet, ``tests.zoo.GAPS``), every plan under
+``strict=True``.
 
 The default tier runs every model under a pipeline of two micro-batches (the plan that asks the
 most of every op's rule: each must carry the batch split) and a few models under each other plan;
@@ -25,15 +26,16 @@ def test_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
     if not zoo.installed(model):
         pytest.skip(f"{zoo.PACKAGES[model]} is not installed here (no wheel for this torch): {model} runs where it is")
     outcome = zoo.run(model, plan)
-    if (model, plan) in zoo.REFUSED:
-        part, why = zoo.REFUSED[(model, plan)]
+    listed = zoo.REFUSED.get((model, plan)) or zoo.GAPS.get((model, plan))
+    if listed:
+        part, why = listed
         assert outcome.kind == "refused" and part in outcome.detail, (outcome, why)
     else:
         assert outcome.kind == "exact", outcome
 
 
 def test_every_listed_refusal_names_a_case_of_the_table():
-    assert set(zoo.REFUSED) <= set(CASES)
+    assert set(zoo.REFUSED) <= set(CASES) and set(zoo.GAPS) <= set(CASES) and not set(zoo.REFUSED) & set(zoo.GAPS)
 
 
 def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():

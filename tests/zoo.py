@@ -291,6 +291,7 @@ class Plan:
     nmicros: int = 1
     micro: int = B
     strict: bool = True   # every split the policy asks for is kept (cube.compile(strict=True)), or refused
+    compile: Tuple[Tuple[str, object], ...] = ()   # more of cube.compile's options (zero=3)
 
     def make(self) -> Callable:
         module, name = self.policy.split(":")
@@ -304,7 +305,18 @@ PLANS: Dict[str, Plan] = {
     "pipeline": Plan("cube.policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=2),
     "pipeline_1": Plan("cube.policies.pipeline:PAS1F1B", 2, (("nmicros", 2),), nmicros=2, micro=1),
     "3d": Plan("cube.policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 2), ("nmicros", 2)), nmicros=2, micro=2),
+    # the other shipped plans (slow tier): ZeRO-3, tensor x data, sequence and context parallel, and the
+    # schedules with several stages per rank, on micro-batches of one sample
+    "zero3": Plan("cube.policies.data:PASData", 2, compile=(("zero", 3),)),
+    "dp_tp": Plan("cube.policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 1), ("nmicros", 1))),
+    "sp": Plan("cube.policies.megatron3d:PASMegatron", 2, (("tp", 2), ("pp", 1), ("nmicros", 1), ("sp", True))),
+    "cp": Plan("cube.policies.context:PASContext", 2, (("cp", 2),)),
+    "interleaved": Plan("cube.policies.pipeline:PAS1F1BInterleaved", 2, (("nmicros", 4), ("nvirtual", 2)), nmicros=4,
+                        micro=1),
+    "zbv": Plan("cube.policies.pipeline:PASZBV", 2, (("nmicros", 4),), nmicros=4, micro=1),
+    "dualpipev": Plan("cube.policies.pipeline:PASDualPipeV", 2, (("nmicros", 4),), nmicros=4, micro=1),
 }
+_ONE = ("pipeline_1", "interleaved", "zbv", "dualpipev")   # plans of one-sample micro-batches
 
 _BN = "batch norm's statistics over a micro-batch are not the global batch's"
 # (model, plan) -> (a part of the refusal's message, why the refusal is justified)
@@ -313,9 +325,15 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
        for p in ("pipeline", "pipeline_1", "3d") if (m, p) != ("timm_resnet", "pipeline_1")},
     # torchtitan builds its packed-document mask another way for a batch of one sample (a batch_size == 1
     # branch in get_efficient_causal_mask_mod_for_packed_document): no op-for-op match with the global batch
-    **{(m, "pipeline_1"): ("runs other ops on a micro-batch of 1", "torchtitan's forward takes another path for "
-                          "one sample (its document mask's batch_size == 1 branch); micro-batches of 2+ train")
-       for m in _TITAN},
+    **{(m, p): ("runs other ops on a micro-batch of 1", "torchtitan's forward takes another path for "
+                "one sample (its document mask's batch_size == 1 branch); micro-batches of 2+ train")
+       for m in _TITAN for p in _ONE},
+    **{(m, p): ("normalizes with statistics over the batch", _BN) for m in ("resnet", "timm_resnet")
+       for p in _ONE[1:]},
+    # no sequence: an image classifier's activations have no dim context parallelism splits
+    **{(m, "cp"): ("no sequence dim found to split", "an image model: no sequence for context parallelism to split")
+       for m in ("vit", "swin", "convnext", "resnet", "timm_vit", "timm_resnet", "timm_convnext", "timm_swin",
+                 "tv_vit")},
     # a convolutional network has no pair of linear layers for Megatron's split: under strict=True the
     # policy's "splits nothing" is an error
     **{(m, "tensor"): ("no linear pairs found to split", "a convolutional network: no pair of linear layers "
@@ -324,6 +342,21 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
 }
 
+
+# (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
+# refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
+_MOE = ("mixtral", "mixtral_bmm", "qwen2_moe", "qwen2_moe_bmm", "deepseek_v2")
+_TOKENS = "the MoE layer views (batch, sequence) as one token dim, whose split along the inner factor is no box"
+GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    **{(m, p): ("lost at op 'view'", _TOKENS) for m in _MOE for p in ("sp", "cp")},
+    ("falcon", "sp"): ("lost at op 'slice'", "the fused QKV's per-head slices under the sequence split"),
+    **{(m, p): ("lost at op 'cumsum'", "position ids summed along the sequence (a scan across the sequence's "
+                "pieces)") for m, p in (("roberta", "sp"), ("roberta", "cp"), ("tt_llama3", "cp"), ("tt_qwen3", "cp"))},
+    ("swin", "sp"): ("lost at op 'layer_norm'", "the norm after the patch merging, whose tokens mix windows"),
+    ("gpt2", "cp"): ("lost at op 'view'", "Conv1D's (batch * sequence, features) rows: the sequence the inner factor"),
+    ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
+    ("t5", "cp"): ("lost at op 'scaled_dot_product_attention'", "attention with an additive position bias mask"),
+}
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 
@@ -351,7 +384,7 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
     try:
         with device_check_off():   # the plain model's flex_attention trains on a CPU too (cube.trace.flex)
             errors = parity(model, sample, p.make(), p.world, steps=steps, nmicros=p.nmicros, opt="sgd",
-                            param_floor=PARAM_FLOOR, batches=batches, strict=p.strict)
+                            param_floor=PARAM_FLOOR, batches=batches, strict=p.strict, **dict(p.compile))
     except Exception as e:   # noqa: BLE001 - every failure is an outcome of the table
         cause = e
         while isinstance(cause, RuntimeError) and cause.__cause__ is not None:
@@ -409,7 +442,8 @@ def table(results: Dict[Tuple[str, str], Outcome], plans) -> str:
     lines = ["| model | " + " | ".join(plans) + " |", "|---" * (len(plans) + 1) + "|"]
     for m in models:
         lines.append(f"| {m} | " + " | ".join(results[(m, p)].cell() if (m, p) in results else "" for p in plans) + " |")
-    notes = [f"- {m} / {p}: {REFUSED.get((m, p), ('', 'NOT JUSTIFIED: ' + o.detail[:200]))[1]}"
+    notes = [f"- {m} / {p}: " + (f"not yet: {GAPS[(m, p)][1]}" if (m, p) in GAPS else
+                                  REFUSED.get((m, p), ('', 'NOT JUSTIFIED: ' + o.detail[:200]))[1])
              for (m, p), o in sorted(results.items()) if o.kind == "refused"]
     return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -440,7 +474,7 @@ def main(argv=None) -> int:
             print(f"{m:14s} {p:11s} {o.kind:8s} {o.seconds:6.1f}s {o.detail[:150]}", file=sys.stderr, flush=True)
     print(table(results, plans))
     bad = [c for c, o in results.items() if o.kind in ("wrong", "crash", "hang") or
-           (o.kind == "refused" and c not in REFUSED)]
+           (o.kind == "refused" and c not in REFUSED and c not in GAPS)]
     return 1 if bad else 0
 
 

@@ -57,19 +57,28 @@ class _Factors:
 
 def _regroup(factors: _Factors, dims: List[List[int]], shape: Tuple[int, ...]) -> Optional[List[List[int]]]:
     """The factors of a view of a tensor whose dims are ``dims`` to ``shape``, splitting a factor
-    where a dim of ``shape`` ends inside it; None when no split of whole factors makes ``shape``."""
+    where a dim of ``shape`` ends inside it; None when no split of whole factors makes ``shape``.
+
+    A factor of one element joins the dim after it (the one it is merged into in ``(B * H)`` with
+    ``B = 1``), the last one when none follows: a batch of one sample is followed through the
+    chain as a batch of several is, so both decide alike (a pipeline's micro-batches of one sample
+    are traced apart from the global batch, and the two graphs must run the same ops)."""
     queue = [f for d in factors.flat(dims) for f in d]
     out: List[List[int]] = []
     for size in shape:
         group, left = [], size
+        while queue and factors.size[queue[0]] == 1 and (left > 1 or not group):
+            group.append(queue.pop(0))
+            if left == 1:
+                break
         while left > 1:
             if not queue:
                 return None
             f = queue.pop(0)
             s = factors.size[f]
             if s == 1:
-                continue
-            if left % s == 0:
+                group.append(f)
+            elif left % s == 0:
                 group.append(f)
                 left //= s
             elif s % left == 0:   # the dim ends inside f: split it into (left, s // left)
@@ -81,9 +90,13 @@ def _regroup(factors: _Factors, dims: List[List[int]], shape: Tuple[int, ...]) -
             else:
                 return None
         out.append(group)
-    while queue and factors.size[queue[0]] == 1:
-        queue.pop(0)
-    return out if not queue else None
+    if any(factors.size[f] != 1 for f in queue):
+        return None
+    if queue:
+        if not out:
+            return None
+        out[-1].extend(queue)
+    return out
 
 
 def _follow(chain: List[IRFwOperation], x: IRTensor) -> Optional[Tuple[_Factors, List[List[List[int]]]]]:
@@ -109,8 +122,8 @@ def _follow(chain: List[IRFwOperation], x: IRTensor) -> Optional[Tuple[_Factors,
 
 
 def _cross(factors: _Factors, dims: List[List[int]]) -> bool:
-    """Whether a dim merges factors (of more than one element) of two different input dims."""
-    return any(len({factors.origin[f] for f in d if factors.size[f] > 1}) > 1 for d in factors.flat(dims))
+    """Whether a dim merges factors of two different input dims."""
+    return any(len({factors.origin[f] for f in d}) > 1 for d in factors.flat(dims))
 
 
 def _chain_from(op: IRFwOperation, readers, loss) -> List[IRFwOperation]:
@@ -155,8 +168,8 @@ def _rewrite(chain: List[IRFwOperation], registry: Registry) -> Optional[List[IR
     if not any(_cross(factors, d) for d in seen[:-1]) or _cross(factors, seen[-1]):
         return None
     x_dims = factors.flat([[d] for d in range(x.ndim)])
-    order = [f for d in x_dims for f in d if factors.size[f] > 1]
-    final = [f for d in factors.flat(seen[-1]) for f in d if factors.size[f] > 1]
+    order = [f for d in x_dims for f in d]
+    final = [f for d in factors.flat(seen[-1]) for f in d]
     if sorted(order) != sorted(final):
         return None
     sizes = [factors.size[f] for f in order]
