@@ -113,7 +113,7 @@ def _swin(batch: int):
 
 
 @pytest.mark.parametrize("plan", tiered([("data",), ("pipeline",), ("pipeline_1",)], ["data", "pipeline", "pipeline_1"],
-                                        {"pipeline_1"}))
+                                        {"pipeline", "pipeline_1"}))
 def test_swin_drop_path_exact(plan):
     """``rand`` draws the single device's numbers (a piece, or a micro-batch, takes its rows)."""
     _exact(_swin, plan, False)

@@ -19,12 +19,17 @@ import cube
 from cube.ir.tensor import TensorKind
 from tests import zoo
 from tests.inprocess import assert_exact, parity
+from tests.tiers import tiered
 
 TORCH = [m for m in zoo.MODELS if m.startswith("torch_")]
 
 
-@pytest.mark.parametrize("plan", list(zoo.PLANS))
-@pytest.mark.parametrize("model", TORCH)
+BASE = ("single", "data", "tensor", "pipeline", "pipeline_1", "3d")   # the default tier; the other plans: slow
+CASES = [(m, p) for p in zoo.PLANS for m in TORCH]
+
+
+@pytest.mark.parametrize("model,plan", tiered(CASES, [f"{m}-{p}" for m, p in CASES],
+                                              {f"{m}-{p}" for m, p in CASES if p not in BASE}))
 def test_torch_transformer_trains_exactly_under_every_plan(model, plan):
     outcome = zoo.run(model, plan)
     assert outcome.kind == "exact", outcome
