@@ -31,6 +31,7 @@ import torch
 from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRFwOperation
+from cube.trace import inplace
 
 _SDPA = "scaled_dot_product_attention"
 
@@ -75,17 +76,8 @@ def _arg(op: IRFwOperation, name: str, default=None):
 
 
 def draws(op) -> bool:
-    """Whether ``op`` draws random numbers when it runs: an op with a dropout probability (dropout,
-    attention, RNNs) when it is above 0 in training, else an op torch tags ``nondeterministic_seeded``
-    (``rand``, ``bernoulli``, ...)."""
-    if not isinstance(op, IRFwOperation) or not isinstance(op.target, torch._ops.OpOverload):
-        return False
-    names = [a.name for a in op.target._schema.arguments]
-    for prob in ("p", "dropout_p", "dropout"):
-        if prob in names and (prob != "p" or "train" in names):   # ``p`` alone may be a norm's order
-            train = _arg(op, "train", None)
-            return (train is None or bool(train)) and float(_arg(op, prob, 0.0) or 0.0) > 0
-    return torch.Tag.nondeterministic_seeded in getattr(op.target, "tags", ())
+    """Whether ``op`` draws random numbers when it runs (``cube.trace.inplace.draws``)."""
+    return isinstance(op, IRFwOperation) and inplace.draws(op.target, op.args, op.kwargs)
 
 
 def _reproduce(op: IRFwOperation) -> Tuple[Optional[str], Tuple[int, ...], torch.dtype, float, Optional[str]]:
@@ -150,7 +142,7 @@ def _input_strides(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> d
     for node in program.graph.nodes:
         if node.op == "call_function" and node.target in (torch.ops.aten.dropout.default,
                                                            torch.ops.aten.native_dropout.default) and \
-                not _draws_nothing(node):
+                inplace.draws(node.target, node.args, node.kwargs):   # as the graph's random ops (``draws``)
             calls.setdefault(node.target, []).append(node)
     seen: dict = {}
     out = {}
@@ -166,14 +158,6 @@ def _input_strides(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> d
             continue
         out[id(op)] = None if val.is_contiguous() else tuple(_int(s) for s in val.stride())
     return out
-
-
-def _draws_nothing(node: torch.fx.Node) -> bool:
-    """A dropout call of probability 0 (BART's attention and activation dropouts as shipped) or out of
-    training in the program: not a random op of the graph (``draws``), so not one to count."""
-    p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p")
-    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-    return (isinstance(p, (int, float)) and p == 0) or train is False
 
 
 def _int(s) -> int:

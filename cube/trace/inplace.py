@@ -92,6 +92,25 @@ def effect(op) -> bool:
     return torch.Tag.nondeterministic_seeded in tags or any(w in op.name for w in ("dropout", "rand", "bernoulli"))
 
 
+def draws(target, args, kwargs) -> bool:
+    """Whether a call of ``target`` on ``args`` and ``kwargs`` (an IR op's or an exported program's
+    node's, laid out by the op's schema) draws random numbers: an op with a dropout probability
+    (dropout, attention, RNNs) when it is above 0 in training, else an op torch tags
+    ``nondeterministic_seeded`` (``rand``, ``bernoulli``, ...)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    names = [a.name for a in target._schema.arguments]
+
+    def arg(name: str, default=None):
+        i = names.index(name)
+        return args[i] if i < len(args) else kwargs.get(name, default)
+    for prob in ("p", "dropout_p", "dropout"):
+        if prob in names and (prob != "p" or "train" in names):   # ``p`` alone may be a norm's order
+            train = arg("train", None) if "train" in names else None
+            return (train is None or bool(train)) and float(arg(prob, 0.0) or 0.0) > 0
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
 def functional(target) -> Optional[Any]:
     """The out-of-place op of an in-place one: ``aten.add_.Tensor`` -> ``aten.add.Tensor``."""
     schema = target._schema

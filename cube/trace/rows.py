@@ -216,10 +216,9 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
 
 
 def _draws_nothing(op: IRFwOperation, inside) -> bool:
-    """A dropout of a chain value with probability 0 (module docstring)."""
-    x, p = (list(op.args) + [None, None])[:2]
-    return not op.kwargs and len(op.inputs) == 1 and x is op.inputs[0] and id(x) in inside and \
-        isinstance(p, (int, float)) and p == 0
+    """A dropout of a chain value that draws nothing (probability 0; module docstring)."""
+    return len(op.inputs) == 1 and bool(op.args) and op.args[0] is op.inputs[0] and id(op.inputs[0]) in inside and \
+        not inplace.draws(op.target, op.args, op.kwargs)
 
 
 def _transposes(op: IRFwOperation) -> bool:
