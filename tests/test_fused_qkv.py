@@ -76,10 +76,15 @@ def _ops(graph, name, path):
 
 def test_gpt2_c_attn_is_three_projections_over_boxes_of_its_weight():
     graph = cube.trace_model(gpt2(), sample()).graph
-    ops = _ops(graph, "addmm", "model.transformer.h.0.attn.c_attn")
+    # Conv1D's addmm of (batch * sequence) rows runs as linear(x, weight.t(), bias) on (batch, sequence)
+    # (cube.trace.rows), each block with its own transpose of its box of the weight
+    ops = _ops(graph, "linear", "model.transformer.h.0.attn.c_attn")
     assert len(ops) == 3
+    makers = {id(t): op for op in graph.ops for t in op.outputs}
     for k, op in enumerate(ops):
-        bias, _, weight = op.inputs
+        x, wt, bias = op.inputs
+        assert x.ndim == 3 and makers[id(wt)].name == "t"
+        (weight,) = makers[id(wt)].inputs
         assert weight.names == ("model.transformer.h.0.attn.c_attn.weight",) and weight.shape == (32, 32)
         assert weight.region == ((0, 32), (32 * k, 32 * k + 32)) and weight.full == (32, 96)
         assert bias.names == ("model.transformer.h.0.attn.c_attn.bias",) and bias.region == ((32 * k, 32 * k + 32),)
@@ -365,6 +370,7 @@ def test_generated_code_reads_as_three_projections_over_c_attn():
         local = f"model_transformer_h_0_attn_c_attn_weight_{block}"
         assert f"'{local}': (['model.transformer.h.0.attn.c_attn.weight'], [(1, {32 * k}, {32 * k + 16})])," \
             in source
-        assert f"{block} = aten.addmm.default(self.model_transformer_h_0_attn_c_attn_bias_{block}, " in source
-        assert f"self.{local})" in source
+        assert f"aten.t.default(self.{local})" in source   # Conv1D's (in, out) box, transposed for linear
+        assert f"{block} = aten.linear.default(" in source
+        assert f"self.model_transformer_h_0_attn_c_attn_bias_{block})" in source
     assert "'model.transformer.h.0.attn.c_attn.weight': (32, 96)," in source   # FULL_SHAPES: the user's

@@ -259,8 +259,9 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     sequence as ring attention.
 
     Where the sequence cannot go on after the last attention it split (a flatten of batch and
-    sequence before the loss: a block of the sequence is no block of the merged dim), the split
-    goes on along the batch when ``num`` divides it, so the logits are exchanged all-to-all rather
+    sequence: a block of the sequence is no block of the merged dim; a cross entropy of flattened
+    logits is not one, ``cube.trace.rows.unflatten_loss`` gives it the sequence back), the split of an
+    activation goes on along the batch when ``num`` divides it, so it is exchanged all-to-all rather
     than gathered whole on every rank. (Before an attention that would end the ring: a flatten
     there, as in Hugging Face's ``Conv1D``, leaves the sequence split only where it reaches.)"""
     data = graph.select(ntype=IRDataOperation)[0]
@@ -269,10 +270,14 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside == "ring"]
     start = {}
+    made = {id(t): op for op in graph.ops for t in op.outputs}
     for op in flow.blocked if rings else ():
         if order[id(op)] < max(rings):
             continue
-        tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1]
+        # an activation the flow split; an op on the batch alone (the labels shifted for the loss) reads
+        # it whole at no cost, and a batch split of it would meet the sequence-split logits at the loss
+        tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1 and
+                   id(made.get(id(t))) in flow.splits]
         if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
             start[id(op)] = (tracked[0], 0)
     if start:

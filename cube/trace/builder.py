@@ -20,7 +20,7 @@ from cube.trace import flex
 from cube.trace.casts import MARK, retarget
 from cube.trace.fused import split_fused
 from cube.trace.merged import unmerge
-from cube.trace.rows import unflatten_rows
+from cube.trace.rows import unflatten_loss, unflatten_rows
 from cube.trace.rules import REGISTRY, Registry
 
 # ops that only check metadata or do nothing at run time: not IR ops
@@ -567,7 +567,7 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                         f"Reduce it (e.g. loss.mean()) inside forward.")
     name = type(model).__name__
     graph = IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name)
-    graph = unflatten_rows(graph, registry)
+    graph = unflatten_loss(unflatten_rows(graph, registry), registry)
     if config.fused_cut():
         graph = split_fused(graph, registry, b.consts)
     graph = unmerge(graph, registry)

@@ -219,9 +219,9 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
         return None
     args = op.args
     w = args[w_at] if len(args) > w_at else None
-    transpose = _transposed_param(w, op, readers, makers) if b_at is None else None
-    if transpose is not None:   # x @ W.t(): the features are W's dim 0
-        w, fdim = transpose.inputs[0], 0
+    transpose = _transposed_param(w, op, readers, makers)
+    if transpose is not None:   # x @ W.t() (Falcon), linear(x, W.t(), b) (Conv1D's rows, cube.trace.rows)
+        w, fdim = transpose.inputs[0], 1 - fdim
         if not _own_param(w, transpose, readers) or len(op.outputs) != 1:
             return None
     elif not _own_param(w, op, readers) or w.ndim != 2 or len(op.outputs) != 1:
@@ -469,7 +469,7 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
                                 source=tr.source, grad_enabled=tr.grad_enabled)
             registry.annotate(top)
             matmuls.append(top)
-            swap = {id(tr.outputs[0]): wt}
+            swap[id(tr.outputs[0])] = wt
         shape = y.shape[:-1] + (hi - lo,)
         if label.isidentifier():
             blk.out.hint = label

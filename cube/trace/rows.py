@@ -27,8 +27,9 @@ rewritten only when:
   is in the chain, or is a view (``view``, ``reshape``, ``_unsafe_view``, ``unflatten``) restoring
   exactly ``(*lead, last dim)``, at most one per value; at least one such view ends the chain;
 - every op in the chain is row-wise: ``linear``, ``matmul`` and ``mm`` of a chain value by a
-  2-D weight from outside (``mm`` becomes ``matmul``, which takes N-D inputs), ``addmm`` whose
-  weight is a transposed 2-D tensor (it becomes ``linear``; aten has no N-D ``addmm``), ops
+  2-D weight from outside (``mm`` becomes ``matmul``, which takes N-D inputs), ``addmm`` of a 2-D
+  weight (it becomes ``linear``, aten having no N-D ``addmm``: of the weight's transpose's input, or
+  of its transpose, a ``t`` op, for an ``(in, out)`` weight such as Hugging Face's ``Conv1D``'s), ops
   with the elementwise rule whose operands from outside broadcast over the rows (every dim but
   the last of size 1), layer and RMS norm over the last dim, softmax along the last dim;
 - no op of the chain writes a tensor or draws random numbers (a draw follows the memory order,
@@ -36,6 +37,15 @@ rewritten only when:
   ``dropout(fc2(h))`` on its ``(B*T, E)`` rows, dropout off). A dropout that draws keeps the
   chain as it is: ``exact_rng`` finds the layout of a random op's input in the exported program,
   which a rewritten op is not in.
+
+A loss reads flattened rows the same way: language models end with
+``cross_entropy(logits.view(-1, V).float(), labels.view(-1))``, the sequence the inner factor of
+the rows. :func:`unflatten_loss` computes the same loss on ``(B, V, S)`` logits
+(``cross_entropy(logits.float().permute(0, 2, 1), labels)``), whose sequence dim a context or
+sequence split keeps: no rank gathers the logits, the largest activation of the model. A mean
+over ``(B, S)`` targets is the mean over the ``B * S`` rows (``ignore_index``, class weights and
+label smoothing mean the same per element), and a sum is the sum; only the order of the
+additions differs.
 """
 from __future__ import annotations
 
@@ -194,9 +204,12 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
         wt = makers.get(id(w)) if isinstance(w, IRTensor) else None
         if len(ins) != 1 or x is not ins[0] or sum(t is x for t in op.inputs) != 1 or \
                 any(op.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(op.kwargs) - {"beta", "alpha"} or \
-                not isinstance(b, IRTensor) or b.ndim > 1 or wt is None or not _transposes(wt):
+                not isinstance(b, IRTensor) or b.ndim > 1 or not isinstance(w, IRTensor) or w.ndim != 2:
             return None
-        return aten.linear.default, "linear", (x, wt.inputs[0], b), {}
+        if wt is not None and _transposes(wt):
+            return aten.linear.default, "linear", (x, wt.inputs[0], b), {}
+        # a weight of shape (in, out) (Hugging Face's Conv1D: addmm(bias, x, weight)): linear of its transpose
+        return aten.linear.default, "linear", (x, _Transposed(w), b), {}
     if name in _NORMS:
         shape = args[1] if len(args) > 1 else None
         if not only_first or not isinstance(shape, (list, tuple)) or len(shape) != 1 or any(t.ndim > 1 for t in out):
@@ -213,6 +226,12 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
         if all(t.shape[-1] in (1, last) for t in ins) and all(_over_rows(t, rows) for t in out):
             return op.target, name, args, dict(op.kwargs)
     return None
+
+
+@dataclass(frozen=True)
+class _Transposed:
+    """A 2-D weight the rewritten op reads transposed: ``_rewrite`` makes the ``t`` op."""
+    weight: IRTensor
 
 
 def _draws_nothing(op: IRFwOperation, inside) -> bool:
@@ -260,8 +279,15 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                 IRTensor(lead + o.shape[-1:], o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
             new[id(o)] = o2
             outs.append(o2)
+        made_ops = []
+        for i, a in enumerate(args):
+            if isinstance(a, _Transposed):
+                w = a.weight
+                wt = IRTensor(tuple(w.shape[::-1]), w.dtype, w.requires_grad, TensorKind.ACTIVATION, w.hint)
+                made_ops.append(_make(op, aten.t.default, "t", (w,), {}, [wt], registry))
+                args = args[:i] + (wt,) + args[i + 1:]
         swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
-        out[id(op)] = [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
+        out[id(op)] = made_ops + [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
     return out
 
 
@@ -293,3 +319,98 @@ def _make(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[IR
                        grad_enabled=like.grad_enabled, recompute=like.recompute)
     registry.annotate(op)
     return op
+
+
+_LOSSES = {"cross_entropy_loss"}
+_COPIES = {"to", "_to_copy", "contiguous", "clone", "alias", "detach", "lift_fresh_copy"}   # same values, same dtype
+
+
+def unflatten_loss(graph: IRGraph, registry: Registry) -> IRGraph:
+    """The graph with each cross entropy of flattened rows (module docstring) computed on the
+    unmerged dims: ``loss(E(x.view(N, C)), y.view(N))`` with ``x`` of shape ``(*lead, C)``, ``y`` of
+    shape ``lead`` (two dims or more) and ``E`` unary elementwise ops (casts) becomes
+    ``loss(E(x).permute(0, k, 1, ..., k - 1), y)``. A loss of reduction ``"none"`` (its output the
+    rows), a merged value read by another op and anything else stay as they are.
+
+    Returns:
+        ``graph`` itself when nothing is rewritten, else a new graph of the same model.
+    """
+    readers: Dict[int, List[IRFwOperation]] = {}
+    makers: Dict[int, IRFwOperation] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+        for t in op.outputs:
+            makers[id(t)] = op
+    replace: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.ops:
+        if isinstance(op, IRFwOperation) and op.name in _LOSSES:
+            found = _flat_loss(op, readers, makers)
+            if found is not None:
+                replace.update(_rewrite_loss(op, *found, registry))
+    if not replace:
+        return graph
+    return IRGraph([new for op in graph.ops for new in replace.get(id(op), [op])], graph.attrs, graph.loss,
+                   graph.name)
+
+
+def _flat_loss(loss: IRFwOperation, readers, makers):
+    """``(merge, casts, y)`` of a loss of flattened rows, or None."""
+    args = loss.args
+    if len(args) < 2 or not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
+        return None
+    z, t = args[0], args[1]
+    reduction = args[3] if len(args) > 3 else loss.kwargs.get("reduction", 1)
+    if reduction == 0 or z.ndim != 2 or t.ndim != 1 or t.dtype.is_floating_point or \
+            sum(a is z for a in loss.inputs) != 1:
+        return None
+    casts, cur = [], z
+    while True:
+        made = makers.get(id(cur))
+        if made is None or not isinstance(made, IRFwOperation) or len(readers.get(id(cur), [])) != 1 or \
+                len(made.outputs) != 1:
+            return None
+        if made.name in _MERGES:
+            break
+        if op_info(made.name).rule != "elementwise" or len(made.inputs) != 1 or not made.args or \
+                made.args[0] is not made.inputs[0] or made.inputs[0].shape != cur.shape or inplace.effect(made) or \
+                inplace.draws(made.target, made.args, made.kwargs):
+            return None
+        casts.insert(0, made)
+        cur = made.inputs[0]
+    merge = made
+    x = merge.inputs[0] if len(merge.inputs) == 1 and merge.args[:1] == (merge.inputs[0],) else None
+    if x is None or x.ndim < 3 or x.shape[-1] != z.shape[-1] or math.prod(x.shape[:-1]) != z.shape[0]:
+        return None
+    tm = makers.get(id(t))
+    while tm is not None and tm.name in _COPIES and len(tm.inputs) == 1 and tm.args[:1] == (tm.inputs[0],) and \
+            tm.inputs[0].dtype == t.dtype and tm.inputs[0].shape == t.shape:   # labels.to(logits.device)
+        tm = makers.get(id(tm.inputs[0]))
+    if tm is None or tm.name not in _MERGES or len(tm.inputs) != 1 or tm.args[:1] != (tm.inputs[0],) or \
+            tuple(tm.inputs[0].shape) != tuple(x.shape[:-1]):
+        return None
+    return merge, casts, tm.inputs[0]
+
+
+def _rewrite_loss(loss: IRFwOperation, merge: IRFwOperation, casts: List[IRFwOperation], y: IRTensor,
+                  registry: Registry) -> Dict[int, List[IRFwOperation]]:
+    """What replaces the merge, the casts and the loss (by op id)."""
+    x = merge.inputs[0]
+    out: Dict[int, List[IRFwOperation]] = {id(merge): []}
+    cur = x
+    for op in casts:
+        o = op.outputs[0]
+        o2 = IRTensor(tuple(x.shape), o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
+        out[id(op)] = [_make(op, op.target, op.name, (cur,) + tuple(op.args[1:]), dict(op.kwargs), [o2], registry)]
+        cur = o2
+    k = x.ndim - 1
+    order = [0, k] + list(range(1, k))
+    moved = IRTensor(tuple(cur.shape[d] for d in order), cur.dtype, cur.requires_grad, TensorKind.ACTIVATION,
+                     cur.hint)
+    permute = _make(loss, aten.permute.default, "permute", (cur, order), {}, [moved], registry)
+    z, t = loss.args[0], loss.args[1]
+    swap = lambda a: moved if a is z else y if a is t else a   # noqa: E731
+    new = _make(loss, loss.target, loss.name, _deep(tuple(loss.args), swap), _deep(dict(loss.kwargs), swap),
+                list(loss.outputs), registry)
+    out[id(loss)] = [permute, new]
+    return out

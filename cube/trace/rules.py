@@ -356,7 +356,9 @@ def loss(op: IRFwOperation) -> str:
     reduction = _arg(op, 3, "reduction", 1)
     names = _Names()
     n = "n" if reduction == 0 else "n+"
-    extra = names.many(logits.ndim - 2)
+    # the dims after the classes (a (batch, classes, sequence) loss) are rows as the batch is: summed
+    # into a reduced loss, like n
+    extra = [e if reduction == 0 else e + "+" for e in names.many(logits.ndim - 2)]
     split = op.name == "cross_entropy_loss" and len(op.inputs) == 2 and target.ndim == logits.ndim - 1 \
         and not target.dtype.is_floating_point
     c = "c~" if split else "c^"
