@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from cube.ir.dispatch import Dispatch, Region
 from cube.ir.graph import IRGraph
@@ -90,7 +90,8 @@ class Flow:
 def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow] = None,
            start: Optional[Dict[int, Tuple[int, int]]] = None,
            whole: Optional[Callable[[IRFwOperation], bool]] = None,
-           local: Optional[Callable[[IRFwOperation, Dict[int, int]], Optional[Region]]] = None) -> Flow:
+           local: Optional[Callable[[IRFwOperation, Dict[int, int]], Optional[Region]]] = None,
+           drop: Optional[Set[int]] = None) -> Flow:
     """Follows splits of ``num`` pieces from ``seeds`` (tensor id -> dim) in program order.
 
     Args:
@@ -103,12 +104,14 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
         local: called with an op that reads a split tensor but cannot be split and the dims
             tracked so far; a ``Region`` it returns (``cube.ir.dispatch.Dispatch``) joins
             ``Flow.local`` (not ``blocked``), and its outputs are tracked along dim 0.
+        drop: ids of ops that stay whole on their whole inputs, their outputs not followed (what
+            ``_metadata`` finds).
     """
     out = flow.copy() if flow else Flow()
     out.tracked.update(seeds)
     start = start or {}
     for op in graph.ops:
-        if not isinstance(op, IRFwOperation) or id(op) in out.local:
+        if not isinstance(op, IRFwOperation) or id(op) in out.local or (drop and id(op) in drop):
             continue
         if id(op) in start:
             choice = start[id(op)]
@@ -267,6 +270,9 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     data = graph.select(ntype=IRDataOperation)[0]
     seeds = {id(t): 1 for t in data.outputs if t.ndim > 1}
     flow = follow(graph, seeds, num)
+    meta = _metadata(graph, data, flow)
+    if meta:
+        flow = follow(graph, seeds, num, drop=meta)
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside == "ring"]
     start = {}
@@ -281,10 +287,65 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
         if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
             start[id(op)] = (tracked[0], 0)
     if start:
-        flow = follow(graph, seeds, num, start=start)
+        flow = follow(graph, seeds, num, start=start, drop=meta)
     flow.empty = "no sequence dim found to split"
     _gathers(graph, flow, num, "context parallel")
     return flow
+
+
+def _metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
+    """Ops computing metadata from the batch alone, for ops that read it whole: no gradient, no
+    parameter, every input the batch (every rank holds it whole under a sequence split), a constant
+    or such an op's output; and every reader of their split outputs is such an op or cannot split
+    along that dim (torchtitan's document ids and ends, computed from per-token positions with
+    ``cumsum``/``scatter``/``gather`` for a ``flex_attention`` mask that reads them whole). Each rank
+    computes them whole from its whole batch, as torchtitan builds its masks, instead of splitting
+    them and gathering their outputs for the readers (a lost split)."""
+    free = {id(t) for t in data.outputs}
+    ops: List[IRFwOperation] = []
+    for op in graph.ops:
+        if isinstance(op, IRFwOperation) and op.outputs and \
+                all(id(t) in free or t.kind is TensorKind.CONST for t in op.inputs) and \
+                not any(t.requires_grad for t in op.outputs):
+            ops.append(op)
+            free.update(id(t) for t in op.outputs)
+    readers: Dict[int, List[IRFwOperation]] = {}
+    for op in graph.ops:
+        for t in op.inputs:
+            readers.setdefault(id(t), []).append(op)
+    meta: Set[int] = set()
+    for op in reversed(ops):
+        split_out = False
+        for t in op.outputs:
+            dim = flow.tracked.get(id(t))
+            if dim is None:
+                continue
+            split_out = True
+            for r in readers.get(id(t), []):
+                if id(r) in meta or not isinstance(r, IRFwOperation) or r.anno is None:
+                    continue
+                legal = r.algorithms("dim").legal()
+                if any(x is t and (i, dim) in legal for i, x in enumerate(r.inputs)):
+                    break
+            else:
+                continue
+            break
+        else:
+            if split_out:
+                meta.add(id(op))
+    # an op is dropped only with everything it reads from the batch: its makers too
+    makers = {id(t): op for op in ops for t in op.outputs}
+    keep = set()
+    for op in ops:
+        if id(op) in meta:
+            todo = [op]
+            while todo:
+                o = todo.pop()
+                if id(o) in keep:
+                    continue
+                keep.add(id(o))
+                todo.extend(makers[id(t)] for t in o.inputs if id(t) in makers)
+    return keep
 
 
 def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
