@@ -54,8 +54,9 @@ def sent_bytes(call: Call) -> int:
 def _inside_bytes(call: Call, way: str) -> int:
     """Bytes a piece communicating inside its call (``cube.passes.inside``) sends in forward (``"f"``)
     or backward (``"b"``): its messages (a halo's backward sends back what it received), any
-    reordering, its all-reduces (ring algorithm) and its all-to-alls (a split MoE layer's two each
-    way, ``(n - 1) / n`` of its rows leaving), as ``cube.sim.program`` counts them (balanced)."""
+    reordering, its all-reduces (ring algorithm), its all-to-alls (a split MoE layer's two each
+    way, ``(n - 1) / n`` of its rows leaving) and its all-gather (reduce-scatter in backward), as
+    ``cube.sim.program`` counts them (balanced)."""
     inside = call.inside
     if inside is None:
         return 0
@@ -66,7 +67,9 @@ def _inside_bytes(call: Call, way: str) -> int:
         k, ar = 2, inside.all_reduce if inside.bw_all_reduce is None else inside.bw_all_reduce
     ring = _ring("all_reduce", len(inside.groups[0]), ar) if ar and inside.groups else 0
     a2a = 2 * _ring("all_to_all", len(inside.groups[0]), inside.all_to_all) if inside.all_to_all else 0
-    return sum(b for _, b in p2p) + sum(r[k] for r in inside.reorder) + ring + a2a
+    gather = _ring("all_gather" if way == "f" else "reduce_scatter", len(inside.groups[0]), inside.all_gather) \
+        if inside.all_gather else 0
+    return sum(b for _, b in p2p) + sum(r[k] for r in inside.reorder) + ring + a2a + gather
 
 
 def _ring(kind: str, n: int, nbytes: int) -> int:
@@ -142,6 +145,8 @@ def _call_line(call: Call) -> str:
     inside = call.inside
     if inside is not None and inside.all_to_all:
         where += f"  {inside.fn} all-to-alls {inside.all_to_all} B of rows twice over {inside.groups[0]}"
+    elif inside is not None and inside.all_gather:
+        where += f"  {inside.fn} all-gathers {inside.all_gather} B over {inside.groups[0]}"
     elif inside is not None and (inside.p2p or inside.all_reduce):
         fn = inside.fn or "its op"
         where += f"  {fn} sends {sum(b for _, b in inside.p2p)} B" + "".join(

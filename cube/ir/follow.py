@@ -274,7 +274,7 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     if meta:
         flow = follow(graph, seeds, num, drop=meta)
     order = {id(op): i for i, op in enumerate(graph.ops)}
-    rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside == "ring"]
+    rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside in ("ring", "gather_kv")]
     start = {}
     made = {id(t): op for op in graph.ops for t in op.outputs}
     for op in flow.blocked if rings else ():

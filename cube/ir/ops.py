@@ -57,7 +57,9 @@ class OpInfo:
             at the global coordinates: bilinear upsampling), ``"stats"`` (it normalizes by
             statistics summed over its group: batch norm), ``"group_stats"`` (statistics per
             sample and group summed over its group: group and instance norm), ``"ring"`` (key/value
-            blocks passed around a ring of ranks: attention split along the sequence),
+            blocks passed around a ring of ranks: attention split along the sequence), ``"gather_kv"``
+            (keys and values all-gathered along the sequence, their gradients reduce-scattered back:
+            ``flex_attention`` split along the sequence, each piece its block of queries),
             ``"experts"`` (a fused MoE layer split by experts: its tokens reach the ranks holding their
             experts by all-to-all, ``cube.ir.experts``), ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
             range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
@@ -114,7 +116,7 @@ _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
 _add("moe_experts", inside="experts")   # cube.ir.experts: a fused sort-dispatch MoE layer
-_add("flex_attention", rule="flex_attention")   # cube.trace.flex's ops
+_add("flex_attention", rule="flex_attention", inside="gather_kv")   # cube.trace.flex's ops
 _add("block_mask", rule="block_mask")
 _add("embedding", rule="embedding", inside="vocab_lookup")
 _add("layer_norm", rule="layer_norm")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from cube.ir import halo
+from cube.ir import halo, query_blocks
 from cube.ir.annotation import Ident
 from cube.ir.ops import op_info
 
@@ -114,10 +114,29 @@ class DimSplit:
                     f"each of the {total} sequence blocks into two chunks (zigzag load balancing), so the "
                     f"sequence length {size} must be divisible by {2 * total}. Choose a number of pieces n "
                     f"with 2 n dividing {size}, or pad the sequence.")
+        if kind == "gather_kv":
+            self._check_query_blocks(ident, total)
         if kind.startswith("halo"):   # halo, halo_transposed, halo_linear: windows must fit
             for d, dim in enumerate(op.anno.inputs[0]):
                 if dim.head is not None and dim.head.name == ident.name:
                     halo.check(op, d, total)
+
+    def _check_query_blocks(self, ident: Ident, total: int) -> None:
+        """``flex_attention`` split along the sequence: each piece reads its rows of the block mask,
+        so its block of queries must be whole query blocks of the mask or a part of one."""
+        import json
+        op = self.op
+        spec = json.loads(op.args[1])
+        if "kv_num_blocks" not in spec["given"]:
+            return
+        size, q_block = self.size(ident), spec["block_size"][0]
+        if size % total or not query_blocks.aligned(size // total, q_block):
+            raise ValueError(
+                f"uneven split of op {op.name!r} ({op.where()}): context parallel gives each of the {total} "
+                f"pieces {size / total:g} of the {size} queries, which is neither a multiple nor a divisor of "
+                f"its block mask's query block size {q_block} (each piece reads whole rows of the block mask). "
+                f"Choose a number of pieces n with {size} / n a multiple or a divisor of {q_block}, or build "
+                f"the block mask with a BLOCK_SIZE that divides or is a multiple of {size} / n.")
 
     def size(self, ident: Ident) -> int:
         """The size of one annotated factor, read from the tensors that carry it."""

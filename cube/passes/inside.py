@@ -10,6 +10,7 @@ for each split factor the ranks of its group in block order and this rank's
 position, the windows each block reads, the op's arguments for one piece;
 and what moves (bytes to each neighbour, bytes all-reduced) for the
 simulator and the report. Ring attention (``"ring"``) is one more kind, and so are
+``flex_attention``'s keys and values gathered along the sequence (``"gather_kv"``), and
 Megatron's vocabulary-parallel embedding and cross entropy (``"vocab_lookup"``,
 ``"vocab_loss"``), whose outputs lack the split factor: whole on every piece.
 """
@@ -57,6 +58,9 @@ class Inside:
             meet every key block: the number of blocks).
         counts: a mean loss over valid targets: the generated code passes the global count
             (``count=``) or the ranks whose pieces of the batch sum it (``count_ranks=``).
+        all_gather: bytes of the whole tensors all-gathered over ``groups[0]`` in forward, whose
+            gradients are reduce-scattered back in backward (``flex_attention`` split along the
+            sequence: its keys and values).
         all_to_all: bytes of this rank's rows each all-to-all over ``groups[0]`` takes (a split MoE
             layer: the dispatch before its experts' compute and the combine after, and their adjoints
             in backward), under a balanced router; ``experts``: the per-expert row counts exchanged
@@ -80,6 +84,7 @@ class Inside:
     counts: bool = False
     all_to_all: int = 0
     experts: int = 0
+    all_gather: int = 0
 
 
 def _inside_splits(p: IROperator) -> List[Tuple[int, str, int, int]]:
@@ -280,6 +285,29 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
                   reorder=tuple(reorder), reorder_recvs=tuple(reorder_recvs), rounds=n - 1, work=float(n))
 
 
+def _gather_kv(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """``flex_attention`` split along the sequence (``cube.runtime.flex``), as torch's context parallel
+    runs it: each rank keeps its block of queries, the keys and values are all-gathered along the
+    sequence inside the call (their gradients reduce-scattered back in backward), and the block mask's
+    rows for those queries are read with the score and mask functions seeing global query indices
+    (``q_start`` in the op's spec). Blocks stay contiguous, so under a causal mask the last rank's
+    queries meet the most keys: no load balancing (ring attention's zigzag) here."""
+    import json
+    root = op.root
+    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    pos, n = _position(op, f)
+    ranks = group_of(by, r, (f,))
+    if len(ranks) != n:
+        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    xs, spec = op.args[:2]
+    start = layout.inputs[0][-2][0]   # this piece's first query
+    spec = json.dumps(dict(json.loads(spec), q_start=start))
+    k, v = (box_shape(b) for b in layout.inputs[1:3])
+    kv = (math.prod(k) * root.inputs[1].dtype.itemsize + math.prod(v) * root.inputs[2].dtype.itemsize) * n
+    return Inside("runtime.flex.attention", (list(xs), spec), dict(ranks=ranks), groups=(ranks,),
+                  all_gather=kv, work=float(n))
+
+
 def _vocab_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
     """The ranks of a piece split along its vocabulary (the one ``~`` factor), in block order."""
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
@@ -356,7 +384,7 @@ def _experts_whole(op: IRFwOperation) -> Inside:
 KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayout], Optional[Inside]]] = {
     "halo": _halo, "stats": _stats, "ring": _ring,
     "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
-    "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss, "experts": _experts,
+    "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss, "experts": _experts, "gather_kv": _gather_kv,
 }
 
 

@@ -235,7 +235,7 @@ def _describe(calls: List[Call], start: int, stop: int, group: int, keep: IRTens
     # collective: every member must re-make it, so checkpoint must not stop early either
     collective = any(c.step is not None and c.step.kind in COLLECTIVE_KINDS and len(c.step.ranks) > 1
                      or c.inside is not None and bool(c.inside.p2p or c.inside.recvs or c.inside.all_reduce
-                                                         or c.inside.all_to_all)
+                                                         or c.inside.all_to_all or c.inside.all_gather)
                      for c in inside)
     return Run(group, start, stop, inputs=list(inputs.values()), outputs=outputs,
                freed=freed, collective=collective, where=".".join(common))

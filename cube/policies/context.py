@@ -3,7 +3,8 @@
 Every activation is split along its token dim over ``cp`` devices: norms, MLPs and projections
 work on their block of tokens, and attention runs as ring attention (``cube.runtime.ring``: key
 and value blocks passed around the ``cp`` ranks, load-balanced under a causal mask), so no rank
-holds a whole sequence's activations. ``tp > 1`` also splits heads and linears Megatron-style
+holds a whole sequence's activations; ``flex_attention`` gathers one layer's keys and values
+inside its call (``cube.runtime.flex``). ``tp > 1`` also splits heads and linears Megatron-style
 inside each context-parallel rank; the remaining ``ngpus // (cp * tp)`` devices are data parallel.
 The devices form a ``("dp", "cp", "tp")`` mesh, tensor parallel innermost.
 """

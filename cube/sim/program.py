@@ -320,10 +320,18 @@ class Builder(Writer, StepEnd):
         """A piece communicating inside its call (``cube.passes.inside``) and its ``dur`` of compute:
         its messages (point to point; a halo's go the other way in backward), in ``rounds`` rounds
         each overlapping a share of the compute (a ring's steps), a reordering's messages around
-        them, and its all-reduce."""
+        them, and its all-reduce; or its all-gather before the compute (and its gradients'
+        reduce-scatter after it in backward)."""
         inside, me, tag = call.inside, self.plan.rank, ("inside", id(call.op.root))
         if inside.all_to_all:
             self.exchange_rows(call, cat, way, dur)
+            return
+        if inside.all_gather:   # gathered before the compute; the gradients reduce-scattered after it
+            if way == "f":
+                self.coll("all_gather", inside.groups[0], inside.all_gather, cat)
+            self.compute(dur * inside.work, _label(call.op), cat)
+            if way == "b":
+                self.coll("reduce_scatter", inside.groups[0], inside.all_gather, cat)
             return
         if way == "f":
             sends, recvs = inside.p2p, inside.recvs

@@ -28,7 +28,10 @@ reason.
 The partition rule (``cube.trace.rules.flex_attention``): the batch and the heads split as for
 scaled dot-product attention, where neither function reads the batch or head index (an index
 into a captured tensor would then mean another row on a piece) and the block mask has that dim
-of size one or the queries'; queries and keys stay whole (a block mask is per block of queries).
+of size one or the queries'. Self-attention also splits the sequence (context parallel,
+``cube.runtime.flex``): a piece keeps its block of queries and gathers the keys and values; the
+spec then says where its queries start (``q_start``), and the op reads the block mask's rows for
+them (``local_rows``) and calls both functions with global query indices.
 """
 from __future__ import annotations
 
@@ -41,6 +44,9 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+
+from cube.errors import CubeInternalError
+from cube.ir import query_blocks
 
 try:   # torch 2.9+: the log-sum-exp is asked for with an AuxRequest (return_lse before)
     from torch.nn.attention.flex_attention import AuxRequest as _AuxRequest
@@ -133,13 +139,18 @@ def _attend(xs: Sequence[torch.Tensor], spec: dict) -> Tuple[torch.Tensor, torch
     mask_bufs = list(xs[i + spec["score_buffers"]:])
     score_fn = _function(spec["score"]) if spec["score"] else None
     mask_fn = _function(spec["mask"]) if spec["mask"] else None
+    start = spec.get("q_start")   # a block of the queries (context parallel): where it starts
+    lengths = tuple(spec["seq_lengths"])
+    if start is not None:
+        lengths = (q.shape[-2], lengths[1])
+        kv = local_rows(kv, spec["block_size"][0], start, start + q.shape[-2])
+    at = start or 0   # the functions see global query indices
     block_mask = None
     if kv["kv_num_blocks"] is not None:
-        mask = (lambda b, h, qi, ki: mask_fn(b, h, qi, ki, *mask_bufs)) if mask_fn is not None else None
+        mask = (lambda b, h, qi, ki: mask_fn(b, h, qi + at, ki, *mask_bufs)) if mask_fn is not None else None
         block_mask = BlockMask.from_kv_blocks(kv["kv_num_blocks"], kv["kv_indices"], kv["full_kv_num_blocks"],
-                                              kv["full_kv_indices"], tuple(spec["block_size"]), mask,
-                                              tuple(spec["seq_lengths"]))
-    score = (lambda s, b, h, qi, ki: score_fn(s, b, h, qi, ki, *score_bufs)) if score_fn is not None else None
+                                              kv["full_kv_indices"], tuple(spec["block_size"]), mask, lengths)
+    score = (lambda s, b, h, qi, ki: score_fn(s, b, h, qi + at, ki, *score_bufs)) if score_fn is not None else None
     options = dict(score_mod=score, block_mask=block_mask, scale=spec["scale"], enable_gqa=spec["gqa"],
                    kernel_options=spec["kernel_options"] or None)
     # on a GPU the fused kernels: flex_attention compiled (eager runs the dense implementation), where
@@ -150,6 +161,22 @@ def _attend(xs: Sequence[torch.Tensor], spec: dict) -> Tuple[torch.Tensor, torch
             out, aux = attend(q, k, v, **options, return_aux=_AuxRequest(lse=True))
             return out, aux.lse
         return attend(q, k, v, **options, return_lse=True)
+
+
+def local_rows(kv: Dict[str, Optional[torch.Tensor]], q_block: int, start: int, stop: int
+               ) -> Dict[str, Optional[torch.Tensor]]:
+    """The rows of a block mask's key/value-side tensors (``(B, H, query blocks[, key blocks])``) for the
+    queries ``[start, stop)``: those of the query blocks they cover (``cube.ir.query_blocks``).
+
+    Raises:
+        CubeInternalError: the queries are not whole query blocks nor a part of one (a plan refuses such
+            a split: ``cube.ir.partition``).
+    """
+    first, last = query_blocks.rows(q_block, start, stop)
+    if first < 0:
+        raise CubeInternalError(f"flex_attention: queries [{start}, {stop}) do not map onto whole rows of a block "
+                                f"mask with query blocks of {q_block}")
+    return {name: None if t is None else t[:, :, first:last].contiguous() for name, t in kv.items()}
 
 
 @functools.lru_cache(maxsize=None)

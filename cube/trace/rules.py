@@ -165,8 +165,10 @@ def flex_attention(op: IRFwOperation) -> str:
     attention, except with one key/value head), where neither the score nor the mask function reads
     that index (on a piece it would number other rows of what they capture); the block mask's tensors
     (batch, heads, query blocks, ...) split with the batch and heads where they have them (a dim of
-    size one is broadcast), what the functions capture is read whole; queries and keys stay whole (a
-    block mask is per block of queries)."""
+    size one is broadcast), what the functions capture is read whole. Self-attention (queries and keys
+    of one length) splits the sequence ``l~`` of q, k and v alike: a piece keeps its block of queries
+    and gathers the keys and values inside its call, reading its rows of the whole block mask
+    (``OpInfo.inside="gather_kv"``, ``cube.runtime.flex``); cross-attention keeps both whole."""
     import json
     spec = json.loads(op.args[1])
     q, k = op.inputs[:2]
@@ -187,7 +189,9 @@ def flex_attention(op: IRFwOperation) -> str:
         h = f"(h{frozen} g^)"
     else:
         h = kh = "h" + (frozen if not gqa else "^")
-    ins = [[b, h, "l^", "e^"], [b, kh, "s^", "e^"], [b, kh, "s^", "f"]]
+    seq = "l~" if q.shape[-2] == k.shape[-2] else None   # self-attention: the sequence splits (keys gathered)
+    qs, ks = (seq, seq) if seq else ("l^", "s^")
+    ins = [[b, h, qs, "e^"], [b, kh, ks, "e^"], [b, kh, ks, "f"]]
     for t in op.inputs[3:3 + len(spec["given"])]:   # (batch, heads, query blocks[, key blocks])
         lead = ["1" if t.shape[0] == 1 else b if t.shape[0] == q.shape[0] else names(True),
                 "1" if t.shape[1] == 1 else h if t.shape[1] == q.shape[1] else names(True)]
@@ -195,7 +199,7 @@ def flex_attention(op: IRFwOperation) -> str:
     for i, t in enumerate(bufs):
         ins.append([b if not whole and i in rows else "1" if t.shape[0] == 1 else names(True)]
                    + ["1" if n == 1 else names(True) for n in t.shape[1:]])
-    return _anno(ins, [[b, h, "l^", "f"], [b, h, "l^"]])
+    return _anno(ins, [[b, h, qs, "f"], [b, h, qs]])
 
 
 def block_mask(op: IRFwOperation) -> str:
