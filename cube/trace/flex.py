@@ -143,7 +143,8 @@ def _attend(xs: Sequence[torch.Tensor], spec: dict) -> Tuple[torch.Tensor, torch
     lengths = tuple(spec["seq_lengths"])
     if start is not None:
         lengths = (q.shape[-2], lengths[1])
-        kv = local_rows(kv, spec["block_size"][0], start, start + q.shape[-2])
+        if kv["kv_num_blocks"] is not None:
+            kv = local_rows(kv, spec["block_size"][0], start, start + q.shape[-2])
     at = start or 0   # the functions see global query indices
     block_mask = None
     if kv["kv_num_blocks"] is not None:
