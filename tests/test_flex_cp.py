@@ -97,6 +97,31 @@ class Documents(Causal):
         return create_block_mask(same_document, None, None, s, s, device=ids.device, BLOCK_SIZE=self.block)
 
 
+class PositionDocuments(Causal):
+    """torchtitan's packed documents: each sample's document ids computed in forward from its per-token
+    positions (a ``cumsum`` of the document starts along the sequence), captured by the mask function
+    at the sample's and the query's index."""
+
+    def forward(self, ids, labels, positions):
+        doc = torch.cumsum((positions == 0).int(), dim=1) - 1
+        s = ids.shape[1]
+
+        def same_document(b, h, q_idx, kv_idx):
+            return (doc[b, q_idx] == doc[b, kv_idx]) & (q_idx >= kv_idx)
+        mask = create_block_mask(same_document, ids.shape[0], None, s, s, device=ids.device, BLOCK_SIZE=self.block)
+        x = self.embed(ids)
+        for blk in self.blocks:
+            x = blk(x, mask)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+def _positions(n=2, s=S):
+    ids, labels = _batch(n, s)
+    starts = [[0, 5, 10], [0, 7, 9]]
+    pos = torch.stack([torch.cat([torch.arange(b - a) for a, b in zip(st, st[1:] + [s])]) for st in starts[:n]])
+    return ids, labels, pos
+
+
 def _batch(n=2, s=S):
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, V, (n, s), generator=gen)
@@ -180,6 +205,25 @@ def test_a_document_mask_captured_by_the_mask_function_under_context_parallel():
     """The mask function indexes a captured tensor by the query's index (documents of 5 and 6 tokens
     over 4-query blocks: full and partial blocks), grouped-query attention (2 key/value heads)."""
     assert_exact(_parity(Documents(kv_heads=2)))
+
+
+def test_document_ids_from_the_batch_are_computed_whole_on_every_rank():
+    """The document ids (a ``cumsum`` along the sequence of the positions' starts) only feed the mask,
+    which reads them whole: context parallel computes them whole on every rank from its whole batch
+    (``cube.ir.follow``'s metadata), gathering nothing, rather than splitting the scan and gathering
+    its output (a lost split under strict=True)."""
+    model, sample = PositionDocuments(layers=1), _positions()
+    plan = cube.plan(model, sample, functools.partial(PASContext, cp=2), 2, strict=True)
+    assert not plan.lost
+    ops = {op.name: op for op in plan.graph.ops if op.name in ("cumsum", "flex_attention")}
+    assert not ops["cumsum"].splits and ops["flex_attention"].splits
+    for r in range(2):
+        assert "all_gather(" not in plan.source(r).replace("runtime.flex.attention(", "")
+
+
+@pytest.mark.slow
+def test_document_ids_from_the_batch_train_exactly_under_context_parallel():
+    assert_exact(_parity(PositionDocuments(), sample=_positions()))
 
 
 def test_an_uneven_split_of_the_query_blocks_is_refused():
