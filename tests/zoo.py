@@ -350,10 +350,7 @@ _TOKENS = "the MoE layer views (batch, sequence) as one token dim, whose split a
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("lost at op 'view'", _TOKENS) for m in _MOE for p in ("sp", "cp")},
     ("falcon", "sp"): ("lost at op 'slice'", "the fused QKV's per-head slices under the sequence split"),
-    **{(m, p): ("lost at op 'cumsum'", "position ids summed along the sequence (a scan across the sequence's "
-                "pieces)") for m, p in (("roberta", "sp"), ("roberta", "cp"))},
     ("swin", "sp"): ("lost at op 'layer_norm'", "the norm after the patch merging, whose tokens mix windows"),
-    ("gpt2", "cp"): ("lost at op 'view'", "Conv1D's (batch * sequence, features) rows: the sequence the inner factor"),
     ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
     ("t5", "cp"): ("lost at op 'scaled_dot_product_attention'", "attention with an additive position bias mask"),
 }

@@ -518,7 +518,10 @@ def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
     what comes after them can run on a piece. Of the ops split, a connected run is kept only when
     it meets a tensor-parallel region (reads its partial sums or feeds it): a run that does not
     (after the head: a dtype cast before a loss that needs the whole sequence) would only cut a
-    whole value and gather it again.
+    whole value and gather it again. Nor is a run that makes no float tensor: index arithmetic
+    on positions, masks and document ids (integer and bool tensors), which Megatron-LM computes
+    whole on every rank; split, it would gather them again for what reads them whole (an
+    attention's mask function, a scatter by document id).
     """
     data = graph.select(ntype=IRDataOperation)[0]
     seeds = {id(t): dim for t in data.outputs if t.ndim > dim}
@@ -541,7 +544,9 @@ def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
     meets = {root(k) for k, (op, _, _) in seq.items()
              if any(id(t) in partial for t in op.inputs) or any(id(t) in feeds for t in op.outputs)}
     out = tensor.copy(tracked=dict(flow.tracked), blocked=list(flow.blocked))
-    out.splits.update({k: e for k, e in seq.items() if root(k) in meets})
+    activations = {root(k) for k, (op, _, _) in seq.items()
+                   if any(t.dtype.is_floating_point or t.dtype.is_complex for t in op.outputs)}
+    out.splits.update({k: e for k, e in seq.items() if root(k) in meets and root(k) in activations})
     readers: Dict[int, List[IRFwOperation]] = {}
     for op in graph.select(ntype=IRFwOperation):
         for t in op.inputs:

@@ -63,7 +63,8 @@ class OpInfo:
             ``"experts"`` (a fused MoE layer split by experts: its tokens reach the ranks holding their
             experts by all-to-all, ``cube.ir.experts``), ``"vocab_lookup"`` (an embedding split along its table's rows looks up the ids in its
             range, and the pieces' outputs are summed), ``"vocab_loss"`` (a cross entropy split
-            along its classes sums the logits' statistics over its group); a row of
+            along its classes sums the logits' statistics over its group), ``"scan"`` (a cumsum split
+            along its dim adds the totals of the blocks before it, exchanged over its group); a row of
             ``cube.passes.inside.KINDS``.
         half: how it runs in the weights' low precision (``precision="bf16"``/``"fp16"``, no
             autocast; ``cube.passes.precision``): ``"fp32"`` its float inputs widened to float32
@@ -134,7 +135,8 @@ _add("amax amin max min argmax logsumexp norm", rule="max_rule")
 _add("cross_entropy_loss nll_loss", rule="loss")
 _add("cross_entropy_loss", inside="vocab_loss")
 _add("mse_loss l1_loss smooth_l1_loss", rule="pointwise_loss")
-_add("softmax _softmax log_softmax _log_softmax cumsum", rule="along_dim")
+_add("softmax _softmax log_softmax _log_softmax", rule="along_dim")
+_add("cumsum", rule="scan", inside="scan")
 _add("triu tril", rule="along_last_two")
 _add("view reshape _unsafe_view flatten unflatten unsqueeze squeeze view_as", rule="reshape")
 _add("transpose swapaxes permute t numpy_T", rule="permute")

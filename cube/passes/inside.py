@@ -12,7 +12,8 @@ and what moves (bytes to each neighbour, bytes all-reduced) for the
 simulator and the report. Ring attention (``"ring"``) is one more kind, and so are
 ``flex_attention``'s keys and values gathered along the sequence (``"gather_kv"``), and
 Megatron's vocabulary-parallel embedding and cross entropy (``"vocab_lookup"``,
-``"vocab_loss"``), whose outputs lack the split factor: whole on every piece.
+``"vocab_loss"``), whose outputs lack the split factor: whole on every piece, and a cumsum
+split along its dim (``"scan"``: each piece adds the totals of the blocks before it).
 """
 from __future__ import annotations
 
@@ -308,8 +309,8 @@ def _gather_kv(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pie
                   all_gather=kv, work=float(n))
 
 
-def _vocab_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
-    """The ranks of a piece split along its vocabulary (the one ``~`` factor), in block order."""
+def _one_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
+    """The ranks of a piece split along its one ``~`` factor (a vocabulary, a scanned dim), in block order."""
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
     ranks = group_of(by, r, (f,))
     if len(ranks) != _position(op, f)[1]:
@@ -321,7 +322,7 @@ def _vocab_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
 def _vocab_lookup(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
     """An embedding holding a block of its table's rows (``cube.runtime.vocab.embedding``): the ids
     in its range looked up, the pieces' outputs summed by one all-reduce; backward is local."""
-    ranks = _vocab_group(op, by, r)
+    ranks = _one_group(op, by, r)
     out = math.prod(box_shape(layout.outputs[0])) * op.root.outputs[0].dtype.itemsize
     return Inside("runtime.vocab.embedding", tuple(op.args), dict(op.kwargs, ranks=ranks, start=layout.inputs[0][0][0]),
                   groups=(ranks,), all_reduce=out, bw_all_reduce=0)
@@ -332,7 +333,7 @@ def _vocab_loss(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
     one all-reduce of the maximum, one of the sum of exponentials and the target's logit (and the sum
     of logits under label smoothing), in float32; backward is local."""
     root = op.root
-    ranks = _vocab_group(op, by, r)
+    ranks = _one_group(op, by, r)
     names = [a.name for a in root.target._schema.arguments]
     arg = dict(zip(names, root.args), **root.kwargs)
     rows = math.prod(box_shape(layout.inputs[1]))
@@ -341,6 +342,22 @@ def _vocab_loss(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
                   dict(op.kwargs, ranks=ranks, start=layout.inputs[0][1][0], classes=root.inputs[0].shape[1]),
                   groups=(ranks,), all_reduce=rows * stats * 4, bw_all_reduce=0,
                   counts=arg.get("reduction", 1) == 1)
+
+
+def _scan(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
+    """A cumsum split along its dim (``cube.runtime.scan.cumsum``): the local cumsum plus the totals
+    of the blocks before it; one all-reduce of every block's totals (``(n, *slice)`` in the dtype it
+    computes in) in forward, and one of the gradient's totals in backward when its input needs one."""
+    root = op.root
+    ranks = _one_group(op, by, r)
+    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    out = box_shape(layout.outputs[0])
+    dim = next(k for k, d in enumerate(root.anno.outputs[0]) if d.head is not None and d.head.name == f)
+    x = root.inputs[0]
+    nbytes = len(ranks) * math.prod(out) // out[dim] * root.outputs[0].dtype.itemsize
+    grad = x.requires_grad and x.dtype.is_floating_point   # the gradient's totals: in the output's dtype
+    return Inside("runtime.scan.cumsum", tuple(op.args), dict(op.kwargs, ranks=ranks, pos=_position(op, f)[0]),
+                  groups=(ranks,), all_reduce=nbytes, bw_all_reduce=nbytes if grad else 0)
 
 
 def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
@@ -385,6 +402,7 @@ KINDS: Dict[str, Callable[[IRFwOperation, Dict[int, IROperator], int, PieceLayou
     "halo": _halo, "stats": _stats, "ring": _ring,
     "halo_transposed": _transposed, "halo_linear": _linear, "group_stats": _group_stats,
     "vocab_lookup": _vocab_lookup, "vocab_loss": _vocab_loss, "experts": _experts, "gather_kv": _gather_kv,
+    "scan": _scan,
 }
 
 

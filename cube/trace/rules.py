@@ -91,6 +91,17 @@ def _frozen_dims(dims_of: Callable[[IRFwOperation], Sequence[int]]) -> Callable[
     return rule
 
 
+def scan(op: IRFwOperation) -> str:
+    """``cumsum(x, dim)``: elementwise, and its ``dim`` splits too as a scan across the pieces
+    (``~``, ``OpInfo.inside="scan"``): each piece sums its block and adds the totals of the
+    blocks before it, exchanged inside its call (``cube.runtime.scan``)."""
+    x = op.inputs[0]
+    d = _dim(_arg(op, 1, "dim"), x.ndim)
+    names = _Names()
+    g = ["1" if s == 1 else names() + ("~" if k == d else "") for k, s in enumerate(x.shape)]
+    return _anno([g], [g])
+
+
 # ----------------------------------------------------------------------------- matmul family
 def linear(op: IRFwOperation) -> str:
     x = op.inputs[0]
@@ -735,7 +746,8 @@ RULES: Dict[str, Rule] = {
     "group_norm": group_norm, "conv_transpose": conv_transpose,
     "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
-    "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax, cumsum: dim is whole
+    "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax: dim is whole
+    "scan": scan,                                                 # cumsum: dim split, a scan inside the call
     "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
     "split": split, "unbind": unbind, "scatter": scatter, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
