@@ -56,6 +56,32 @@ def _wait(work) -> None:
     work.wait()
 
 
+def class_rows(logits: torch.Tensor, target: torch.Tensor):
+    """``(N, C)`` rows and ``(N,)`` targets of an ``(N, C, d1, ...)`` cross entropy whose classes are
+    innermost in memory (``logits.permute(0, 2, 1)`` of ``(B, S, C)`` logits,
+    ``cube.trace.rows.unflatten_loss``): a view, where ``log_softmax`` along dim 1 would first copy
+    the logits (and run 4-7 times as long on a CPU). Other logits are returned as they are."""
+    if logits.dim() > 2 and logits.stride(1) == 1 and logits.shape[1] > 1:
+        return logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)
+    return logits, target
+
+
+def _cross_entropy_loss(logits, target, weight=None, reduction: int = 1, ignore_index: int = -100,
+                        label_smoothing: float = 0.0):
+    rows, flat = class_rows(logits, target)
+    out = torch.ops.aten.cross_entropy_loss.default(rows, flat, weight, reduction, ignore_index, label_smoothing)
+    return out.view(target.shape) if reduction == 0 else out
+
+
+_lib = torch.library.Library("cube_loss", "FRAGMENT")
+_lib.define("cross_entropy_loss(Tensor self, Tensor target, Tensor? weight=None, int reduction=1, "
+            "SymInt ignore_index=-100, float label_smoothing=0.0) -> Tensor")
+torch.library.impl("cube_loss::cross_entropy_loss", "CompositeImplicitAutograd", lib=_lib)(_cross_entropy_loss)
+# ``aten.cross_entropy_loss`` with its schema and meaning, computed on class rows where the classes are innermost
+# in memory (``class_rows``): what ``cube.trace.rows.unflatten_loss`` calls on its ``(B, C, S)`` logits
+cross_entropy_loss = torch.ops.cube_loss.cross_entropy_loss.default
+
+
 def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
                        ignore_index: int = -100, label_smoothing: float = 0.0,
                        ranks: Sequence[int] = (), count: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -64,7 +90,8 @@ def cross_entropy_part(logits: torch.Tensor, target: torch.Tensor, weight: Optio
     is computed)."""
     pending = (count, None) if count is not None else \
         _start_denominator(target, weight, ignore_index, ranks, logits.dtype)
-    total = F.cross_entropy(logits, target, weight, ignore_index=ignore_index, reduction="sum",
+    rows, flat = class_rows(logits, target)
+    total = F.cross_entropy(rows, flat, weight, ignore_index=ignore_index, reduction="sum",
                             label_smoothing=label_smoothing)
     return _divide(total, pending)
 

@@ -41,8 +41,9 @@ rewritten only when:
 A loss reads flattened rows the same way: language models end with
 ``cross_entropy(logits.view(-1, V).float(), labels.view(-1))``, the sequence the inner factor of
 the rows. :func:`unflatten_loss` computes the same loss on ``(B, V, S)`` logits
-(``cross_entropy(logits.float().permute(0, 2, 1), labels)``), whose sequence dim a context or
-sequence split keeps: no rank gathers the logits, the largest activation of the model. A mean
+(``cross_entropy(logits.float().permute(0, 2, 1), labels)``, computed on the class rows of each
+piece without copying the permuted logits: ``cube.runtime.ops.cross_entropy_loss``), whose sequence
+dim a context or sequence split keeps: no rank gathers the logits, the largest activation of the model. A mean
 over ``(B, S)`` targets is the mean over the ``B * S`` rows (``ignore_index``, class weights and
 label smoothing mean the same per element), and a sum is the sum; only the order of the
 additions differs.
@@ -410,7 +411,8 @@ def _rewrite_loss(loss: IRFwOperation, merge: IRFwOperation, casts: List[IRFwOpe
     permute = _make(loss, aten.permute.default, "permute", (cur, order), {}, [moved], registry)
     z, t = loss.args[0], loss.args[1]
     swap = lambda a: moved if a is z else y if a is t else a   # noqa: E731
-    new = _make(loss, loss.target, loss.name, _deep(tuple(loss.args), swap), _deep(dict(loss.kwargs), swap),
+    from cube.runtime.ops import cross_entropy_loss   # aten's, on class rows: no copy of the permuted logits
+    new = _make(loss, cross_entropy_loss, loss.name, _deep(tuple(loss.args), swap), _deep(dict(loss.kwargs), swap),
                 list(loss.outputs), registry)
     out[id(loss)] = [permute, new]
     return out
