@@ -349,8 +349,6 @@ _MOE = ("mixtral", "mixtral_bmm", "qwen2_moe", "qwen2_moe_bmm", "deepseek_v2")
 _TOKENS = "the MoE layer views (batch, sequence) as one token dim, whose split along the inner factor is no box"
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("lost at op 'view'", _TOKENS) for m in _MOE for p in ("sp", "cp")},
-    ("falcon", "sp"): ("lost at op 'slice'", "the fused QKV's per-head slices under the sequence split"),
-    ("swin", "sp"): ("lost at op 'layer_norm'", "the norm after the patch merging, whose tokens mix windows"),
     ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
     ("t5", "cp"): ("lost at op 'scaled_dot_product_attention'", "attention with an additive position bias mask"),
 }

@@ -97,7 +97,12 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
     Args:
         start: op id -> (idx, dim) splits to make regardless of tracked inputs
             (e.g. a column linear split on its weight).
-        flow: an earlier result to extend (it is copied, not changed).
+        flow: an earlier result to extend (it is copied, not changed). Its splits stand as made,
+            and its ``tracked`` alone says which of their outputs carry them: the output of an op
+            it splits but does not follow (a key/value projection with fewer heads than ``num``,
+            gathered: ``_gathered_columns``; a weight's transpose) is whole here too, so the split
+            is not followed on into ops ``flow`` keeps whole (a single key head's rotary slices
+            under sequence parallel).
         whole: ops it says True of (and not split by ``flow`` or ``start``) stay whole; the split
             dim is still followed through them when they could carry it, so a later op may run
             on a piece of their output.
@@ -115,13 +120,13 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             continue
         if id(op) in start:
             choice = start[id(op)]
-        elif id(op) in out.splits:
+        elif id(op) in out.splits:   # split by ``flow``, whose ``tracked`` already says where its outputs go
             choice = out.splits[id(op)][1:]
             if _ends_inside(op, *choice):   # its outputs are whole: a split of another dim goes on through it
                 other = _choose(op, out, num)
                 if other is not None:
                     _carry(op, *other, out.tracked)
-                continue
+            continue
         else:
             choice = _choose(op, out, num)
             if choice is not None and whole is not None and whole(op):
