@@ -352,7 +352,6 @@ GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     ("falcon", "sp"): ("lost at op 'slice'", "the fused QKV's per-head slices under the sequence split"),
     ("swin", "sp"): ("lost at op 'layer_norm'", "the norm after the patch merging, whose tokens mix windows"),
     ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
-    ("t5", "cp"): ("lost at op 'scaled_dot_product_attention'", "attention with an additive position bias mask"),
 }
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
