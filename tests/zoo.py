@@ -350,7 +350,6 @@ _TOKENS = "the MoE layer views (batch, sequence) as one token dim, whose split a
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("lost at op 'view'", _TOKENS) for m in _MOE for p in ("sp", "cp")},
     ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
-    ("t5", "cp"): ("lost at op 'scaled_dot_product_attention'", "attention with an additive position bias mask"),
 }
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")

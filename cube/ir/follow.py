@@ -271,12 +271,19 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     logits is not one, ``cube.trace.rows.unflatten_loss`` gives it the sequence back), the split of an
     activation goes on along the batch when ``num`` divides it, so it is exchanged all-to-all rather
     than gathered whole on every rank. (Before an attention that would end the ring: a flatten
-    there, as in Hugging Face's ``Conv1D``, leaves the sequence split only where it reaches.)"""
+    there, as in Hugging Face's ``Conv1D``, leaves the sequence split only where it reaches.)
+
+    Metadata computed from the batch alone is computed whole on every rank where its split would be
+    lost (``_metadata``, ``_lost_metadata``: a padding mask whose key dim reaches ring attention)."""
     data = graph.select(ntype=IRDataOperation)[0]
     seeds = {id(t): 1 for t in data.outputs if t.ndim > 1}
     flow = follow(graph, seeds, num)
     meta = _metadata(graph, data, flow)
     if meta:
+        flow = follow(graph, seeds, num, drop=meta)
+    lost = _lost_metadata(graph, data, flow)
+    if lost:
+        meta |= lost
         flow = follow(graph, seeds, num, drop=meta)
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside in ("ring", "gather_kv")]
@@ -306,14 +313,7 @@ def _metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
     ``cumsum``/``scatter``/``gather`` for a ``flex_attention`` mask that reads them whole). Each rank
     computes them whole from its whole batch, as torchtitan builds its masks, instead of splitting
     them and gathering their outputs for the readers (a lost split)."""
-    free = {id(t) for t in data.outputs}
-    ops: List[IRFwOperation] = []
-    for op in graph.ops:
-        if isinstance(op, IRFwOperation) and op.outputs and \
-                all(id(t) in free or t.kind is TensorKind.CONST for t in op.inputs) and \
-                not any(t.requires_grad for t in op.outputs):
-            ops.append(op)
-            free.update(id(t) for t in op.outputs)
+    ops = _batch_only(graph, data)
     readers: Dict[int, List[IRFwOperation]] = {}
     for op in graph.ops:
         for t in op.inputs:
@@ -338,19 +338,71 @@ def _metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
         else:
             if split_out:
                 meta.add(id(op))
-    # an op is dropped only with everything it reads from the batch: its makers too
+    return _with_makers(ops, meta)
+
+
+def _batch_only(graph: IRGraph, data: IRDataOperation) -> List[IRFwOperation]:
+    """The ops computing from the batch alone (every input the batch, a constant or such an op's
+    output), with no gradient and no parameter: every rank can compute them whole."""
+    free = {id(t) for t in data.outputs}
+    ops: List[IRFwOperation] = []
+    for op in graph.ops:
+        if isinstance(op, IRFwOperation) and op.outputs and \
+                all(id(t) in free or t.kind is TensorKind.CONST for t in op.inputs) and \
+                not any(t.requires_grad for t in op.outputs):
+            ops.append(op)
+            free.update(id(t) for t in op.outputs)
+    return ops
+
+
+def _with_makers(ops: List[IRFwOperation], chosen: Set[int]) -> Set[int]:
+    """``chosen`` (ids of ``ops``) with the ops of ``ops`` making what they read: an op is dropped
+    only with everything it reads from the batch."""
     makers = {id(t): op for op in ops for t in op.outputs}
-    keep = set()
-    for op in ops:
-        if id(op) in meta:
-            todo = [op]
-            while todo:
-                o = todo.pop()
-                if id(o) in keep:
-                    continue
-                keep.add(id(o))
-                todo.extend(makers[id(t)] for t in o.inputs if id(t) in makers)
+    keep: Set[int] = set()
+    todo = [op for op in ops if id(op) in chosen]
+    while todo:
+        o = todo.pop()
+        if id(o) in keep:
+            continue
+        keep.add(id(o))
+        todo.extend(makers[id(t)] for t in o.inputs if id(t) in makers)
     return keep
+
+
+def _lost_metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
+    """Metadata ops (``_batch_only``) whose split reaches, through ops that carry it, an op that cannot
+    split along it, and nothing else does: a padding mask (batch, 1, 1, keys) added to a learned
+    position bias is split along its keys, which ring attention keeps whole. Each rank computes them
+    whole instead (the readers take their blocks of a whole tensor locally), as ``_metadata`` does
+    for ops whose own readers cannot split. A split an activation brings (a path back to the batch
+    through an op that is not metadata) is left to be reported lost."""
+    ops = _batch_only(graph, data)
+    meta = {id(op) for op in ops}
+    made = {id(t): op for op in graph.ops for t in op.outputs}
+    chosen: Set[int] = set()
+    for op in flow.blocked:
+        if op.anno is None:
+            continue
+        legal = op.algorithms("dim").legal()
+        bad = [t for i, t in enumerate(op.inputs) if id(t) in flow.tracked and (i, flow.tracked[id(t)]) not in legal]
+        origins: Set[int] = set()
+        todo, seen = list(bad), set()
+        while todo:
+            t = todo.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            maker = made.get(id(t))
+            if maker is not None and id(maker) in meta:
+                origins.add(id(maker))
+            elif maker is not None and id(maker) in flow.splits:
+                todo.extend(x for x in maker.inputs if id(x) in flow.tracked)
+            else:   # the batch read by an op that is not metadata, or a split from elsewhere
+                break
+        else:
+            chosen |= origins
+    return _with_makers(ops, chosen) if chosen else set()
 
 
 def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:

@@ -251,8 +251,10 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     ``n - 1`` hops again with their gradients ``n`` hops. Under a causal mask the blocks are put in
     zigzag order and back (``reorder``): cube's layouts hold contiguous blocks, and every op but
     attention is indifferent to the order of tokens, so only this call pays for the balance. A
-    mask tensor's rows stay with their queries; its blocks stay contiguous (whether it is causal
-    is data), and chunk pairs it hides wholly are skipped at run time."""
+    mask tensor's rows stay with their queries (under zigzag they move with them, and the
+    gradient of a mask that needs one moves back); its blocks stay contiguous (whether it is
+    causal is data), and chunk pairs it hides wholly are skipped at run time. A mask's gradient
+    (a learned position bias) is computed on its rows where they are: nothing more travels."""
     root = op.root
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
     pos, n = _position(op, f)
@@ -272,13 +274,17 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
         home, zig = ring.contiguous(n), ring.zigzag(n)
         qkv_chunk = (math.prod(q) + math.prod(k) + math.prod(v)) * itemsize // 2
         out_chunk = math.prod(out) * itemsize // 2
+        # the mask's rows go with the queries (when it has rows), its gradient back when it needs one
+        mask = root.inputs[3] if len(root.inputs) > 3 and root.inputs[3].shape[-2] != 1 else None
+        rows = 0 if mask is None else math.prod(box_shape(layout.inputs[3])) * mask.dtype.itemsize // 2
+        fw_in, bw_in = qkv_chunk + rows, qkv_chunk + (rows if mask is not None and mask.requires_grad else 0)
         (se, re_), (sx, rx) = ring.moves(home, zig, pos), ring.moves(zig, home, pos)
-        for p in sorted(set(se) | set(sx)):   # backward: the output's gradient in, q, k, v's out
-            reorder.append((ranks[p], se.get(p, 0) * qkv_chunk + sx.get(p, 0) * out_chunk,
-                            se.get(p, 0) * out_chunk + sx.get(p, 0) * qkv_chunk))
+        for p in sorted(set(se) | set(sx)):   # backward: the output's gradient in, q, k, v's (and the mask's) out
+            reorder.append((ranks[p], se.get(p, 0) * fw_in + sx.get(p, 0) * out_chunk,
+                            se.get(p, 0) * out_chunk + sx.get(p, 0) * bw_in))
         for p in sorted(set(re_) | set(rx)):
-            reorder_recvs.append((ranks[p], re_.get(p, 0) * qkv_chunk + rx.get(p, 0) * out_chunk,
-                                  re_.get(p, 0) * out_chunk + rx.get(p, 0) * qkv_chunk))
+            reorder_recvs.append((ranks[p], re_.get(p, 0) * fw_in + rx.get(p, 0) * out_chunk,
+                                  re_.get(p, 0) * out_chunk + rx.get(p, 0) * bw_in))
     args = tuple(op.inputs[:4])   # q, k, v and a mask's rows (they stay: only keys and values travel)
     return Inside("runtime.ring.attention", args, kwargs,
                   p2p=((nxt, (n - 1) * kv),), recvs=((prv, (n - 1) * kv),),

@@ -19,6 +19,13 @@ point-to-point exchange (:class:`Rechunk`), whose adjoint is the reverse move.
 Chunk pairs are computed with matmul and softmax in (at least) float32, exactly
 the math of ``F.scaled_dot_product_attention``; a pair wholly in the future of
 its queries is skipped.
+
+A mask tensor's rows stay with their queries (each rank holds its block of rows
+over every key; under zigzag its rows move along with the queries). An
+additive float mask may need a gradient (T5's learned position bias): the
+gradient of a chunk pair's scores is the gradient of the mask's entries it
+read, so backward fills this rank's rows of ``d(mask)`` key block by key block
+(summed over the dims the mask broadcasts), in float32 like the rest.
 """
 from __future__ import annotations
 
@@ -101,6 +108,23 @@ def _mask_block(mask: Optional[torch.Tensor], i: int, m: int, kc: int, cols: int
     return rows if rows.shape[-1] == 1 else rows[..., kc * cols:(kc + 1) * cols]
 
 
+def _mask_grad(mask: Optional[torch.Tensor], dt: torch.dtype, need: bool) -> Optional[torch.Tensor]:
+    """Zeros for this rank's rows of the mask's gradient (in ``dt``), or None when it needs none."""
+    if mask is None or not need:
+        return None
+    return torch.zeros(mask.shape, dtype=dt, device=mask.device)
+
+
+def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, i: int, m: int, kc: int, cols: int) -> None:
+    """Adds a chunk pair's score gradient ``ds`` to the mask entries it read (:func:`_mask_block`'s
+    block of ``dmask``), summed over the dims the mask broadcasts."""
+    block = _mask_block(dmask, i, m, kc, cols)
+    lead = ds.ndim - block.ndim
+    g = ds.sum(dim=tuple(range(lead))) if lead else ds
+    dims = tuple(d for d in range(block.ndim) if block.shape[d] == 1 and g.shape[d] != 1)
+    block.add_(g.sum(dim=dims, keepdim=True) if dims else g)
+
+
 def _scores(q, k, scale, kind, mask):
     """Scaled scores of a query chunk against a key chunk, the causal triangle (``kind="diag"``)
     and the mask applied; None when the mask hides every pair (the chunk pair is skipped)."""
@@ -175,6 +199,7 @@ class _Ring(Function):
         lses = _finite(lse).chunk(m, dim=-1)
         deltas = (dout.to(dt) * out).sum(-1).chunk(m, dim=-1)   # rowsum(dO * O): softmax's backward
         dq = [torch.zeros_like(x) for x in qs]
+        dmask = _mask_grad(mask, dt, ctx.needs_input_grad[3])
         kk, vv = k, v
         grad_works, grad_bufs = (), None
         for s in range(n):
@@ -191,6 +216,8 @@ class _Ring(Function):
                 p = torch.exp(sc - lses[i].unsqueeze(-1))
                 dvs[j].add_(torch.matmul(p.transpose(-2, -1), dos[i]))
                 ds = p * (torch.matmul(dos[i], vs[j].transpose(-2, -1)) - deltas[i].unsqueeze(-1))
+                if dmask is not None:   # the scores' gradient is the gradient of the mask entries added
+                    _add_mask_grad(dmask, ds, i, m, kc, cols)
                 dq[i].add_(torch.matmul(ds, ks[j]) * scale)
                 dks[j].add_(torch.matmul(ds.transpose(-2, -1), qs[i]) * scale)
             dk, dv = _fold(dk, k.shape[-3]), _fold(dv, v.shape[-3])
@@ -204,7 +231,8 @@ class _Ring(Function):
                 kk, vv = (b.to(k.device) for b in bufs)
         _wait(grad_works)   # after n hops: this rank's own block, with every rank's contribution
         dk, dv = grad_bufs[0].to(k.device), grad_bufs[1].to(v.device)
-        return (torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)) + (None,) * 6
+        dmask = None if dmask is None else dmask.to(mask.dtype)
+        return (torch.cat(dq, dim=-2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask) + (None,) * 5
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -246,6 +274,14 @@ class Rechunk(Function):
         return (None, None, None, None) + tuple(_move(grads, ranks, pos, dst, src))
 
 
+def _rows_to(mask: torch.Tensor, ranks, pos: int, src: geometry.Layout, dst: geometry.Layout) -> torch.Tensor:
+    """A mask's rows moved along with their queries: a move of its own, so its gradient moves back
+    only when it needs one; a boolean mask travels as bytes (not every backend sends bool)."""
+    if mask.dtype == torch.bool:
+        return _move([mask.view(torch.uint8)], ranks, pos, src, dst)[0].view(torch.bool)
+    return Rechunk.apply(ranks, pos, src, dst, mask)[0]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None, *,
               ranks: Sequence[int], pos: int, causal: bool = False, scale: Optional[float] = None,
               balance: bool = True) -> torch.Tensor:
@@ -259,6 +295,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
         mask: this rank's rows of a boolean (True: attend) or additive mask over every key,
             ``(..., L/n, L)`` (dims of size 1 broadcast); chunk pairs it hides wholly are skipped,
             but its blocks stay contiguous (cube cannot tell a causal mask tensor from another).
+            An additive mask that requires grad gets its rows' gradient; under ``causal`` with
+            ``balance`` its rows go to zigzag order with the queries (and their gradient back).
         ranks: the ring's ranks in block order.
         pos: this rank's block.
         balance: under ``causal``, compute in zigzag order (equal work on every rank) at the cost
@@ -273,6 +311,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[
     if causal and balance and n > 1:
         zig = geometry.zigzag(n)
         q, k, v = Rechunk.apply(ranks, pos, home, zig, q, k, v)
+        if mask is not None and mask.shape[-2] != 1:
+            mask = _rows_to(mask, ranks, pos, home, zig)
         out = _Ring.apply(q, k, v, mask, ranks, pos, zig, causal, scale)
         return Rechunk.apply(ranks, pos, zig, home, out)[0]
     return _Ring.apply(q, k, v, mask, ranks, pos, home, causal, scale)

@@ -143,8 +143,9 @@ def sdpa(op: IRFwOperation) -> str:
     head: multi-query attention splits its query heads). With queries and
     keys of one length and no dropout, the sequence ``l~`` splits q, k and v alike and a piece runs
     ring attention (``OpInfo.inside="ring"``), an attention mask split along its rows (each rank
-    keeps its queries' rows over every key); otherwise (cross-attention, dropout, a mask that needs
-    a gradient) a split of the queries (``l``, frozen under ``is_causal``) reads the keys whole."""
+    keeps its queries' rows over every key) and its heads with the heads (a per-head additive bias,
+    T5's, learned: the ring returns its rows' gradient); otherwise (cross-attention, dropout) a split
+    of the queries (``l``, frozen under ``is_causal``) reads the keys whole."""
     q, k, v = op.inputs[:3]
     causal = bool(_arg(op, 5, "is_causal", False))
     gqa = bool(op.kwargs.get("enable_gqa", False)) or q.shape[:-2] != k.shape[:-2]
@@ -156,8 +157,7 @@ def sdpa(op: IRFwOperation) -> str:
     h = "h" if mqa or not gqa else "h^"
     kh = "1" if mqa else h
     masked = len(op.inputs) > 3
-    ring = q.shape[-2] == k.shape[-2] and not _arg(op, 4, "dropout_p", 0.0) and not (
-        masked and op.inputs[3].requires_grad)
+    ring = q.shape[-2] == k.shape[-2] and not _arg(op, 4, "dropout_p", 0.0)
     rows = "l~" if ring else "l^" if causal else "l"
     keys = "l~" if ring else "s^"
     ins = [batch + [h, rows, "e^"], batch + [kh, keys, "e^"], batch + [kh, keys, "f"]]
