@@ -221,6 +221,7 @@ def defer_weight_grads(plan: RankPlan, skip: FrozenSet[int] = frozenset()) -> No
     flow back through what made it during B), except the ops ``skip`` holds (logical op ids: the
     first stage's, whose input gradients nobody waits for, so splitting would only cost)."""
     params = {id(t) for t, _ in plan.attrs if t.kind is TensorKind.PARAM and t.requires_grad}
+    made = {id(o): c for c in plan.calls if c.op is not None for o in c.op.outputs}
     for call in plan.calls:
         op = call.op
         if op is None or op.name not in DEFERRABLE or id(op.root) in skip:
@@ -228,6 +229,10 @@ def defer_weight_grads(plan: RankPlan, skip: FrozenSet[int] = frozenset()) -> No
         _, k, fn = DEFERRABLE[op.name]
         if len(op.inputs) > k:
             w = op.inputs[k]
+            t = made.get(id(w))
+            if op.name == "linear" and t is not None and t.op.name == "t" and len(t.op.inputs) == 1 and \
+                    t.subst.get(id(t.op.inputs[0]), t.op.inputs[0]) is t.op.inputs[0]:
+                w = t.op.inputs[0]   # linear(x, p.t(), b): the parameter's gradient (runtime.zb.linear)
             if id(w) in params and call.subst.get(id(w), w) is w and (op.name == "linear" or w.ndim == 2):
                 call.defer_wgrad = f"runtime.zb.{fn}"
 

@@ -109,11 +109,26 @@ def _split(x: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], transpos
     return out
 
 
+def _untransposed(w: torch.Tensor) -> Optional[torch.Tensor]:
+    """The 2-D leaf parameter ``w`` is the transpose of (``param.t()``: a view of it), or None."""
+    base = w._base
+    if w.ndim != 2 or base is None or not base.is_leaf or base.ndim != 2 or w.shape != base.shape[::-1] or \
+            w.stride() != base.stride()[::-1] or w.storage_offset() != base.storage_offset():
+        return None
+    return base
+
+
 @outside_graph
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``aten.linear`` whose weight gradient a B action defers to its W (see the module docstring)."""
+    """``aten.linear`` whose weight gradient a B action defers to its W (see the module docstring).
+    A weight that is the transpose of a parameter (Hugging Face's ``Conv1D`` weight ``(in, out)``,
+    run as ``linear(x, w.t(), b)`` on ``(batch, sequence)`` rows by ``cube.trace.rows``) defers the
+    parameter's own gradient: ``x @ w + b``."""
     if not _wants_grad(weight, bias):
         return F.linear(x, weight, bias)
+    base = _untransposed(weight)
+    if base is not None:
+        return _split(x, base, bias, False)
     return _split(x, weight, bias, True)
 
 
