@@ -256,11 +256,7 @@ def _ring(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     causal is data), and chunk pairs it hides wholly are skipped at run time. A mask's gradient
     (a learned position bias) is computed on its rows where they are: nothing more travels."""
     root = op.root
-    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
-    pos, n = _position(op, f)
-    ranks = group_of(by, r, (f,))
-    if len(ranks) != n:
-        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    _, pos, n, ranks = _one_factor(op, by, r)
     names = [a.name for a in root.target._schema.arguments]
     arg = dict(zip(names, root.args), **root.kwargs)
     causal, scale = bool(arg.get("is_causal", False)), arg.get("scale")
@@ -301,11 +297,7 @@ def _gather_kv(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pie
     queries meet the most keys: no load balancing (ring attention's zigzag) here."""
     import json
     root = op.root
-    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
-    pos, n = _position(op, f)
-    ranks = group_of(by, r, (f,))
-    if len(ranks) != n:
-        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    _, _, n, ranks = _one_factor(op, by, r)
     xs, spec = op.args[:2]
     start = layout.inputs[0][-2][0]   # this piece's first query
     spec = json.dumps(dict(json.loads(spec), q_start=start))
@@ -315,14 +307,25 @@ def _gather_kv(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pie
                   all_gather=kv, work=float(n))
 
 
-def _one_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
-    """The ranks of a piece split along its one ``~`` factor (a vocabulary, a scanned dim), in block order."""
+def _one_factor(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Tuple[str, int, int, Ranks]:
+    """``(factor, position, blocks, ranks)`` of a piece split along its one ``~`` factor (a sequence, a
+    vocabulary, a scanned dim, the experts): this piece's block along it, how many blocks, and the
+    ranks of its group in block order.
+
+    Raises:
+        CubeInternalError: the group does not hold one piece per block.
+    """
     (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    pos, n = _position(op, f)
     ranks = group_of(by, r, (f,))
-    if len(ranks) != _position(op, f)[1]:
-        raise CubeInternalError(f"{op.name} ({op.root.where()}): group {ranks} of "
-                                f"{_position(op, f)[1]} blocks along {f!r}")
-    return ranks
+    if len(ranks) != n:
+        raise CubeInternalError(f"{op.name} ({op.root.where()}): group {ranks} of {n} blocks along {f!r}")
+    return f, pos, n, ranks
+
+
+def _one_group(op: IRFwOperation, by: Dict[int, IROperator], r: int) -> Ranks:
+    """The ranks of a piece split along its one ``~`` factor, in block order."""
+    return _one_factor(op, by, r)[3]
 
 
 def _vocab_lookup(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
@@ -355,8 +358,7 @@ def _scan(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLay
     of the blocks before it; one all-reduce of every block's totals (``(n, *slice)`` in the dtype it
     computes in) in forward, and one of the gradient's totals in backward when its input needs one."""
     root = op.root
-    ranks = _one_group(op, by, r)
-    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
+    f, _, _, ranks = _one_factor(op, by, r)
     out = box_shape(layout.outputs[0])
     dim = next(k for k, d in enumerate(root.anno.outputs[0]) if d.head is not None and d.head.name == f)
     x = root.inputs[0]
@@ -373,11 +375,7 @@ def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Piece
     input of each all-to-all, of which a balanced router sends ``(n - 1) / n`` away (the simulator
     prices it, and a busiest rank receiving more, ``cube.sim.program``)."""
     root = op.root
-    (f,) = sorted({f for _, f, _, _ in _inside_splits(op)})
-    pos, n = _position(op, f)
-    ranks = group_of(by, r, (f,))
-    if len(ranks) != n:
-        raise CubeInternalError(f"{root.name} ({root.where()}): group {ranks} of {n} blocks along {f!r}")
+    f, _, _, ranks = _one_factor(op, by, r)
     w = next(i for i, t in enumerate(root.inputs) if t.kind.value == "param")
     first, stop = layout.inputs[w][0]
     rows = box_shape(layout.outputs[0])
