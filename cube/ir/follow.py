@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from cube.ir.dispatch import Dispatch, Region
-from cube.ir.graph import IRGraph
+from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
@@ -223,7 +223,7 @@ def _gathers(graph: IRGraph, flow: Flow, num: int, what: str,
     op ``skip`` says is whole by the flow's design."""
     if not flow.blocked:
         return
-    made = {id(t): op for op in graph.ops for t in op.outputs}
+    made = graph_makers(graph.ops)
 
     def split(t) -> bool:
         maker = made.get(id(t))
@@ -288,7 +288,7 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside in ("ring", "gather_kv")]
     start = {}
-    made = {id(t): op for op in graph.ops for t in op.outputs}
+    made = graph_makers(graph.ops)
     for op in flow.blocked if rings else ():
         if order[id(op)] < max(rings):
             continue
@@ -314,10 +314,7 @@ def _metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
     computes them whole from its whole batch, as torchtitan builds its masks, instead of splitting
     them and gathering their outputs for the readers (a lost split)."""
     ops = _batch_only(graph, data)
-    readers: Dict[int, List[IRFwOperation]] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            readers.setdefault(id(t), []).append(op)
+    readers = graph_readers(graph.ops)
     meta: Set[int] = set()
     for op in reversed(ops):
         split_out = False
@@ -379,7 +376,7 @@ def _lost_metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int
     through an op that is not metadata) is left to be reported lost."""
     ops = _batch_only(graph, data)
     meta = {id(op) for op in ops}
-    made = {id(t): op for op in graph.ops for t in op.outputs}
+    made = graph_makers(graph.ops)
     chosen: Set[int] = set()
     for op in flow.blocked:
         if op.anno is None:

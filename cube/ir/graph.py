@@ -282,6 +282,22 @@ class IRGraph:
         return "\n".join(lines)
 
 
+def readers(ops: Iterable[IROperator]) -> Dict[int, List[IROperator]]:
+    """Tensor id -> the ops of ``ops`` reading it, each once, in program order."""
+    out: Dict[int, List[IROperator]] = {}
+    for op in ops:
+        for t in op.inputs:
+            at = out.setdefault(id(t), [])
+            if not at or at[-1] is not op:
+                at.append(op)
+    return out
+
+
+def makers(ops: Iterable[IROperator]) -> Dict[int, IROperator]:
+    """Tensor id -> the op of ``ops`` making it."""
+    return {id(t): op for op in ops for t in op.outputs}
+
+
 def _by_letter(node: IROperator, letter: str) -> tuple:
     """The legal (idx, dim) whose dimension is ``letter`` in ``node.anno``.
 

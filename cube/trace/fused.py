@@ -57,7 +57,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from cube.ir.graph import IRGraph
+from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace.rules import Registry
@@ -111,15 +111,7 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
         ``graph`` itself when nothing is cut, else a new graph of the same model.
     """
     graph = split_params(graph, registry)
-    readers: Dict[int, List[IRFwOperation]] = {}
-    makers: Dict[int, IRFwOperation] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            at = readers.setdefault(id(t), [])
-            if not at or at[-1] is not op:
-                at.append(op)
-        for t in op.outputs:
-            makers[id(t)] = op
+    readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
     found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
              for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
     if not found:

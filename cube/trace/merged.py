@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from cube.ir.graph import IRGraph
+from cube.ir.graph import IRGraph, readers as graph_readers
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace.rules import Registry
@@ -193,12 +193,7 @@ def _rewrite(chain: List[IRFwOperation], registry: Registry) -> Optional[List[IR
 def unmerge(graph: IRGraph, registry: Registry) -> IRGraph:
     """``graph`` with every chain of layout ops through a transient merged dim (module docstring)
     rewritten; the graph itself when there is none."""
-    readers: Dict[int, List[IRFwOperation]] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            at = readers.setdefault(id(t), [])
-            if not at or at[-1] is not op:
-                at.append(op)
+    readers = graph_readers(graph.ops)
     replace: Dict[int, List[IRFwOperation]] = {}
     inside = set()
     for op in graph.ops:

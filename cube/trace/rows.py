@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from cube.errors import CubeInternalError
-from cube.ir.graph import IRGraph
+from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
@@ -92,15 +92,7 @@ def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
         ``graph`` itself when nothing is rewritten, else a new graph of the same model.
     """
     while True:
-        readers: Dict[int, List[IRFwOperation]] = {}
-        makers: Dict[int, IRFwOperation] = {}
-        for op in graph.ops:
-            for t in op.inputs:
-                at = readers.setdefault(id(t), [])
-                if op not in at:
-                    at.append(op)
-            for t in op.outputs:
-                makers[id(t)] = op
+        readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
         chains, used = [], set()
         order = {id(op): i for i, op in enumerate(graph.ops)}
         for op in graph.ops:
@@ -336,13 +328,7 @@ def unflatten_loss(graph: IRGraph, registry: Registry) -> IRGraph:
     Returns:
         ``graph`` itself when nothing is rewritten, else a new graph of the same model.
     """
-    readers: Dict[int, List[IRFwOperation]] = {}
-    makers: Dict[int, IRFwOperation] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            readers.setdefault(id(t), []).append(op)
-        for t in op.outputs:
-            makers[id(t)] = op
+    readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
     replace: Dict[int, List[IRFwOperation]] = {}
     for op in graph.ops:
         if isinstance(op, IRFwOperation) and op.name in _LOSSES:
