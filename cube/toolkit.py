@@ -40,8 +40,10 @@ def data_parallel(graph: IRGraph, over: Union[MeshDim, int], fuse: bool = True) 
     (``cube.ir.experts.fuse_local``): each rank runs it on its own tokens with every expert, no
     token gathered. A layer not proved stays as it is and runs whole on the tokens gathered
     (reported, ``cube.ir.lost``). Policies that stage a pipeline fuse before ``graph.staging``;
-    ``fuse=False`` keeps the layers as they are (a plan whose stage starts count the unfused ops,
-    or one that also splits the sequence)."""
+    ``fuse=False`` keeps the layers as they are (a plan whose stage starts count the unfused ops).
+    A fused layer and the row-wise ops around it (its router) run on the tokens' own dims, ``(B, S,
+    H)`` where the model merged them (``cube.ir.experts.unflatten``): a split of the sequence keeps
+    them too (fuse with the tokens' whole split, ``fuse_local(graph, dp * cp)``, before it)."""
     from cube.ir.experts import fuse_local
     n = _size(over)
     if fuse:

@@ -2,7 +2,8 @@
 the batch first fuses each MoE layer that cube proves token-local into one ``moe_experts`` op
 (``cube.toolkit.data_parallel`` -> ``cube.ir.experts.fuse_local``), so every rank runs its own
 tokens through every expert, no token gathered, and trains exactly like the plain model on the
-whole batch."""
+whole batch. A split of the sequence (context or sequence parallel) fuses them too, on the
+tokens' own ``(B, S)`` dims."""
 from __future__ import annotations
 
 import functools
@@ -47,6 +48,27 @@ def test_moe_layers_stay_data_parallel_and_exact(name, policy, world, opt):
     pas = PASData if policy == "data" else _TP2
     _assert_token_local(model, sample, pas, world)
     assert_exact(parity(model, sample, pas, world, steps=2, opt=opt))
+
+
+_SP = functools.partial(PASMegatron, tp=2, pp=1, nmicros=1, sp=True)
+
+
+@pytest.mark.parametrize("name,policy,world,opt", [
+    ("mixtral", "cp", 2, "sgd"),
+    pytest.param("qwen2_moe", "sp", 4, "sgd", marks=pytest.mark.slow),      # dp2 x tp2, sequence parallel
+    pytest.param("qwen3_moe", "cp", 4, "adamw", marks=pytest.mark.slow),    # dp2 x cp2
+])
+def test_moe_layers_keep_the_sequence_split(name, policy, world, opt):
+    """Under context and sequence parallel the fused layer and its router run on ``(B, S, .)``
+    tokens, where the model viewed them as ``(B * S, .)`` rows (``cube.ir.experts.unflatten``): no
+    split is lost with ``strict=True`` and the step equals the plain model's."""
+    from cube.policies.context import PASContext
+    model, sample = _model(name)
+    pas = functools.partial(PASContext, cp=2) if policy == "cp" else _SP
+    plan = cube.plan(model, sample, pas, world)
+    assert plan.lost == [], [r.describe() for r in plan.lost]
+    assert all("runtime.experts.moe(" in src and "lead=2" in src for src in plan.sources().values())
+    assert_exact(parity(model, sample, pas, world, steps=2, opt=opt, strict=True))
 
 
 @pytest.mark.slow

@@ -102,3 +102,35 @@ def test_rows_with_a_dropout_that_draws_nothing_keep_sequence_parallel():
     model, batch = zoo.build("opt")
     policy = functools.partial(PASMegatron, tp=2, pp=1, sp=True, nmicros=1)
     assert_exact(parity(model, batch, policy, 2, steps=2, opt="sgd", param_floor=zoo.PARAM_FLOOR, strict=True))
+
+
+class Router(nn.Module):
+    """A router written on ``(B*T, E)`` rows as MoE layers write it: the input viewed twice, a view
+    keeping the shape, top-k of the softmax, the weights renormalized by their sum along the rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.gate, self.up = nn.Embedding(50, E), nn.Linear(E, 4, bias=False), nn.Linear(E, E)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        rows, again = h.view(-1, E), h.view(-1, E)
+        top, _ = torch.topk(F.softmax(self.gate(rows.reshape(-1, E)), dim=-1), 2, dim=-1)
+        top = top / top.sum(dim=-1, keepdim=True)
+        out = self.up(again) * top.amax(dim=-1, keepdim=True)
+        return F.cross_entropy(out.view(x.shape[0], x.shape[1], E).sum(1), y)
+
+
+def test_router_rows_keep_the_sequence_split():
+    """``cube.trace.rows`` gives a router's rows their dims back through a second view of its
+    input, a view keeping the shape, ``topk`` and reductions along the rows (keepdim): context
+    parallel keeps the sequence split under ``strict=True``, exactly."""
+    from cube.policies.context import PASContext
+    from cube.trace import build_graph, export
+    model = Router()
+    gen = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (B, T), generator=gen), torch.randint(0, E, (B,), generator=gen))
+    graph, _ = build_graph(export(model, batch), model, "tuple")
+    assert not any(t.shape[:1] == (B * T,) for op in graph.ops for t in op.outputs), \
+        [op.name for op in graph.ops if any(t.shape[:1] == (B * T,) for t in op.outputs)]
+    assert_exact(parity(model, batch, functools.partial(PASContext, cp=2), 2, steps=2, opt="sgd", strict=True))

@@ -25,10 +25,12 @@ is refused with the op named.
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
+import math
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 
+from cube.errors import CubeInternalError
 from cube.ir.annotation import parse
 from cube.ir.dispatch import Region
 from cube.ir.graph import IRGraph
@@ -66,7 +68,8 @@ def fuse_experts(graph: IRGraph, num: int, capacity_factor: Optional[float] = No
                                         not isinstance(capacity_factor, (int, float)) or capacity_factor <= 0):
         raise ValueError(f"expert parallel: capacity_factor={capacity_factor!r} must be a positive number (each "
                          f"expert takes ceil(capacity_factor * tokens * top_k / experts) pairs) or None (dropless)")
-    return [_fuse(graph, r, capacity_factor) for r in regions]
+    fused = [_fuse(graph, r, capacity_factor) for r in regions]
+    return _tokens_back(graph) if capacity_factor is None else fused
 
 
 def fuse_local(graph: IRGraph, num: int) -> List[IRFwOperation]:
@@ -87,7 +90,21 @@ def fuse_local(graph: IRGraph, num: int) -> List[IRFwOperation]:
             fused.append(_fuse(graph, region))
         except ValueError as why:   # not a program cube can run on a piece of the tokens: the region
             logging.getLogger("cube").debug("data parallel keeps an MoE layer unfused: %s", why)   # stays
-    return fused
+    return _tokens_back(graph) if fused else fused
+
+
+def _tokens_back(graph: IRGraph) -> List[IRFwOperation]:
+    """Gives the fused layers of ``graph`` and the row-wise ops around them (the router) the dims
+    of the tokens back: ``(B, S, H)`` where the model viewed them as ``(B * S, H)``
+    (``cube.trace.rows``, run again now that each layer is one op), so that a split of the sequence
+    (sequence or context parallel) reaches them. Returns the fused ops, in program order."""
+    from cube.trace.rows import unflatten_rows   # a trace pass (cube.trace imports this module)
+    from cube.trace.rules import REGISTRY
+    new = unflatten_rows(graph, REGISTRY)
+    if new is not graph:
+        graph.ops = new.ops
+        graph._pos = {}
+    return expert_ops(graph)
 
 
 def has_sort(graph: IRGraph) -> bool:
@@ -139,6 +156,9 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
                     changed = True
     order = {id(op): i for i, op in enumerate(graph.ops)}
     ops.sort(key=lambda o: order[id(o)])
+    scaled = set(region.scaled)
+    prefix, outputs, views = _token_views(region, ops, inside, made, makers, readers, scaled)
+    ops = [op for op in ops if op in prefix] + [op for op in ops if op not in prefix]   # (after the ops they read)
     grouped = [op for op in ops if op.name in _GROUPED]
     if not grouped:
         raise _refuse(region.sort, "sorts the tokens by expert but no grouped matmul computes the experts")
@@ -203,11 +223,10 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
             if id(t) not in made and t.kind is not TensorKind.PARAM and all(t is not e for e in externals):
                 externals.append(t)
     for t in externals:
-        if id(t) not in region.scaled or t.ndim < 1:
+        if id(t) not in scaled or t.ndim < 1:
             raise _refuse(next(op for op in ops if t in op.inputs),
                           f"reads a tensor of shape {list(t.shape)} that is neither a token tensor of the batch nor "
                           f"an expert weight")
-    outputs = list(region.outputs)
     for op in ops:
         for t in op.outputs:
             if t not in outputs and any(id(r) not in inside for r in readers.get(id(t), ())):
@@ -215,6 +234,19 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     inputs = externals + weights
     slot: Dict[int, int] = {id(t): i for i, t in enumerate(inputs)}
     program = []
+
+    def emit(op: IRFwOperation) -> None:
+        for t in op.outputs:
+            slot[id(t)] = len(slot)
+        args = _refs(op.args, slot, op)
+        if id(op) in views and op.name != "flatten":   # the piece's own number of tokens
+            args = (args[0], [-1, *args[1][1:]]) + tuple(args[2:])
+        if id(op) in region.sizes:   # arange(M): on a rank, the number of its pairs (the sorted ids' length)
+            args = tuple(f"#{slot[id(region.sort.inputs[0])]}" if a == region.sizes[id(op)] else a for a in args)
+        program.append((op.target, args, _refs(op.kwargs, slot, op), tuple(slot[id(t)] for t in op.outputs)))
+
+    for op in ops[:len(prefix)]:   # the views of the token rows into pairs, then the recounts from the pairs' ids
+        emit(op)
     ids = region.sort.inputs[0]
     for t in {id(op.args[2] if len(op.args) > 2 else op.kwargs.get("offs")): None for op in grouped}:
         if t in region.recount:   # group offsets counted over the whole batch: this rank's own, from its ids
@@ -224,19 +256,10 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
             slot[t] = len(slot)
             program.append((torch.ops.aten.bincount.default, (f"%{slot[id(ids)]}", None, groups), {}, (counts,)))
             program.append((torch.ops.aten.cumsum.default, (f"%{counts}", 0), {"dtype": dtype}, (slot[t],)))
-    for op in ops:
-        for t in op.outputs:
-            slot[id(t)] = len(slot)
-        args = _refs(op.args, slot, op)
-        if id(op) in region.sizes:   # arange(M): on a rank, the number of its pairs (the sorted ids' length)
-            args = tuple(f"#{slot[id(region.sort.inputs[0])]}" if a == region.sizes[id(op)] else a for a in args)
-        program.append((op.target, args, _refs(op.kwargs, slot, op),
-                        tuple(slot[id(t)] for t in op.outputs)))
-    lead = len(program) - len(ops)   # the recounting steps before the region's own
-    rows = min(t.shape[0] for t in externals + outputs)
-    anno = ", ".join(_dims(t, rows, f"x{i}") for i, t in enumerate(externals)) + ", " + \
-        ", ".join(f"{EXPERT}~ " + " ".join(f"w{i}_{d}^" for d in range(1, p.ndim)) for i, p in enumerate(weights)) + \
-        " -> " + ", ".join(_dims(t, rows, f"o{i}") for i, t in enumerate(outputs))
+    for op in ops[len(prefix):]:
+        emit(op)
+    lead = len(program) - len(ops)   # the recounting steps before the region's own (after the views)
+    anno = _anno(externals, weights, outputs)
     kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
                   body=(ops.index(body[0]) + lead, ops.index(body[-1]) + lead), combine=slot[id(y)], experts=experts,
                   outputs=tuple(slot[id(t)] for t in outputs))
@@ -262,6 +285,81 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     return fused
 
 
+_VIEWS = frozenset("view reshape _unsafe_view flatten".split())
+_PAIR_SUMS = frozenset("sum mean amax amin".split())
+
+
+def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: dict, makers: dict, readers: dict,
+                 scaled: set) -> Tuple[List[IRFwOperation], List[IRTensor], Set[int]]:
+    """Joins to ``ops`` the views that turn a token tensor's rows into the region's pairs (Hugging
+    Face's ``top_k_index.reshape(-1)``) and the views and reductions over the pairs that give its
+    result back one row per token (``.view(T, k, H).sum(dim=1)``), when nothing else reads what they
+    read or make: the fused layer then reads and makes one row per token, rows a sequence split
+    keeps (``cube.trace.rows``). Each is token-local: a token's rows come from its own rows.
+
+    Returns:
+        The views joined before the region (its first ops, after the ops making what they read),
+        the layer's outputs and the ids of the views joined (their first size is the piece's own:
+        the program views them with ``-1`` there).
+    """
+    tokens = min(t.shape[0] for op in ops for t in op.inputs + op.outputs if id(t) in region.scaled and t.ndim)
+
+    def local(src: IRTensor, dst: IRTensor) -> bool:   # a row-major view keeping each token's rows together
+        return src.ndim >= 1 and dst.ndim >= 1 and src.shape[0] % tokens == 0 and dst.shape[0] % tokens == 0 and \
+            math.prod(src.shape) == math.prod(dst.shape)
+
+    views: Set[int] = set()
+
+    def join(op: IRFwOperation) -> None:
+        if op.name in _VIEWS:
+            views.add(id(op))
+        ops.append(op)
+        inside.add(id(op))
+        made.update((id(o), op) for o in op.outputs)
+
+    prefix: List[IRFwOperation] = []
+    changed = True
+    while changed:
+        changed = False
+        for op in list(ops):
+            for t in op.inputs:
+                m = makers.get(id(t))
+                if m is None or id(m) in inside or m.name not in _VIEWS or len(m.inputs) != 1 or \
+                        len(m.outputs) != 1 or m.inputs[0].kind is TensorKind.PARAM or id(t) not in scaled or \
+                        not local(m.inputs[0], t) or any(id(r) not in inside for r in readers.get(id(t), ())):
+                    continue
+                join(m)
+                prefix.append(m)
+                scaled.add(id(m.inputs[0]))
+                changed = True
+    outputs = list(region.outputs)
+    changed = True
+    while changed:
+        changed = False
+        for o in list(outputs):
+            rs = readers.get(id(o), [])
+            if not rs or any(len(r.inputs) != 1 or len(r.outputs) != 1 or r.outputs[0].ndim < 1 or
+                             not (r.name in _VIEWS and local(o, r.outputs[0]) or
+                                  r.name in _PAIR_SUMS and _off_rows(r) and r.outputs[0].shape[0] == o.shape[0])
+                             for r in rs):
+                continue
+            outputs.remove(o)
+            for r in rs:
+                join(r)
+                outputs.append(r.outputs[0])
+                scaled.add(id(r.outputs[0]))
+            changed = True
+    return prefix, outputs, views
+
+
+def _off_rows(op: IRFwOperation) -> bool:
+    """Whether ``op`` (a reduction) reduces dims other than the first only, keeping them."""
+    dim = op.args[1] if len(op.args) > 1 else op.kwargs.get("dim")
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else []
+    nd = op.inputs[0].ndim
+    return bool(dims) and all(isinstance(d, int) and d % nd != 0 for d in dims) and op.args[:1] == (op.inputs[0],)
+
+
 def _param_chain(t: IRTensor, makers: Dict[int, IRFwOperation]) -> bool:
     """Whether ``t`` is a parameter through transposes and casts alone (``w.bfloat16().t()``)."""
     while t.kind is not TensorKind.PARAM:
@@ -272,11 +370,51 @@ def _param_chain(t: IRTensor, makers: Dict[int, IRFwOperation]) -> bool:
     return True
 
 
-def _dims(t: IRTensor, rows: int, tag: str) -> str:
-    """``t``'s dims: its rows (``t``, or ``(t kc)`` for ``c`` rows per token), the rest whole."""
-    c = t.shape[0] // rows
-    head = TOKENS if c == 1 else f"({TOKENS} k{c})"
-    return " ".join([head] + [f"{tag}_{d}^" for d in range(1, t.ndim)])
+def _anno(tokens: List[IRTensor], weights: List[IRTensor], outputs: List[IRTensor], lead: int = 1) -> str:
+    """The annotation of a fused layer reading ``tokens`` and ``weights``, making ``outputs``: the
+    tokens along the leading dim(s), each expert weight along its experts (``e~``), the rest whole."""
+    rows = min(math.prod(t.shape[:lead]) for t in tokens + outputs)
+    return ", ".join(_dims(t, rows, f"x{i}", lead) for i, t in enumerate(tokens)) + ", " + \
+        ", ".join(f"{EXPERT}~ " + " ".join(f"w{i}_{d}^" for d in range(1, p.ndim)) for i, p in enumerate(weights)) + \
+        " -> " + ", ".join(_dims(t, rows, f"o{i}", lead) for i, t in enumerate(outputs))
+
+
+def _dims(t: IRTensor, rows: int, tag: str, lead: int = 1) -> str:
+    """``t``'s dims: its rows (``t``, or ``(t kc)`` for ``c`` rows per token; ``t t_1 ...`` for
+    ``lead`` dims of tokens), the rest whole."""
+    if lead > 1:
+        head = " ".join([TOKENS] + [f"{TOKENS}_{j}" for j in range(1, lead)])
+    else:
+        c = t.shape[0] // rows
+        head = TOKENS if c == 1 else f"({TOKENS} k{c})"
+    return " ".join([head] + [f"{tag}_{d}^" for d in range(lead, t.ndim)])
+
+
+def unflatten(op: IRFwOperation, tokens: List[IRTensor], outputs: List[IRTensor]) -> IRFwOperation:
+    """``op`` (a dropless ``moe_experts``) on tokens of ``lead`` dims: each token tensor ``(N, ...)``
+    given as ``(*lead, ...)``, each output made so (``cube.trace.rows``). The call merges the
+    leading dims of its piece of each token tensor and restores them on its outputs: the layer is
+    token-wise, so any block of the tokens (a block of the sequence, under a sequence or context
+    split) computes its own rows as the layer computes them on all of them.
+
+    Raises:
+        CubeInternalError: ``op`` is no dropless fused layer, or the shapes do not match its own.
+    """
+    w = weights_of(op)
+    old = [t for i, t in enumerate(op.inputs) if i not in w]
+    lead = tokens[0].ndim - old[0].ndim + 1 if tokens else 0
+    shape = tuple(tokens[0].shape[:lead]) if tokens else ()
+    if op.name != EXPERTS or op.kwargs.get("capacity") is not None or lead < 2 or len(tokens) != len(old) or \
+            any(tuple(t.shape[:lead]) != shape or t.shape[lead:] != o.shape[1:] or o.shape[0] != math.prod(shape)
+                for t, o in zip(tokens + outputs, old + list(op.outputs))) or len(outputs) != len(op.outputs):
+        raise CubeInternalError(f"{op.name} ({op.where()}): no dropless fused MoE layer on these tokens")
+    weights = [op.inputs[i] for i in w]
+    inputs = list(tokens) + weights
+    kwargs = dict(op.kwargs, lead=lead, tokens=len(tokens))
+    return IRFwOperation(EXPERTS, inputs=inputs, outputs=list(outputs), target=op.target, args=tuple(inputs),
+                         kwargs=kwargs, anno=parse(_anno(list(tokens), weights, list(outputs), lead), len(inputs)),
+                         module_path=op.module_path, source=op.source, grad_enabled=op.grad_enabled,
+                         recompute=op.recompute)
 
 
 def _refs(value, slot: Dict[int, int], op: IRFwOperation):

@@ -11,6 +11,7 @@ The devices form a ``("dp", "cp", "tp")`` mesh, tensor parallel innermost.
 from typing import Optional
 
 from cube.ir import IRGraph
+from cube.ir.experts import fuse_local
 from cube.mesh import DeviceMesh
 from cube.toolkit import apply_recompute, context_parallel, data_parallel, place_all, tensor_parallel
 
@@ -32,7 +33,8 @@ def PASContext(graph: IRGraph, resource, cp: Optional[int] = None, tp: int = 1, 
                          f"tensor parallel tp={tp} groups; pass cp= and tp= whose product divides the device "
                          f"count (the data parallel degree is devices / (cp * tp))")
     mesh = DeviceMesh(("dp", resource.ngpus // (cp * tp)), ("cp", cp), ("tp", tp))
-    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"], fuse=cp == 1), cp=context_parallel(graph, mesh["cp"]),
+    fuse_local(graph, mesh["dp"].size * cp)   # MoE layers: one op each, run on each rank's tokens (cube.ir.experts)
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), cp=context_parallel(graph, mesh["cp"]),
               tp=tensor_parallel(graph, mesh["tp"]))
     apply_recompute(graph, recompute)
     return graph

@@ -78,9 +78,10 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
             by all-to-all (``cube.toolkit.expert_parallel``). MoE layers that sort their tokens by
             expert (Hugging Face's grouped_mm experts: Mixtral, Qwen2-MoE, Qwen3-MoE) are first
             fused into one op each (``cube.toolkit.fuse_moe``): dropless, the all-to-all's split
-            sizes exchanged at run time. With ``ep=1`` (and ``cp=1``) on ``dp > 1`` the proved
-            ones are fused too (``cube.ir.experts.fuse_local``), before the stages are cut: each
-            data-parallel rank runs its own tokens through every expert.
+            sizes exchanged at run time. With ``ep=1`` on a plan that splits the tokens (``dp``,
+            ``cp`` or ``sp`` over more than one device) the proved ones are fused too
+            (``cube.ir.experts.fuse_local``), before the stages are cut: each rank runs its own
+            tokens (a block of the batch, of the sequence or both) through every expert.
         capacity_factor: with the fused MoE layers above, the GShard/Switch capacity rule instead
             of dropless: each expert takes at most ``ceil(capacity_factor * T * top_k / E)`` of the
             step's ``T * top_k`` (token, expert) pairs, ``T`` the tokens of the whole batch, kept
@@ -121,8 +122,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
                          f"it yet: use tp=1, pp=1, nmicros=1 (or drop capacity_factor for dropless experts)")
     if ep != 1 or capacity_factor is not None:   # MoE layers that sort their tokens by expert become one op each
         fuse_moe(graph, mesh["dp"].size, capacity_factor)   # (cube.ir.experts)
-    elif cp == 1:   # data parallel: the proved ones become one op each, run on each rank's own tokens
-        fuse_local(graph, mesh["dp"].size)
+    else:   # a split of the tokens: the proved ones become one op each, run on each rank's own tokens
+        fuse_local(graph, mesh["dp"].size * (mesh["tp"].size if sp else 1))   # (mesh["dp"] still counts cp)
     stages = graph.staging(stage_starts(graph, pp * nvirtual, cost=cost))
     if cp != 1 and ep != 1:
         raise ValueError(f"PASMegatron: cp={cp} and ep={ep} both take devices from dp; context and expert "

@@ -119,7 +119,7 @@ def _resolve(value, env: list):
 def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets: int, body: Tuple[int, int],
         combine: int, experts: int, outputs: Sequence[int], ranks: Sequence[int] = (), first: int = 0,
         local: Optional[int] = None, capacity: Optional[float] = None, perm: Optional[int] = None,
-        layer: str = "", batch: Sequence[int] = (), start: int = 0):
+        layer: str = "", batch: Sequence[int] = (), start: int = 0, lead: int = 1, tokens: int = 0):
     """This rank's piece of a fused MoE layer (module docstring).
 
     Args:
@@ -141,7 +141,12 @@ def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets:
         layer: the layer's name in :func:`dropped`.
         batch: the ranks holding the batch's tokens (capacity mode), any order; ``start``: the
             first token row of this rank's block (their order in the batch).
+        lead, tokens: the first ``tokens`` inputs hold the tokens along their first ``lead`` dims
+            (``cube.ir.experts.unflatten``): merged into one for the program, the outputs restored.
     """
+    shape = inputs[0].shape[:lead] if lead > 1 else None
+    if shape is not None:
+        inputs = tuple(x.reshape(-1, *x.shape[lead:]) for x in inputs[:tokens]) + tuple(inputs[tokens:])
     ranks = tuple(ranks) or (_me(),)
     n = len(ranks)
     local = experts if local is None else local
@@ -161,6 +166,8 @@ def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets:
             env[combine] = _combine(env[combine], saved)
             env[dispatch], env[offsets] = saved[0], saved[1]
     result = tuple(env[s] for s in outputs)
+    if shape is not None:
+        result = tuple(r.reshape(*shape, *r.shape[1:]) for r in result)
     return result[0] if len(result) == 1 else result
 
 

@@ -57,6 +57,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from cube.errors import CubeInternalError
+from cube.ir.experts import EXPERTS, unflatten as unflatten_experts, weights_of
 from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
@@ -75,6 +76,10 @@ _TRANSPOSES = {"t", "numpy_T", "transpose", "permute"}
 _DROPOUTS = {"dropout", "native_dropout"}
 
 
+_TOPK = {"topk"}
+_REDUCTIONS = {"sum", "mean", "amax", "amin"}   # along the last dim, keepdim=True: one value a row
+
+
 @dataclass
 class _Chain:
     """A merge, the row-wise ops after it (in graph order) and the views restoring their results."""
@@ -82,6 +87,7 @@ class _Chain:
     lead: Tuple[int, ...]
     ops: List[IRFwOperation]
     restores: Dict[int, IRFwOperation]   # id of a chain value -> the view restoring it
+    aliases: Dict[int, IRTensor]          # id of an op of ``ops`` making a value equal to this one
 
 
 def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
@@ -97,7 +103,9 @@ def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
         order = {id(op): i for i, op in enumerate(graph.ops)}
         for op in graph.ops:
             if isinstance(op, IRFwOperation) and op.name in _MERGES and id(op) not in used:
-                chain = _find(op, readers, makers, order, graph.loss)
+                # with the same merge of the same tensor elsewhere (a layer viewing its input twice) or alone
+                chain = _find(op, readers, makers, order, graph.loss, True) or \
+                    _find(op, readers, makers, order, graph.loss, False)
                 mine = {id(o) for o in [op, *chain.ops, *chain.restores.values()]} if chain else set()
                 if chain is not None and not mine & used:   # a view both restoring one chain and merging
                     chains.append(chain)                      # another is rewritten in the next round
@@ -111,9 +119,14 @@ def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
                         graph.loss, graph.name)
 
 
-def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor) -> Optional[_Chain]:
-    """The chain ``merge`` starts (module docstring), or None."""
-    if len(merge.inputs) != 1 or len(merge.outputs) != 1 or merge.args[:1] != (merge.inputs[0],):
+def _merges(op: IRFwOperation) -> bool:
+    return len(op.inputs) == 1 and len(op.outputs) == 1 and op.args[:1] == (op.inputs[0],)
+
+
+def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings: bool) -> Optional[_Chain]:
+    """The chain ``merge`` starts (module docstring), or None. With ``siblings``, the same merge
+    of the same tensor elsewhere joins the chain as an alias of ``merge``'s result."""
+    if not _merges(merge):
         return None
     x, u = merge.inputs[0], merge.outputs[0]
     if u.ndim < 2 or u is loss:
@@ -125,12 +138,24 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor) -> Optio
     if not any(math.prod(x.shape[:k]) == math.prod(rows) and math.prod(x.shape[k:]) == u.shape[-1]
                for k in range(len(rows) + 1, x.ndim + 1)):
         return None
-    # every op a value of the chain reaches; restoring views end it
-    inside, ops, restores, todo = {id(u)}, {}, {}, [u]
+    # every op a value of the chain reaches; restoring views end it; views keeping the shape are aliases
+    inside, ops, restores, todo, aliases = {id(u)}, {}, {}, [u], {}
+    for op in readers.get(id(x), []) if siblings else ():
+        if op is not merge and op.name in _MERGES and _merges(op) and op.outputs[0].shape == u.shape:
+            ops[id(op)], aliases[id(op)] = op, u
+            inside.add(id(op.outputs[0]))
+            todo.append(op.outputs[0])
+    if siblings and not aliases:
+        return None
     while todo:
         t = todo.pop()
         for op in readers.get(id(t), []):
             if id(op) in ops or op in restores.values():
+                continue
+            if op.name in _MERGES | _RESTORES and _merges(op) and op.outputs[0].shape == t.shape:
+                ops[id(op)], aliases[id(op)] = op, t
+                inside.add(id(op.outputs[0]))
+                todo.append(op.outputs[0])
                 continue
             if op.name in _RESTORES and op.inputs == [t] and t is not u and len(op.outputs) == 1:
                 if id(t) in restores:
@@ -156,16 +181,22 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor) -> Optio
         return None
     if any(r.outputs[0].shape[-1] != r.inputs[0].shape[-1] for r in restores.values()):
         return None
-    if any(_row(op, inside, rows, makers) is None for op in ops.values()):
+    if any(_row(op, inside, rows, makers) is None for op in ops.values() if id(op) not in aliases):
         return None
-    return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores)
+    return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores, aliases)
 
 
 def _rowish(op: IRFwOperation) -> bool:
     """Whether ``op`` is of a kind ``_row`` may find row-wise (a first look, before the chain is known)."""
     name = op.name
     return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name in _DROPOUTS or name == "addmm" or \
-        op_info(name).rule == "elementwise"
+        name in _TOPK or name in _REDUCTIONS or name == EXPERTS or op_info(name).rule == "elementwise"
+
+
+def _last(dim, ndim: int) -> bool:
+    """Whether ``dim`` (an int or a one-element list) names the last of ``ndim`` dims."""
+    dims = [dim] if isinstance(dim, int) else list(dim) if isinstance(dim, (list, tuple)) else None
+    return dims is not None and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % ndim == ndim - 1
 
 
 def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
@@ -178,6 +209,14 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
     """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
     arguments), or None."""
     if op.name in _DROPOUTS and _draws_nothing(op, inside):
+        return op.target, op.name, tuple(op.args), dict(op.kwargs)
+    if op.name == EXPERTS:   # a dropless fused MoE layer reading chain rows only: on tokens of any dims
+        weights = set(weights_of(op))
+        tokens = [t for i, t in enumerate(op.inputs) if i not in weights]
+        if op.kwargs.get("capacity") is not None or op.kwargs.get("lead", 1) != 1 or not tokens or \
+                any(id(t) not in inside for t in tokens) or \
+                any(op.inputs[i].kind is not TensorKind.PARAM for i in weights):
+            return None
         return op.target, op.name, tuple(op.args), dict(op.kwargs)
     if inplace.effect(op):
         return None
@@ -214,6 +253,20 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
             return None
         kwargs = dict(op.kwargs, dim=-1) if "dim" in op.kwargs else dict(op.kwargs)
         return op.target, name, ((first, -1) + args[2:] if len(args) > 1 else args), kwargs
+    if name in _TOPK:   # topk(x, k, dim=-1, largest, sorted): values and indices of each row
+        dim = args[2] if len(args) > 2 else op.kwargs.get("dim", -1)
+        if not only_first or not _last(dim, first.ndim):
+            return None
+        return op.target, name, (args[:2] + (-1,) + args[3:] if len(args) > 2 else args), \
+            (dict(op.kwargs, dim=-1) if "dim" in op.kwargs else dict(op.kwargs))
+    if name in _REDUCTIONS:   # sum(x, [-1], True): one value a row
+        dim = args[1] if len(args) > 1 else op.kwargs.get("dim")
+        keep = args[2] if len(args) > 2 else op.kwargs.get("keepdim", False)
+        if not only_first or not _last(dim, first.ndim) or keep is not True:
+            return None
+        if len(args) > 1:
+            return op.target, name, (first, [-1]) + args[2:], dict(op.kwargs)
+        return op.target, name, args, dict(op.kwargs, dim=[-1])
     if op_info(name).rule == "elementwise" and ins:
         last = op.outputs[0].shape[-1]
         if all(t.shape[-1] in (1, last) for t in ins) and all(_over_rows(t, rows) for t in out):
@@ -261,6 +314,9 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                                 (x, list(u2.shape)), {}, [u2], registry)]
     inside = set(new) | {id(o) for op in chain.ops for o in op.outputs}
     for op in chain.ops:
+        if id(op) in chain.aliases:   # the same value: its readers read the one it equals
+            new[id(op.outputs[0])], out[id(op)] = new[id(chain.aliases[id(op)])], []
+            continue
         made = _row(op, inside, u.shape[:-1], makers)
         if made is None:
             raise CubeInternalError(f"op {op.name!r} ({op.where()}) was found row-wise and is not any more")
@@ -280,6 +336,10 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                 made_ops.append(_make(op, aten.t.default, "t", (w,), {}, [wt], registry))
                 args = args[:i] + (wt,) + args[i + 1:]
         swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
+        if name == EXPERTS:
+            weights = set(weights_of(op))
+            out[id(op)] = [unflatten_experts(op, [swap(t) for i, t in enumerate(op.inputs) if i not in weights], outs)]
+            continue
         out[id(op)] = made_ops + [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
     return out
 
