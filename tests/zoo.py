@@ -351,7 +351,6 @@ _TOKENS = ("the batched_mm experts run on (token, expert) pairs of a (batch * se
            "pairs the tokens' dims yet")
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("lost at op 'view'", _TOKENS) for m in _BMM for p in ("sp", "cp")},
-    ("gemma2", "cp"): ("lost at op 'matmul'", "eager attention with logit soft-capping: no ring attention for it"),
 }
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")

@@ -285,9 +285,15 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     if lost:
         meta |= lost
         flow = follow(graph, seeds, num, drop=meta)
+    start: Dict[int, Tuple[int, int]] = {}
+    while True:   # eager attention: the scores' query rows, then the rows of their product with the values
+        rows = {id(op): (0, op.inputs[0].ndim - 2) for op in flow.blocked if _query_rows(op, flow, num)}
+        if not rows:
+            break
+        start.update(rows)
+        flow = follow(graph, seeds, num, start=start, drop=meta)
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside in ("ring", "gather_kv")]
-    start = {}
     made = graph_makers(graph.ops)
     for op in flow.blocked if rings else ():
         if order[id(op)] < max(rings):
@@ -303,6 +309,20 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     flow.empty = "no sequence dim found to split"
     _gathers(graph, flow, num, "context parallel")
     return flow
+
+
+def _query_rows(op: IRFwOperation, flow: Flow, num: int) -> bool:
+    """Whether ``op`` is a matmul of a block of query rows (its first input split along its rows)
+    by a tensor the flow splits along another dim: the keys of an eager attention (``q @ k.T``,
+    Gemma2's soft-capped scores), or its values (``softmax(scores) @ v``). Context parallel splits
+    it along the rows and reads the other input gathered, as the all-gather flavour of context
+    parallelism does (each rank holds the layer's keys and values whole for a moment, its scores
+    for its own queries only): exact, and no split of it is lost."""
+    if op.name not in ("matmul", "bmm") or len(op.inputs) != 2 or op.anno is None:
+        return False
+    a, b = op.inputs
+    return a.ndim >= 2 and flow.tracked.get(id(a)) == a.ndim - 2 and id(b) in flow.tracked and \
+        op.algorithms("dim").satisfy(0, a.ndim - 2, num)
 
 
 def _metadata(graph: IRGraph, data: IRDataOperation, flow: Flow) -> Set[int]:
