@@ -55,6 +55,7 @@ _SP = functools.partial(PASMegatron, tp=2, pp=1, nmicros=1, sp=True)
 
 @pytest.mark.parametrize("name,policy,world,opt", [
     ("mixtral", "cp", 2, "sgd"),
+    ("mixtral_bmm", "sp", 2, "sgd"),   # the batched_mm kernel: (token, expert) pairs as (B, S, k, .)
     pytest.param("qwen2_moe", "sp", 4, "sgd", marks=pytest.mark.slow),      # dp2 x tp2, sequence parallel
     pytest.param("qwen3_moe", "cp", 4, "adamw", marks=pytest.mark.slow),    # dp2 x cp2
 ])
@@ -63,11 +64,13 @@ def test_moe_layers_keep_the_sequence_split(name, policy, world, opt):
     tokens, where the model viewed them as ``(B * S, .)`` rows (``cube.ir.experts.unflatten``): no
     split is lost with ``strict=True`` and the step equals the plain model's."""
     from cube.policies.context import PASContext
-    model, sample = _model(name)
+    from tests.zoo import build
+    model, sample = build(name, 4) if name.endswith("_bmm") else _model(name)
     pas = functools.partial(PASContext, cp=2) if policy == "cp" else _SP
     plan = cube.plan(model, sample, pas, world)
     assert plan.lost == [], [r.describe() for r in plan.lost]
-    assert all("runtime.experts.moe(" in src and "lead=2" in src for src in plan.sources().values())
+    fused = "runtime.experts.moe(" if not name.endswith("_bmm") else "aten.matmul.default("
+    assert all(fused in src and ("lead=2" in src or "_bmm" in name) for src in plan.sources().values())
     assert_exact(parity(model, sample, pas, world, steps=2, opt=opt, strict=True))
 
 

@@ -345,13 +345,7 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
-_BMM = ("mixtral_bmm", "qwen2_moe_bmm")
-_TOKENS = ("the batched_mm experts run on (token, expert) pairs of a (batch * sequence) dim (a copy of each token "
-           "per expert, a weight gathered per pair): a sequence split of it is no box, and no rewrite gives the "
-           "pairs the tokens' dims yet")
-GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
-    **{(m, p): ("lost at op 'view'", _TOKENS) for m in _BMM for p in ("sp", "cp")},
-}
+GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {}   # none today: every installed model keeps every split
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 

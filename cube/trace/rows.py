@@ -31,7 +31,18 @@ rewritten only when:
   weight (it becomes ``linear``, aten having no N-D ``addmm``: of the weight's transpose's input, or
   of its transpose, a ``t`` op, for an ``(in, out)`` weight such as Hugging Face's ``Conv1D``'s), ops
   with the elementwise rule whose operands from outside broadcast over the rows (every dim but
-  the last of size 1), layer and RMS norm over the last dim, softmax along the last dim;
+  the last of size 1), layer and RMS norm over the last dim, softmax and ``topk`` along the last
+  dim, ``sum``/``mean``/``amax``/``amin`` along it keeping it (an MoE router's renormalized
+  weights), a fused MoE layer (``moe_experts``, dropless: ``cube.ir.experts.unflatten``; the pass
+  runs again after the fusion, ``cube.ir.experts._tokens_back``); views keeping a value's shape,
+  and the same merge of the same tensor elsewhere, are the value itself;
+- values of ``c`` rows per row (``(N * c, ...)``, or ``(N, c, ...)``: the (token, expert) pairs of
+  Transformers' ``batched_mm`` experts) run as ``(*lead, c, ...)``: ``repeat_interleave`` of the
+  rows along dim 0 (along a new dim after ``lead``), ``index`` of a weight from outside by the
+  pairs' expert ids, ``bmm`` of two such values (as ``matmul``), ``unsqueeze``, ``squeeze``,
+  ``chunk`` and reductions along dims past the rows (moved by the dims added in front),
+  elementwise ops of values of one shape, and views between ``(N * c, ...)`` and ``(N, c, ...)``
+  (the same tensor there); dim 0 is never an op's argument;
 - no op of the chain writes a tensor or draws random numbers (a draw follows the memory order,
   which the other shape may change), but a dropout of probability 0: it draws nothing (OPT's
   ``dropout(fc2(h))`` on its ``(B*T, E)`` rows, dropout off). A dropout that draws keeps the
@@ -78,6 +89,8 @@ _DROPOUTS = {"dropout", "native_dropout"}
 
 _TOPK = {"topk"}
 _REDUCTIONS = {"sum", "mean", "amax", "amin"}   # along the last dim, keepdim=True: one value a row
+# ops on rows of (token, expert) pairs, ``(N * k, ...)`` run as ``(*lead, k, ...)`` (``_pair``)
+_PAIRS = {"repeat_interleave", "index", "unsqueeze", "squeeze", "bmm", "chunk"}
 
 
 @dataclass
@@ -152,7 +165,8 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
         for op in readers.get(id(t), []):
             if id(op) in ops or op in restores.values():
                 continue
-            if op.name in _MERGES | _RESTORES and _merges(op) and op.outputs[0].shape == t.shape:
+            if op.name in _MERGES | _RESTORES and _merges(op) and (op.outputs[0].shape == t.shape or
+                                                                   _same_rows(t, op.outputs[0], rows)):
                 ops[id(op)], aliases[id(op)] = op, t
                 inside.add(id(op.outputs[0]))
                 todo.append(op.outputs[0])
@@ -166,7 +180,7 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
                 return None
             ops[id(op)] = op
             for o in op.outputs:
-                if o is loss or o.shape[:-1] != rows:
+                if o is loss or not (o.shape[:-1] == rows or _pair_rows(o, rows)):
                     return None
                 inside.add(id(o))
                 todo.append(o)
@@ -181,7 +195,7 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
         return None
     if any(r.outputs[0].shape[-1] != r.inputs[0].shape[-1] for r in restores.values()):
         return None
-    if any(_row(op, inside, rows, makers) is None for op in ops.values() if id(op) not in aliases):
+    if any(_row(op, inside, rows, makers, lead) is None for op in ops.values() if id(op) not in aliases):
         return None
     return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores, aliases)
 
@@ -190,7 +204,28 @@ def _rowish(op: IRFwOperation) -> bool:
     """Whether ``op`` is of a kind ``_row`` may find row-wise (a first look, before the chain is known)."""
     name = op.name
     return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name in _DROPOUTS or name == "addmm" or \
-        name in _TOPK or name in _REDUCTIONS or name == EXPERTS or op_info(name).rule == "elementwise"
+        name in _TOPK or name in _REDUCTIONS or name == EXPERTS or name in _PAIRS or \
+        op_info(name).rule == "elementwise"
+
+
+def _pair_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
+    """Whether ``t`` holds ``c >= 1`` rows per row of a one-dim ``rows``: ``(N * c, ...)``."""
+    return len(rows) == 1 and t.ndim >= 1 and t.shape[0] >= rows[0] and t.shape[0] % rows[0] == 0
+
+
+def _nd(t: IRTensor, rows: Tuple[int, ...], lead: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The shape ``t``, a chain value, takes on the unmerged dims: ``(*lead, ...)`` for one row
+    per row of ``rows``, ``(*lead, c, ...)`` for ``c`` (the pairs of a token and its ``c`` experts)."""
+    if t.shape[:-1] == rows and not _pair_rows(t, rows):
+        return tuple(lead) + tuple(t.shape[-1:])
+    c = t.shape[0] // rows[0]
+    return tuple(lead) + ((c,) if c > 1 else ()) + tuple(t.shape[1:])
+
+
+def _same_rows(a: IRTensor, b: IRTensor, rows: Tuple[int, ...]) -> bool:
+    """Whether a view of ``a`` as ``b`` is the same tensor on the unmerged dims (``(N, k)`` and
+    ``(N * k,)``; ``(N * k, H)`` and ``(N, k, H)``)."""
+    return _pair_rows(a, rows) and _pair_rows(b, rows) and _nd(a, rows, ()) == _nd(b, rows, ())
 
 
 def _last(dim, ndim: int) -> bool:
@@ -205,9 +240,12 @@ def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
     return t.ndim <= len(rows) + 1 and all(s == 1 for s in t.shape[:-1])
 
 
-def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tuple, dict]]:
+def _row(op: IRFwOperation, inside, rows, makers, lead) -> Optional[Tuple[Any, str, tuple, dict]]:
     """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
     arguments), or None."""
+    if any(id(t) in inside and t.shape[:-1] != rows for t in op.inputs) or \
+            any(t.shape[:-1] != rows for t in op.outputs):
+        return _pair(op, inside, rows, lead)   # some value of (token, expert) pairs
     if op.name in _DROPOUTS and _draws_nothing(op, inside):
         return op.target, op.name, tuple(op.args), dict(op.kwargs)
     if op.name == EXPERTS:   # a dropless fused MoE layer reading chain rows only: on tokens of any dims
@@ -225,6 +263,8 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
     args, name = tuple(op.args), op.name
     first = args[0] if args else None
     only_first = len(ins) == 1 and first is ins[0] and sum(t is first for t in op.inputs) == 1
+    if name in _PAIRS:
+        return _pair(op, inside, rows, lead)
     if name in _MATMULS:
         w = args[1] if len(args) > 1 else None
         if not only_first or op.kwargs or not isinstance(w, IRTensor) or w.ndim != 2 or \
@@ -274,6 +314,84 @@ def _row(op: IRFwOperation, inside, rows, makers) -> Optional[Tuple[Any, str, tu
     return None
 
 
+def _pair(op: IRFwOperation, inside, rows, lead) -> Optional[Tuple[Any, str, tuple, dict]]:
+    """``_row`` of an op among values holding ``c`` rows per token (``_pair_rows``): Transformers'
+    ``batched_mm`` experts copy each token's row for its ``k`` experts, gather each pair's expert
+    weight and multiply pair by pair. On the unmerged dims a ``(N * k, ...)`` value is ``(*lead,
+    k, ...)``: dims past the rows move by the dims added in front, and dim 0 is not touched."""
+    if len(rows) != 1 or inplace.effect(op) or op.name == EXPERTS:
+        return None
+    n = rows[0]
+    ins = [t for t in op.inputs if id(t) in inside]
+    out = [t for t in op.inputs if id(t) not in inside]
+    args, name = tuple(op.args), op.name
+    first = args[0] if args else None
+    if not ins or any(not _pair_rows(t, rows) for t in ins + list(op.outputs)):
+        return None
+
+    def moved(t: IRTensor, d) -> Optional[int]:   # dim ``d`` of ``t`` on the unmerged dims
+        if not isinstance(d, int) or isinstance(d, bool) or not -t.ndim <= d < t.ndim or d % t.ndim == 0:
+            return None
+        return d if d < 0 else d + len(_nd(t, rows, lead)) - t.ndim
+    if name == "repeat_interleave":   # a row per (token, expert): the token's row copied, along a new dim
+        reps = args[1] if len(args) > 1 else None
+        dim = args[2] if len(args) > 2 else op.kwargs.get("dim")
+        if first is not ins[0] or len(op.inputs) != 1 or not isinstance(reps, int) or dim != 0 or \
+                first.shape[0] != n or set(op.kwargs) - {"dim", "output_size"}:
+            return None
+        return op.target, name, (_Unsqueezed(first, len(lead)), reps, len(lead)), {}
+    if name == "index":   # a weight from outside indexed by a chain value: the pair's expert's weight
+        idx = args[1] if len(args) > 1 else None
+        if not isinstance(first, IRTensor) or id(first) in inside or not isinstance(idx, (list, tuple)) or \
+                len(idx) != 1 or not isinstance(idx[0], IRTensor) or id(idx[0]) not in inside or \
+                idx[0].dtype.is_floating_point or op.kwargs:
+            return None
+        return op.target, name, args, {}
+    if name == "bmm":   # pair by pair: a batched matmul over every leading dim
+        if len(ins) != 2 or out or op.kwargs or ins[0].shape[0] != ins[1].shape[0]:
+            return None
+        return aten.matmul.default, "matmul", args, {}
+    if op_info(name).rule == "elementwise":
+        return (op.target, name, args, dict(op.kwargs)) if _pair_elementwise(op, inside, rows) else None
+    if len(op.inputs) != 1 or first is not ins[0]:
+        return None
+    if name in ("unsqueeze", "squeeze") and len(args) == 2 and not op.kwargs:
+        dims = args[1]
+        if isinstance(dims, (list, tuple)):
+            new = [moved(first, d) for d in dims]
+            return None if None in new else (op.target, name, (first, new), {})
+        d = moved(op.outputs[0] if name == "unsqueeze" else first, dims)
+        return None if d is None else (op.target, name, (first, d), {})
+    if name == "chunk":
+        dim = args[2] if len(args) > 2 else op.kwargs.get("dim", 0)
+        d = moved(first, dim)
+        return None if d is None or len(args) < 2 else (op.target, name, (first, args[1], d), {})
+    if name in _REDUCTIONS:   # over dims past the rows (a token's k expert rows summed)
+        dims = args[1] if len(args) > 1 else op.kwargs.get("dim")
+        dims = [dims] if isinstance(dims, int) else dims
+        new = [moved(first, d) for d in dims] if isinstance(dims, (list, tuple)) and dims else [None]
+        if None in new or len(args) > 3 or set(op.kwargs) - {"keepdim", "dtype"}:
+            return None
+        return op.target, name, (first, new) + args[2:], dict(op.kwargs)
+    return None
+
+
+def _pair_elementwise(op: IRFwOperation, inside, rows) -> bool:
+    """An elementwise op of chain values of its output's shape, the others broadcasting over the rows."""
+    o = op.outputs[0]
+    return all(t.shape == o.shape or (t.ndim == o.ndim and t.shape[0] == o.shape[0] and
+                                      all(a in (1, b) for a, b in zip(t.shape, o.shape)))
+               for t in op.inputs if id(t) in inside) and \
+        all(t.ndim < o.ndim and all(s == 1 for s in t.shape[:-1]) for t in op.inputs if id(t) not in inside)
+
+
+@dataclass(frozen=True)
+class _Unsqueezed:
+    """A chain value the rewritten op reads with a new dim at ``dim``: ``_rewrite`` makes the op."""
+    value: IRTensor
+    dim: int
+
+
 @dataclass(frozen=True)
 class _Transposed:
     """A 2-D weight the rewritten op reads transposed: ``_rewrite`` makes the ``t`` op."""
@@ -317,7 +435,7 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
         if id(op) in chain.aliases:   # the same value: its readers read the one it equals
             new[id(op.outputs[0])], out[id(op)] = new[id(chain.aliases[id(op)])], []
             continue
-        made = _row(op, inside, u.shape[:-1], makers)
+        made = _row(op, inside, u.shape[:-1], makers, lead)
         if made is None:
             raise CubeInternalError(f"op {op.name!r} ({op.where()}) was found row-wise and is not any more")
         target, name, args, kwargs = made
@@ -325,7 +443,7 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
         for o in op.outputs:
             r = chain.restores.get(id(o))
             o2 = r.outputs[0] if r is not None else \
-                IRTensor(lead + o.shape[-1:], o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
+                IRTensor(_nd(o, u.shape[:-1], lead), o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
             new[id(o)] = o2
             outs.append(o2)
         made_ops = []
@@ -336,6 +454,13 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                 made_ops.append(_make(op, aten.t.default, "t", (w,), {}, [wt], registry))
                 args = args[:i] + (wt,) + args[i + 1:]
         swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
+        for i, a in enumerate(args):
+            if isinstance(a, _Unsqueezed):
+                v = swap(a.value)
+                shape = v.shape[:a.dim] + (1,) + v.shape[a.dim:]
+                vu = IRTensor(shape, v.dtype, v.requires_grad, TensorKind.ACTIVATION, v.hint)
+                made_ops.append(_make(op, aten.unsqueeze.default, "unsqueeze", (v, a.dim), {}, [vu], registry))
+                args = args[:i] + (vu,) + args[i + 1:]
         if name == EXPERTS:
             weights = set(weights_of(op))
             out[id(op)] = [unflatten_experts(op, [swap(t) for i, t in enumerate(op.inputs) if i not in weights], outs)]
