@@ -262,7 +262,7 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     anno = _anno(externals, weights, outputs)
     kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
                   body=(ops.index(body[0]) + lead, ops.index(body[-1]) + lead), combine=slot[id(y)], experts=experts,
-                  outputs=tuple(slot[id(t)] for t in outputs))
+                  outputs=tuple(slot[id(t)] for t in outputs), pairs=max(1, x.shape[0] // outputs[0].shape[0]))
     if capacity_factor is not None:   # the arrival order inside an expert: the sort's indices
         perm = region.sort.outputs[1] if region.sort.name == "sort" else region.sort.outputs[0]
         kwargs.update(capacity=float(capacity_factor), perm=slot[id(perm)], layer=grouped[0].module_path)

@@ -378,15 +378,15 @@ def _experts(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Piece
     f, _, _, ranks = _one_factor(op, by, r)
     w = next(i for i, t in enumerate(root.inputs) if t.kind.value == "param")
     first, stop = layout.inputs[w][0]
-    rows = box_shape(layout.outputs[0])
-    per_pair = math.prod(rows[1:]) * root.outputs[0].dtype.itemsize
+    rows = box_shape(layout.outputs[0])   # the piece's output rows; each comes from ``pairs`` (token, expert) rows
+    nbytes = math.prod(rows) * root.kwargs.get("pairs", 1) * root.outputs[0].dtype.itemsize
     kwargs = dict(root.kwargs, ranks=ranks, first=first, local=stop - first)
     groups: Tuple[Ranks, ...] = (ranks,)
     if root.kwargs.get("capacity") is not None:   # the per-expert counts of every block of the batch
         batch = group_of(by, r, (TOKENS, f))
         kwargs.update(batch=batch, start=layout.inputs[0][0][0])
         groups = (ranks, batch) if batch != ranks else groups
-    return Inside("runtime.experts.moe", tuple(op.inputs), kwargs, groups=groups, all_to_all=rows[0] * per_pair,
+    return Inside("runtime.experts.moe", tuple(op.inputs), kwargs, groups=groups, all_to_all=nbytes,
                   experts=root.kwargs.get("experts", 0))
 
 

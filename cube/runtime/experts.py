@@ -119,7 +119,8 @@ def _resolve(value, env: list):
 def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets: int, body: Tuple[int, int],
         combine: int, experts: int, outputs: Sequence[int], ranks: Sequence[int] = (), first: int = 0,
         local: Optional[int] = None, capacity: Optional[float] = None, perm: Optional[int] = None,
-        layer: str = "", batch: Sequence[int] = (), start: int = 0, lead: int = 1, tokens: int = 0):
+        layer: str = "", batch: Sequence[int] = (), start: int = 0, lead: int = 1, tokens: int = 0,
+        pairs: int = 1):
     """This rank's piece of a fused MoE layer (module docstring).
 
     Args:
@@ -143,6 +144,8 @@ def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets:
             first token row of this rank's block (their order in the batch).
         lead, tokens: the first ``tokens`` inputs hold the tokens along their first ``lead`` dims
             (``cube.ir.experts.unflatten``): merged into one for the program, the outputs restored.
+        pairs: the rows each all-to-all carries per output row (a token's ``k`` experts): what the
+            plan prices (``cube.passes.inside``); the call does not read it.
     """
     shape = inputs[0].shape[:lead] if lead > 1 else None
     if shape is not None:
