@@ -33,7 +33,7 @@ import torch
 from cube.errors import CubeInternalError
 from cube.ir.annotation import parse
 from cube.ir.dispatch import Region
-from cube.ir.graph import IRGraph
+from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 
@@ -133,32 +133,19 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     ops = list(region.ops)
     inside = {id(op) for op in ops}
     made = {id(t): op for op in ops for t in op.outputs}
-    makers = {id(t): op for op in graph.ops if isinstance(op, IRFwOperation) for t in op.outputs}
-    readers: Dict[int, List[IRFwOperation]] = {}
-    for op in graph.ops:
-        for t in op.inputs:
-            readers.setdefault(id(t), []).append(op)
+    makers = {k: op for k, op in graph_makers(graph.ops).items() if isinstance(op, IRFwOperation)}
+    readers = graph_readers(graph.ops)
     # the expert weights' transposes and casts join the op: it reads the parameters themselves
-    changed = True
-    while changed:
-        changed = False
-        for op in list(ops):
-            for t in op.inputs:
-                m = makers.get(id(t))
-                if m is None or id(m) in inside or m.name not in _PARAM_CHAIN or len(m.inputs) != 1:
-                    continue
-                src = m.inputs[0]
-                if (src.kind is TensorKind.PARAM or id(src) in made or _param_chain(src, makers)) and \
-                        all(id(r) in inside for r in readers.get(id(t), ())):
-                    ops.append(m)
-                    inside.add(id(m))
-                    made.update((id(o), m) for o in m.outputs)
-                    changed = True
+    _join_makers(ops, inside, made, makers, lambda m, t: (
+        m.name in _PARAM_CHAIN and len(m.inputs) == 1 and
+        (m.inputs[0].kind is TensorKind.PARAM or id(m.inputs[0]) in made or _param_chain(m.inputs[0], makers)) and
+        all(id(r) in inside for r in readers.get(id(t), ()))))
     order = {id(op): i for i, op in enumerate(graph.ops)}
     ops.sort(key=lambda o: order[id(o)])
     scaled = set(region.scaled)
     prefix, outputs, views = _token_views(region, ops, inside, made, makers, readers, scaled)
-    ops = [op for op in ops if op in prefix] + [op for op in ops if op not in prefix]   # (after the ops they read)
+    first = {id(op) for op in prefix}   # the views first: after the ops they read, before the recounts
+    ops = [op for op in ops if id(op) in first] + [op for op in ops if id(op) not in first]
     grouped = [op for op in ops if op.name in _GROUPED]
     if not grouped:
         raise _refuse(region.sort, "sorts the tokens by expert but no grouped matmul computes the experts")
@@ -308,7 +295,11 @@ def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: di
         return src.ndim >= 1 and dst.ndim >= 1 and src.shape[0] % tokens == 0 and dst.shape[0] % tokens == 0 and \
             math.prod(src.shape) == math.prod(dst.shape)
 
-    views: Set[int] = set()
+    prefix = _join_makers(ops, inside, made, makers, lambda m, t: (
+        m.name in _VIEWS and len(m.inputs) == 1 and len(m.outputs) == 1 and m.inputs[0].kind is not TensorKind.PARAM
+        and id(t) in scaled and local(m.inputs[0], t) and all(id(r) in inside for r in readers.get(id(t), ()))))
+    scaled.update(id(m.inputs[0]) for m in prefix)
+    views: Set[int] = {id(m) for m in prefix}
 
     def join(op: IRFwOperation) -> None:
         if op.name in _VIEWS:
@@ -317,21 +308,6 @@ def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: di
         inside.add(id(op))
         made.update((id(o), op) for o in op.outputs)
 
-    prefix: List[IRFwOperation] = []
-    changed = True
-    while changed:
-        changed = False
-        for op in list(ops):
-            for t in op.inputs:
-                m = makers.get(id(t))
-                if m is None or id(m) in inside or m.name not in _VIEWS or len(m.inputs) != 1 or \
-                        len(m.outputs) != 1 or m.inputs[0].kind is TensorKind.PARAM or id(t) not in scaled or \
-                        not local(m.inputs[0], t) or any(id(r) not in inside for r in readers.get(id(t), ())):
-                    continue
-                join(m)
-                prefix.append(m)
-                scaled.add(id(m.inputs[0]))
-                changed = True
     outputs = list(region.outputs)
     changed = True
     while changed:
@@ -350,6 +326,26 @@ def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: di
                 scaled.add(id(r.outputs[0]))
             changed = True
     return prefix, outputs, views
+
+
+def _join_makers(ops: List[IRFwOperation], inside: set, made: dict, makers: dict, accept) -> List[IRFwOperation]:
+    """Joins to ``ops`` (and ``inside``, ``made``), until none is left, each op making an input of
+    one of them that ``accept(maker, input)`` takes. Returns the ops joined, in the order joined."""
+    joined: List[IRFwOperation] = []
+    changed = True
+    while changed:
+        changed = False
+        for op in list(ops):
+            for t in op.inputs:
+                m = makers.get(id(t))
+                if m is None or id(m) in inside or not accept(m, t):
+                    continue
+                ops.append(m)
+                inside.add(id(m))
+                made.update((id(o), m) for o in m.outputs)
+                joined.append(m)
+                changed = True
+    return joined
 
 
 def _off_rows(op: IRFwOperation) -> bool:
