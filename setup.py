@@ -9,7 +9,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4,<=2.14.1", "numpy", "safetensors", "rich"],
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers", "viztracer", "onnx", "onnxruntime", "onnxscript",
+        "test": ["pytest", "pytest-xdist", "hypothesis", "transformers", "viztracer", "onnx", "onnxruntime", "onnxscript",
                  "mkdocs-material", "mkdocstrings[python]"],
         # the documentation site: mkdocs build --strict (mkdocs.yml)
         "docs": ["mkdocs-material", "mkdocstrings[python]"],

@@ -192,6 +192,7 @@ def test_readme_links_resolve_and_stay_short():
 
 
 def test_readme_test_command_is_the_one_ci_runs():
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
-    assert ci[-1] == "python -m pytest -q"
-    assert "python -m pytest -q   " in (ROOT / "README.md").read_text()
+    command = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert command.startswith("python -m pytest -q"), command
+    assert f"\n{command}   " in (ROOT / "README.md").read_text(), command   # the README's first test command
+    assert f"\n{command}\n" in (ROOT / "docs" / "testing.md").read_text(), command
