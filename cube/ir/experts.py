@@ -299,15 +299,7 @@ def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: di
         m.name in _VIEWS and len(m.inputs) == 1 and len(m.outputs) == 1 and m.inputs[0].kind is not TensorKind.PARAM
         and id(t) in scaled and local(m.inputs[0], t) and all(id(r) in inside for r in readers.get(id(t), ()))))
     scaled.update(id(m.inputs[0]) for m in prefix)
-    views: Set[int] = {id(m) for m in prefix}
-
-    def join(op: IRFwOperation) -> None:
-        if op.name in _VIEWS:
-            views.add(id(op))
-        ops.append(op)
-        inside.add(id(op))
-        made.update((id(o), op) for o in op.outputs)
-
+    after: List[IRFwOperation] = []
     outputs = list(region.outputs)
     changed = True
     while changed:
@@ -321,11 +313,12 @@ def _token_views(region: Region, ops: List[IRFwOperation], inside: set, made: di
                 continue
             outputs.remove(o)
             for r in rs:
-                join(r)
+                _join(r, ops, inside, made)
+                after.append(r)
                 outputs.append(r.outputs[0])
                 scaled.add(id(r.outputs[0]))
             changed = True
-    return prefix, outputs, views
+    return prefix, outputs, {id(op) for op in prefix + after if op.name in _VIEWS}
 
 
 def _join_makers(ops: List[IRFwOperation], inside: set, made: dict, makers: dict, accept) -> List[IRFwOperation]:
@@ -340,12 +333,17 @@ def _join_makers(ops: List[IRFwOperation], inside: set, made: dict, makers: dict
                 m = makers.get(id(t))
                 if m is None or id(m) in inside or not accept(m, t):
                     continue
-                ops.append(m)
-                inside.add(id(m))
-                made.update((id(o), m) for o in m.outputs)
+                _join(m, ops, inside, made)
                 joined.append(m)
                 changed = True
     return joined
+
+
+def _join(op: IRFwOperation, ops: List[IRFwOperation], inside: set, made: dict) -> None:
+    """Adds ``op`` to the layer's ``ops``, its id to ``inside`` and its outputs to ``made``."""
+    ops.append(op)
+    inside.add(id(op))
+    made.update((id(o), op) for o in op.outputs)
 
 
 def _off_rows(op: IRFwOperation) -> bool:

@@ -295,6 +295,7 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     order = {id(op): i for i, op in enumerate(graph.ops)}
     rings = [order[k] for k, (op, _, _) in flow.splits.items() if op_info(op.name).inside in ("ring", "gather_kv")]
     made = graph_makers(graph.ops)
+    batch = {}
     for op in flow.blocked if rings else ():
         if order[id(op)] < max(rings):
             continue
@@ -303,9 +304,9 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
         tracked = [i for i, t in enumerate(op.inputs) if flow.tracked.get(id(t)) == 1 and
                    id(made.get(id(t))) in flow.splits]
         if op.anno is not None and len(tracked) == 1 and op.algorithms("dim").satisfy(tracked[0], 0, num):
-            start[id(op)] = (tracked[0], 0)
-    if start:
-        flow = follow(graph, seeds, num, start=start, drop=meta)
+            batch[id(op)] = (tracked[0], 0)
+    if batch:   # (the eager attentions' splits above already followed)
+        flow = follow(graph, seeds, num, start={**start, **batch}, drop=meta)
     flow.empty = "no sequence dim found to split"
     _gathers(graph, flow, num, "context parallel")
     return flow

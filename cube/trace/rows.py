@@ -216,7 +216,7 @@ def _pair_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
 def _nd(t: IRTensor, rows: Tuple[int, ...], lead: Tuple[int, ...]) -> Tuple[int, ...]:
     """The shape ``t``, a chain value, takes on the unmerged dims: ``(*lead, ...)`` for one row
     per row of ``rows``, ``(*lead, c, ...)`` for ``c`` (the pairs of a token and its ``c`` experts)."""
-    if t.shape[:-1] == rows and not _pair_rows(t, rows):
+    if len(rows) != 1:   # rows of several dims: every chain value is ``rows + (last,)``
         return tuple(lead) + tuple(t.shape[-1:])
     c = t.shape[0] // rows[0]
     return tuple(lead) + ((c,) if c > 1 else ()) + tuple(t.shape[1:])
