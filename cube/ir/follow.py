@@ -367,11 +367,18 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
             flow.tracked.update(trial.tracked)
             flow.reduced.extend(trial.reduced)
         elif trial.lost and id(op) not in behind:
+            # stopped at a dim the op must read whole (a slice of it) with no sum past it: no Megatron pair
+            # was there to lose (DeepSeek-V3's rotary key, one head shared by all: its features are rotary
+            # dims, which the rotation's halves mix), so the linear is whole by design. A stop for want of a
+            # rule or of a divisible size is a pair lost (a q projection's rotary, a fused q/k/v reshape)
+            past = _trial(readers, flow, op, col, num, inside_ends=vocab, past=True)
+            if trial.marked and not past.reduced:
+                continue
             stop = trial.stop
             flow.losses[id(op)] = Loss(op, f"its column split ({num} pieces of its output features) stops at "
                                            f"op '{stop.name}' ({stop.where()}): {trial.why}", "tensor parallel",
                                        weights=_params_read(op, readers.makers))
-            behind.update(_trial(readers, flow, op, col, num, inside_ends=vocab, past=True).splits)
+            behind.update(past.splits)
     _gathered_columns(readers, flow, num)
     _weight_views(readers, flow, num)
     if vocab:
@@ -419,14 +426,22 @@ def _weight_views(readers: _Readers, flow: Flow, num: int) -> None:
 
 
 # rules of ops that need every element along the dims they keep whole (a norm, softmax, a loss, a
-# max): a linear's column split that reaches one is no Megatron pair (a row linear before a
-# residual norm, a router before its softmax), so the linear is whole by design, not lost
+# max, a top-k or sort): a linear's column split that reaches one is no Megatron pair (a row linear
+# before a residual norm, a router before its softmax or its top-k, as GraniteMoE's and GPT-OSS's
+# routers pick their experts from the logits), so the linear is whole by design, not lost
 _NORMALIZING = frozenset({"layer_norm", "rms_norm", "group_norm", "batch_norm", "along_dim", "loss",
-                          "pointwise_loss", "max_rule"})
+                          "pointwise_loss", "max_rule", "topk"})
 
 
 def _normalizes(op: IRFwOperation) -> bool:
     return op_info(op.name).rule in _NORMALIZING
+
+
+def _marked(op: IRFwOperation, tracked: Dict[int, int]) -> bool:
+    """Whether ``op``'s rule marks whole (``^``) a dim along which it reads a split input."""
+    return op.anno is not None and any(
+        id(t) in tracked and tracked[id(t)] < len(op.anno.inputs[i]) and op.anno.inputs[i][tracked[id(t)]].head
+        is not None and op.anno.inputs[i][tracked[id(t)]].head.marked for i, t in enumerate(op.inputs))
 
 
 def _gathered_columns(readers: "_Readers", flow: Flow, num: int) -> None:
@@ -620,12 +635,14 @@ class _Trial:
         lost: it stops at an op that could carry a split but not this one (no rule, a dim the
             rule keeps whole, a size the pieces do not divide), not at one that needs every
             feature (a norm, softmax or loss: there the linear is whole by design).
+        marked: the stop is at a dim its rule marks whole (``^``: the dim a slice cuts).
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
     tracked: Dict[int, int] = field(default_factory=dict)
     reduced: List[IRFwOperation] = field(default_factory=list)
     stop: Optional[IRFwOperation] = None
+    marked: bool = False   # ``stop``'s rule keeps the split dim whole on purpose (``^``: a slice of it)
     why: str = ""
     lost: bool = False
 
@@ -662,7 +679,8 @@ def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, 
             if choice is None and past:
                 continue
             if choice is None:        # reads the split but cannot carry it
-                return _Trial(stop=op, why=refusal(op, view.tracked, num), lost=not _normalizes(op))
+                return _Trial(stop=op, why=refusal(op, view.tracked, num), lost=not _normalizes(op),
+                              marked=_marked(op, view.tracked))
         if op is not start and _ends_inside(op, *choice) and not inside_ends:
             if past:
                 continue

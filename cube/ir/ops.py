@@ -115,6 +115,7 @@ trunc isnan isinf bitwise_xor __xor__ xlogy""", rule="elementwise")
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")
+_add("einsum", rule="einsum")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
 _add("moe_experts", inside="experts")   # cube.ir.experts: a fused sort-dispatch MoE layer
 _add("flex_attention", rule="flex_attention", inside="gather_kv")   # cube.trace.flex's ops

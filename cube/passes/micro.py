@@ -265,7 +265,8 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
         if reads:
             batchy.update(id(t) for t in fop.outputs)
         if not (_leaves_equal(fop.args, mop.args) and _leaves_equal(fop.kwargs, mop.kwargs)) \
-                and fop.name not in _SHAPE_OPS and not _row_index(fop, readers, batch):
+                and fop.name not in _SHAPE_OPS and not _row_index(fop, readers, batch) \
+                and not _batch_repeat(fop, mop, batchy, nmicros):
             raise ValueError(f"pipeline plan: {_where(fop)} has other arguments on a micro-batch of "
                              f"{batch // nmicros} samples than on the global batch of {batch} (a constant "
                              f"computed from the batch size): the micro-batches would not add up to the "
@@ -456,6 +457,18 @@ def _linear(fop: IRFwOperation, share_in, batchy, shares, batch: int, nmicros: i
 
 
 _INDEX_PATH = frozenset("unsqueeze view reshape _unsafe_view expand to _to_copy alias clone contiguous slice".split())
+
+
+def _batch_repeat(fop: IRFwOperation, mop: IRFwOperation, batchy: Set[int], nmicros: int) -> bool:
+    """Whether ``fop`` repeats a tensor that does not depend on the batch once per sample along dim
+    0 (BLOOM's ``alibi.repeat(batch_size, 1, 1)``): its copies are equal, so any block of them is the
+    micro-batch's; as ``expand``, only the count differs, ``nmicros`` times smaller on the micro graph."""
+    if fop.name != "repeat" or not fop.inputs or id(fop.inputs[0]) in batchy or len(fop.args) < 2:
+        return False
+    full, micro = list(fop.args[1]), list(mop.args[1]) if len(mop.args) > 1 else None
+    return micro is not None and len(full) == len(micro) and full[1:] == micro[1:] and \
+        full[0] == micro[0] * nmicros and _leaves_equal(fop.args[2:], mop.args[2:]) and \
+        _leaves_equal(fop.kwargs, mop.kwargs)
 
 
 def _row_index(op: IRFwOperation, readers, batch: int) -> bool:

@@ -138,6 +138,45 @@ def matmul(op: IRFwOperation) -> str:
                  [[l if s != 1 else "1" for l, s in zip(batch, out.shape)] + ["m", "n"]])
 
 
+def einsum(op: IRFwOperation) -> str:
+    """``einsum(equation, operands)``: a letter of the output splits every operand holding it (and the
+    output) alike; a letter summed away (in the operands only) splits as a matmul's inner dim does,
+    into partial sums (``+``). A letter of size 1 in an operand where another has it larger is that
+    operand's broadcast (``1``). Mamba-2's chunked scan, ``bclhn,bcshn->bclsh``, splits its batch ``b``,
+    chunks ``c`` and heads ``h``."""
+    eq = str(op.args[0]).replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != len(op.inputs):
+        raise ValueError(f"einsum: {len(terms)} operand terms in {eq!r} for {len(op.inputs)} tensors")
+    if "." in eq:   # ``...``: the broadcast dims, spelled out as letters the equation does not use
+        spare = [c for c in _EINSUM_LETTERS if c not in eq]
+        out_nd = max(t.ndim - (len(term) - 3) for t, term in zip(op.inputs, terms) if "..." in term)
+        extra = spare[:out_nd]
+        terms = [term.replace("...", "".join(extra[out_nd - (t.ndim - (len(term) - 3)):])) if "..." in term else term
+                 for t, term in zip(op.inputs, terms)]
+        rhs = rhs.replace("...", "".join(extra))
+    if not arrow:   # implicit output: the letters that appear once, in alphabetical order
+        joined = "".join(terms)
+        rhs = "".join(sorted(c for c in set(joined) if joined.count(c) == 1))
+    sizes: Dict[str, int] = {}
+    for t, term in zip(op.inputs, terms):
+        if len(term) != t.ndim or len(set(term)) != len(term):
+            raise ValueError(f"einsum: term {term!r} of {eq!r} for a {t.ndim}-D operand (or a repeated letter: "
+                             f"a diagonal) has no rule")
+        for c, n in zip(term, t.shape):
+            sizes[c] = max(sizes.get(c, 1), int(n))
+    names = _Names()
+    letter = {c: names() + ("" if c in rhs else "+") for c in sorted(sizes, key=(lhs + rhs).index)}
+
+    def group(term: str, shape) -> List[str]:
+        return ["1" if int(n) == 1 else letter[c] for c, n in zip(term, shape)]
+    return _anno([group(term, t.shape) for t, term in zip(op.inputs, terms)], [group(rhs, op.outputs[0].shape)])
+
+
+_EINSUM_LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
 def sdpa(op: IRFwOperation) -> str:
     """Batch and heads split freely (heads not under grouped-query attention, except with one key/value
     head: multi-query attention splits its query heads). With queries and
@@ -359,6 +398,8 @@ def sum_rule(op: IRFwOperation) -> str:
 
 
 def max_rule(op: IRFwOperation) -> str:
+    if op.name in ("max", "min") and len(op.inputs) == 2:   # max(a, b): the elementwise maximum (max.other)
+        return elementwise(op)
     return _reduce(op, _arg(op, 1, "dim"), bool(_arg(op, 2, "keepdim", False)), "^")
 
 
@@ -587,9 +628,14 @@ def stack(op: IRFwOperation) -> str:
 
 
 def pad(op: IRFwOperation) -> str:
+    """``pad(x, [l_last, r_last, l_before, r_before, ...])``: a dim padded on either side is whole; a
+    dim the list pads by 0 on both sides splits (Mamba-2's chunk padding names the batch dim's
+    ``(0, 0)`` too)."""
     x = op.inputs[0]
-    npad = len(op.args[1]) // 2
-    return _frozen_dims(lambda o: range(x.ndim - npad, x.ndim))(op) if npad else elementwise(op)
+    sizes = list(op.args[1])
+    padded = [x.ndim - 1 - k // 2 for k in range(0, len(sizes) - 1, 2)
+              if not (isinstance(sizes[k], int) and isinstance(sizes[k + 1], int) and sizes[k] == sizes[k + 1] == 0)]
+    return _frozen_dims(lambda o: padded)(op) if padded else elementwise(op)
 
 
 def diff(op: IRFwOperation) -> str:
@@ -740,7 +786,7 @@ def creation(op: IRFwOperation) -> str:
 # ----------------------------------------------------------------------------- registry
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
-    "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "sdpa": sdpa,
+    "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "einsum": einsum, "sdpa": sdpa,
     "flex_attention": flex_attention, "block_mask": block_mask,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
