@@ -167,7 +167,8 @@ def einsum(op: IRFwOperation) -> str:
         for c, n in zip(term, t.shape):
             sizes[c] = max(sizes.get(c, 1), int(n))
     names = _Names()
-    letter = {c: names() + ("" if c in rhs else "+") for c in sorted(sizes, key=(lhs + rhs).index)}
+    order = "".join(terms) + rhs
+    letter = {c: names() + ("" if c in rhs else "+") for c in sorted(sizes, key=order.index)}
 
     def group(term: str, shape) -> List[str]:
         return ["1" if int(n) == 1 else letter[c] for c, n in zip(term, shape)]
