@@ -46,8 +46,11 @@ def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
 
 
 # whole by design, as in Megatron-LM: an MoE router and a shared expert's gate (one output per
-# expert or token), Swin's patch merging (a linear with no partner to pair with)
-WHOLE_BY_DESIGN = ("mlp.gate.weight", "shared_expert_gate.weight", "downsample.reduction.weight")
+# expert or token), Swin's patch merging (a linear with no partner to pair with), multi-head latent
+# attention's down projection (its rotary key part is one head every head shares: Megatron-LM keeps
+# linear_kv_down_proj whole too)
+WHOLE_BY_DESIGN = ("mlp.gate.weight", "shared_expert_gate.weight", "downsample.reduction.weight",
+                   "kv_a_proj_with_mqa.weight")
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", zoo.TRANSFORMERS)
 def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):

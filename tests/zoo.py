@@ -449,7 +449,10 @@ def run(name: str, plan: str, steps: int = 2) -> Outcome:
 
 TRANSFORMERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "gpt_neox", "opt", "falcon",
                 "mixtral", "qwen2_moe", "deepseek_v2", "bert", "roberta", "t5", "bart", "vit", "swin",
-                "tt_llama3", "tt_qwen3"]
+                "tt_llama3", "tt_qwen3",
+                # of the families added later, one of each kind: parallel blocks, ALiBi, QK norms, sliding
+                # windows, top-k routers, latent attention, shared layers, recurrent and state-space mixers
+                "gptj", "mpt", "olmo2", "gemma3", "granitemoe", "deepseek_v3", "albert", "rwkv", "mamba2"]
 
 
 def tp_shares(name: str, tp: int) -> Dict[str, float]:
