@@ -121,3 +121,17 @@ def test_deepseek_v2_moe_layers_stay_data_parallel():
     model, sample = build("deepseek_v2")
     _assert_token_local(model, sample, PASData, 2)
     assert_exact(parity(model, sample, PASData, 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR))
+
+
+def test_per_expert_biases_gathered_by_id_stay_data_parallel_and_refuse_an_expert_split():
+    """GPT-OSS adds per-expert biases gathered by the sorted expert ids (``bias[ids]``) inside its
+    experts: the fused layer reads them as rows of its pairs, so PASData keeps the tokens split
+    (exact, nothing gathered), and expert parallel, which would run the experts on rows other ranks
+    sorted, is refused naming the layer."""
+    from tests.test_expert_parallel_hf import _ep
+    from tests.zoo import PARAM_FLOOR, build
+    model, sample = build("gpt_oss")
+    _assert_token_local(model, sample, PASData, 2)
+    assert_exact(parity(model, sample, PASData, 2, steps=2, opt="sgd", param_floor=PARAM_FLOOR, strict=True))
+    with pytest.raises(ValueError, match=r"per-expert bias by the sorted expert ids .*Drop ep="):
+        cube.plan(model, sample, _ep(2), 2)

@@ -19,8 +19,10 @@ result is the single device's (up to the grouping of rows in a matmul).
 The experts' part (the *body*) is what lies between the first and last grouped matmul on the
 way from the gathered rows: it may read only the gathered rows, the group offsets and the
 expert weights (through transposes and casts); anything else (a routing weight applied before
-the last grouped matmul, an expert weight read outside the body, a bias gathered by expert id)
-is refused with the op named.
+the last grouped matmul, an expert weight read outside the body) is refused with the op named. A
+per-expert bias gathered by the sorted expert ids before the body (GPT-OSS's ``bias[ids]``) is
+read there as a row per pair: the fused op then runs on each rank's own tokens with every expert
+(data, sequence, tensor splits), and an expert split of it is refused.
 """
 from __future__ import annotations
 
@@ -174,9 +176,10 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
         if g not in body:
             raise _refuse(g, "is a grouped matmul the gathered token rows do not reach")
     body_ids = {id(op) for op in body}
+    by_id = _by_id(ops, body_ids, made, chain, params, experts)
     for op in body:
         for t in op.inputs:
-            if id(t) in flowing or t is offs or id(t) in chain or id(t) in params:
+            if id(t) in flowing or t is offs or id(t) in chain or id(t) in params or id(t) in by_id:
                 continue
             raise _refuse(op, f"reads a tensor of shape {list(t.shape)} in the experts' part that is neither the "
                               f"gathered rows, the group offsets nor an expert weight (each rank computes only the "
@@ -198,8 +201,10 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
             if id(r) not in inside:
                 raise _refuse(r, f"reads the expert weight {p.names[0] if p.names else ''} outside the MoE layer")
         for op in ops:
-            if p in op.inputs and id(op) not in body_ids and op.name not in _PARAM_CHAIN:
-                raise _refuse(op, "reads an expert weight outside the grouped matmuls (by expert id, say)")
+            if p in op.inputs and id(op) not in body_ids and op.name not in _PARAM_CHAIN and \
+                    not any(id(t) in by_id for t in op.outputs):
+                raise _refuse(op, "reads an expert weight outside the grouped matmuls other than by the sorted "
+                                  "expert ids")
         weights.append(p)
     # external inputs in order: token tensors first, then the expert weights
     externals: List[IRTensor] = []
@@ -250,6 +255,8 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     kwargs = dict(program=tuple(program), dispatch=slot[id(x)], offsets=slot[id(offs)],
                   body=(ops.index(body[0]) + lead, ops.index(body[-1]) + lead), combine=slot[id(y)], experts=experts,
                   outputs=tuple(slot[id(t)] for t in outputs), pairs=max(1, x.shape[0] // outputs[0].shape[0]))
+    if by_id:   # its rows are the sorting rank's: an expert split would run the body on rows from other ranks
+        kwargs.update(by_id=next(by_id[k] for k in by_id).where())
     if capacity_factor is not None:   # the arrival order inside an expert: the sort's indices
         perm = region.sort.outputs[1] if region.sort.name == "sort" else region.sort.outputs[0]
         kwargs.update(capacity=float(capacity_factor), perm=slot[id(perm)], layer=grouped[0].module_path)
@@ -270,6 +277,24 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
     graph.ops = rest
     graph._pos = {}
     return fused
+
+
+def _by_id(ops: List[IRFwOperation], body: Set[int], made: dict, chain: Set[int], params: dict,
+           experts: int) -> Dict[int, IRFwOperation]:
+    """The values of one row per sorted pair that the region gathers from an expert weight by the pairs'
+    expert ids, before the body, for the body to read (GPT-OSS's per-expert biases,
+    ``bias[sorted_ids]``): tensor id -> the ``index`` op making it. A fused layer reading them runs its
+    body on the rows its rank sorted, so data, sequence and tensor splits keep it, and an expert split
+    is refused (``cube.ir.follow.expert_flow``): it would run the body on rows other ranks sorted."""
+    found: Dict[int, IRFwOperation] = {}
+    for op in ops:
+        if op.name != "index" or id(op) in body or len(op.inputs) != 2 or len(op.outputs) != 1:
+            continue
+        w, ids = op.inputs
+        weight = id(w) in params or id(w) in chain
+        if weight and w.shape[0] == experts and id(ids) in made and not ids.dtype.is_floating_point and ids.ndim == 1:
+            found[id(op.outputs[0])] = op
+    return found
 
 
 _VIEWS = frozenset("view reshape _unsafe_view flatten".split())

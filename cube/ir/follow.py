@@ -577,6 +577,11 @@ def expert_flow(graph: IRGraph, data: Flow, num: int) -> Flow:
     if fused:   # sort-dispatch MoE layers fused by cube.ir.experts: split by experts, tokens all-to-all
         out = data.copy()
         for op in fused:
+            if num > 1 and op.kwargs.get("by_id"):
+                raise ValueError(f"expert parallel: the MoE layer at {op.where()} gathers a per-expert bias by the "
+                                 f"sorted expert ids ({op.kwargs['by_id']}) before its experts run; cube splits "
+                                 f"such a layer along its tokens (data, sequence, context parallel), not by "
+                                 f"experts yet. Drop ep= for this model")
             w = next(i for i, t in enumerate(op.inputs) if getattr(t, "kind", None) is TensorKind.PARAM)
             out.splits[id(op)] = (op, w, 0)
         return out

@@ -120,7 +120,7 @@ def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets:
         combine: int, experts: int, outputs: Sequence[int], ranks: Sequence[int] = (), first: int = 0,
         local: Optional[int] = None, capacity: Optional[float] = None, perm: Optional[int] = None,
         layer: str = "", batch: Sequence[int] = (), start: int = 0, lead: int = 1, tokens: int = 0,
-        pairs: int = 1):
+        pairs: int = 1, by_id: str = ""):
     """This rank's piece of a fused MoE layer (module docstring).
 
     Args:
@@ -146,6 +146,8 @@ def moe(*inputs: torch.Tensor, program: Sequence[tuple], dispatch: int, offsets:
             (``cube.ir.experts.unflatten``): merged into one for the program, the outputs restored.
         pairs: the rows each all-to-all carries per output row (a token's ``k`` experts): what the
             plan prices (``cube.passes.inside``); the call does not read it.
+        by_id: where the layer gathers a per-expert bias by the sorted expert ids (its pieces are
+            never split by experts: ``cube.ir.follow.expert_flow``); the call does not read it.
     """
     shape = inputs[0].shape[:lead] if lead > 1 else None
     if shape is not None:
