@@ -58,7 +58,10 @@ _ZERO = frozenset("zeros zeros_like new_zeros".split())
 _CREATION = frozenset("empty zeros ones full".split())
 # scatter_add along dim 0; torchtitan's deterministic_scatter_add(out, index, src) is the same sum
 _SCATTER_ADD = frozenset("scatter_add deterministic_scatter_add".split())
-_RANDOM = frozenset("dropout dropout_ alpha_dropout native_dropout rand_like randn_like".split())
+# random ops with an elementwise rule (cube.ir.ops): on sorted rows they would draw in another order
+_RANDOM = frozenset("""dropout dropout_ alpha_dropout native_dropout rand_like randn_like randint_like exponential
+exponential_ uniform uniform_ normal normal_ normal_functional bernoulli bernoulli_ random random_ geometric geometric_
+log_normal log_normal_ cauchy cauchy_""".split())
 # the exact integers each dtype holds (a cast of ids, counts or positions must keep them)
 _EXACT = {torch.int32: 2 ** 31, torch.int64: 2 ** 63, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 
