@@ -803,8 +803,8 @@ RULES: Dict[str, Rule] = {
     "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
     "split": split, "unbind": unbind, "scatter": scatter, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
-    "creation": creation, "drawn": drawn, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex, "index": index,
-    "repeat_interleave": repeat_interleave,
+    "creation": creation, "drawn": drawn, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex,
+    "index": index, "repeat_interleave": repeat_interleave,
     "index_select": index_select, "gather": gather, "topk": topk, "count": count,
 }
 _BUILTIN: Dict[str, Rule] = {name: RULES[info.rule] for name, info in ops.rows().items() if info.rule}
