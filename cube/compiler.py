@@ -262,6 +262,8 @@ class CompiledStep:
                        if rt_amp.main_params(self.precision) else ()),
                      # random ops draw through cube.runtime.rng (before: the default generator as it stood)
                      "rng=keyed",
+                     # exact_rng's table names each draw's op and arguments (before: six fields, dropout and rand)
+                     *(("rng-table=call",) if self.exact_rng else ()),
                      # pipeline steps take the global batch and cut it (before: nmicros batches per step)
                      "step=global-batch",
                      # the plan's lost splits are cached with its code (entries before them lack the file)
@@ -879,7 +881,7 @@ def compile(model: torch.nn.Module, dataloader, PAS: Union[Callable, str], *,
             op, its model line and the fix (``cube.register_op``, or another policy), also
             when the code comes from the cache. Without it, rank 0 logs one warning per such
             op on the ``cube`` logger (``cube.ir.lost``).
-        exact_rng: every plan draws exactly the random numbers (dropout masks) the single
+        exact_rng: every plan draws exactly the random numbers (dropout masks, Gumbel noise...) the single
             device draws from the default generator, which the step then leaves where the
             plain model leaves it; random ops cube cannot reproduce are a ``ValueError``
             (CPU, float32). Without it, as Megatron-LM's RNG tracker: replicas of a tensor

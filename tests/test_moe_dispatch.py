@@ -35,7 +35,10 @@ class SortMoE(nn.Module):
 
     def forward(self, x, y):
         h = self.emb(x).flatten(0, 1)                        # (tokens, D): the batch is the outer factor
-        w, ids = self.router(h).softmax(-1).topk(K, dim=-1)
+        if self.variant == "gumbel":                         # PhiMoE's sparsemixer: experts sampled, max indices
+            w, ids = self._gumbel(self.router(h))
+        else:
+            w, ids = self.router(h).softmax(-1).topk(K, dim=-1)
         w, ids = w.reshape(-1), ids.reshape(-1)              # one row per (token, expert) pair
         if self.variant == "onehot":                         # torchtitan's way: counted before the sort
             return self._onehot(h, y)
@@ -68,6 +71,15 @@ class SortMoE(nn.Module):
         return loss
 
 
+    def _gumbel(self, scores):
+        """Two experts per token drawn with Gumbel noise (``max`` of noisy scores along the experts,
+        the first masked out for the second), their indices concatenated, as PhiMoE's router."""
+        first = (scores - torch.empty_like(scores).exponential_().log()).max(dim=-1)[1].unsqueeze(-1)
+        rest = scores.scatter(-1, first, float("-inf"))
+        second = (rest - torch.empty_like(rest).exponential_().log()).max(dim=-1)[1].unsqueeze(-1)
+        ids = torch.cat([first, second], dim=-1)
+        return scores.softmax(-1).gather(-1, ids), ids
+
     def _onehot(self, h, y):
         """Per-expert counts from a one-hot of the top-k ids summed over the tokens (before the
         sort), a stable argsort, grouped matmuls, the rows scattered back (``scatter_add``)."""
@@ -89,8 +101,10 @@ def _sample(batch: int = 2):
     return ids, ids.roll(1, dims=1)
 
 
-@pytest.mark.parametrize("variant", ["grouped", "index_add"])
+@pytest.mark.parametrize("variant", ["grouped", "index_add", "gumbel"])
 def test_a_sort_dispatch_moe_pipelines_exactly(variant):
+    """``gumbel``: ids that are the indices of a ``max`` along the experts, concatenated, are proved in
+    range as a ``topk``'s; the noise is the single device's (``exact_rng``)."""
     torch.manual_seed(0)
     model = SortMoE(variant)
     graph = cube.trace_model(model, _sample(4)).graph
@@ -98,7 +112,8 @@ def test_a_sort_dispatch_moe_pipelines_exactly(variant):
     sort = graph.select(name="sort")[0]
     assert id(sort) in flow.local and not flow.unproven
     assert [flow.tracked[id(t)] for t in flow.local[id(sort)].outputs] == [0]
-    errors = parity(model, _sample(), functools.partial(PAS1F1B, nmicros=2), 2, steps=2, nmicros=2)
+    draws = dict(seed=7, exact_rng=True) if variant == "gumbel" else {}
+    errors = parity(model, _sample(), functools.partial(PAS1F1B, nmicros=2), 2, steps=2, nmicros=2, **draws)
     assert max(max(e) for e in errors) < 1e-5, errors
 
 

@@ -302,10 +302,11 @@ class _Emitter:
                  f"    RNG = {{'exact': {exact}, 'mine': {set(mine) if mine else 'set()'}, "
                  f"'nmicros': {micro.nmicros if micro is not None else 1}, 'interleave': {self.program.interleave},"]
         if exact:   # (kind, shape drawn on the global batch, dtype, p, a micro-batch's rows of dim 0 or None,
-            #          strides of the single device's input when not contiguous)
+            #          strides of the single device's tensor drawn on when not contiguous, (op, arguments) or None)
             lines.append("            'draws': [")
             lines += [f"                ({d.kind!r}, {tuple(d.shape)!r}, {d.dtype}, {d.p!r}, {d.rows!r}, "
-                      f"{d.strides!r})," for d in draws]
+                      f"{d.strides!r}, {self.value(d.call) if d.call is not None else None}),"
+                      for d in draws]
             lines.append("            ]}")
         else:
             lines[-1] += f" 'draws': {len(draws)}}}"

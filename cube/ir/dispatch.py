@@ -20,9 +20,10 @@ tensor whose dim 0 carries the batch (``tracked``: tensor id -> its batch dim, a
 - ``perm`` (``c``): the sort's indices (over ``c``): usable only as indices, their values are
   positions in the whole batch;
 - ``counts``, ``offsets``: ``histc`` of the ascending sorted ids (proved in range: indices of a
-  ``topk``) and its ``cumsum``: the group offsets consistent with the sort, usable only by a grouped
-  matmul of rows of the same sort (``_grouped_mm``, ``transformers::grouped_mm_fallback``), which
-  is then row-wise: row ``j`` times the weight of its own id's group;
+  ``topk``, of a ``max`` along a dim or of an ``argmax``) and its ``cumsum``: the group offsets
+  consistent with the sort, usable only by a grouped matmul of rows of the same sort
+  (``_grouped_mm``, ``transformers::grouped_mm_fallback``), which is then row-wise: row ``j`` times
+  the weight of its own id's group;
 - ``inv``: the inverse permutation (``index_put`` of ``arange(M)`` at ``perm`` into a fresh
   tensor, ``argsort(perm)``), usable only to index rows: ``rows[inv]`` returns to the batch order.
 
@@ -58,7 +59,10 @@ _ZERO = frozenset("zeros zeros_like new_zeros".split())
 _CREATION = frozenset("empty zeros ones full".split())
 # scatter_add along dim 0; torchtitan's deterministic_scatter_add(out, index, src) is the same sum
 _SCATTER_ADD = frozenset("scatter_add deterministic_scatter_add".split())
-_RANDOM = frozenset("dropout dropout_ alpha_dropout native_dropout rand_like randn_like".split())
+# random ops with an elementwise rule (cube.ir.ops): on sorted rows they would draw in another order
+_RANDOM = frozenset("""dropout dropout_ alpha_dropout native_dropout rand_like randn_like randint_like exponential
+exponential_ uniform uniform_ normal normal_ normal_functional bernoulli bernoulli_ random random_ geometric geometric_
+log_normal log_normal_ cauchy cauchy_""".split())
 # the exact integers each dtype holds (a cast of ids, counts or positions must keep them)
 _EXACT = {torch.int32: 2 ** 31, torch.int64: 2 ** 63, torch.float32: 2 ** 24, torch.float64: 2 ** 53}
 
@@ -217,18 +221,27 @@ class Dispatch:
         return region
 
     def _id_bound(self, ids: IRTensor) -> int:
-        """``n`` where ``ids`` are provably in ``[0, n)`` (the indices of a ``topk`` over ``n``
-        values, reshaped or cast), else 0."""
+        """``n`` where ``ids`` are provably in ``[0, n)`` (the indices of a ``topk``, of a ``max``/``min``
+        along a dim or of an ``argmax``/``argmin`` over ``n`` values (PhiMoE's Gumbel-sampled experts),
+        reshaped, cast or concatenated), else 0."""
         t = ids
         while True:
             op = self.makers.get(id(t))
-            if op is None:
+            if op is None or t.dtype.is_floating_point:
                 return 0
-            if op.name == "topk" and len(op.outputs) == 2 and op.outputs[1] is t:
+            if (op.name == "topk" or (op.name in ("max", "min") and len(op.inputs) == 1)) and \
+                    len(op.outputs) == 2 and op.outputs[1] is t:
                 x = op.inputs[0]
-                dim = _arg(op, 2, "dim", -1)
+                dim = _arg(op, 2, "dim", -1) if op.name == "topk" else _arg(op, 1, "dim", -1)
                 return x.shape[dim % x.ndim] if x.ndim else 0
-            if (op.name in _SAME or op.name in _RESHAPES) and len(op.inputs) == 1 and not t.dtype.is_floating_point:
+            if op.name in ("argmax", "argmin") and len(op.inputs) == 1 and _arg(op, 1, "dim") is not None:
+                x = op.inputs[0]
+                return x.shape[_arg(op, 1, "dim") % x.ndim] if x.ndim else 0
+            if op.name in ("cat", "concat") and op.inputs:
+                bounds = [self._id_bound(x) for x in op.inputs]
+                return max(bounds) if all(bounds) else 0
+            if (op.name in _SAME or op.name in _RESHAPES or op.name in ("unsqueeze", "squeeze")) and \
+                    len(op.inputs) == 1:
                 t = op.inputs[0]
                 continue
             return 0

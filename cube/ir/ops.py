@@ -112,6 +112,12 @@ bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous 
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
 zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors floor_divide remainder fmod
 trunc isnan isinf bitwise_xor __xor__ xlogy""", rule="elementwise")
+# random numbers of their input's shape (the functional forms of ``x.exponential_()``... that tracing makes, and
+# what stays in place on a copy): elementwise, so a batch, sequence or head split carries through them; each
+# piece draws its own numbers (cube.runtime.rng)
+_add("""exponential exponential_ uniform uniform_ normal_ normal_functional bernoulli bernoulli_ random random_
+randint_like geometric geometric_ log_normal log_normal_ cauchy cauchy_""", rule="elementwise")
+_add("normal", rule="drawn")   # normal(mean, std): elementwise over its tensors; normal(0., 1., size): creation
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
 _add("matmul mm bmm", rule="matmul")

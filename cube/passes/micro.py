@@ -68,7 +68,7 @@ from cube.ir.tensor import IRTensor, TensorKind
 
 # ops whose arguments may differ between the two traces only by the batch size in a shape
 _SHAPE_OPS = frozenset("""view reshape _unsafe_view flatten unflatten expand expand_as view_as zeros ones full empty rand
-new_zeros new_ones new_full new_empty zeros_like ones_like full_like empty_like""".split())
+randn randint new_zeros new_ones new_full new_empty zeros_like ones_like full_like empty_like""".split())
 _LIKE_OPS = frozenset("new_zeros new_ones new_full new_empty zeros_like ones_like full_like empty_like".split())
 # ops linear in a share of a batch reduction (the other operands must not depend on the batch)
 _LINEAR = frozenset("""add sub mul div neg view reshape _unsafe_view flatten unflatten unsqueeze squeeze clone

@@ -1,6 +1,6 @@
 """Random numbers of a compiled step: what generated code calls at each random op piece.
 
-Every random op piece (dropout, attention with dropout, ``rand``...) is called as
+Every random op piece (dropout, attention with dropout, ``rand``, ``exponential``...) is called as
 ``runtime.rng.call(self, index, box, op, *args)``: ``index`` is the op's position
 among the step's draws in the single device's order (``cube.passes.rng``),
 ``box`` the piece's ``(start, stop)`` per dim of its output in the full tensor
@@ -23,14 +23,26 @@ calls the piece again with the same key, so it redraws the same mask. The
 user's generator is left where it was: the step draws nothing from it.
 
 Exact (``cube.compile(..., exact_rng=True)``, CPU): at the start of the step
-every rank draws the *whole* mask of every random op of the step, in the
-single device's order, by calling the same ATen op on a tensor of ones of the
-op's full shape and dtype (``dropout`` returns its scaled mask; the dropout of
-``scaled_dot_product_attention`` is the ``dropout`` of its attention weights),
-with the default generator starting from the state it has when the step
-starts: exactly the numbers the plain model draws. A piece takes its slice
-(a pipeline micro-batch its rows of the global batch) and computes the op the
-way the single device does, so its values are the single device's values.
+every rank draws the *whole* output of every random op of the step (its mask,
+for dropout), in the single device's order, with the default generator starting
+from the state it has when the step starts, by calling the same ATen op at the
+op's full shape, dtype and memory layout: exactly the numbers the plain model
+draws (``cube.passes.rng`` lists the ops):
+
+- ``dropout``, ``native_dropout``: the op on a tensor of ones (``dropout``
+  returns its scaled mask, ``native_dropout`` its boolean one); the dropout of
+  ``scaled_dot_product_attention`` is the ``dropout`` of its attention weights;
+- the ops whose output depends only on their input's shape, dtype and layout
+  (``exponential``, ``uniform``, ``normal_``, ``bernoulli`` of a float ``p``,
+  ``random``, ``rand_like``, ``randn_like``, ``randint_like``, ``geometric``,
+  ``log_normal``, ``cauchy``): the op on an empty tensor;
+- ``bernoulli`` of a tensor of probabilities: ``uniform`` on an empty tensor
+  (the CPU kernel draws one uniform number per element and keeps ``u < p``);
+- ``rand``, ``randn``, ``randint``: the op with its arguments.
+
+A piece takes its slice (a pipeline micro-batch its rows of the global batch)
+and computes the op the way the single device does (``x * mask``, the numbers
+themselves, ``u < p``), so its values are the single device's values.
 Masks are kept for the step (recompute reads them again); at the end of the
 step the default generator is set to the state the plain model leaves, so the
 next step continues the same stream. The draws use the default generator with
@@ -96,8 +108,8 @@ def _begin(model) -> StepRng:
     with _LOCK:
         start = gen.get_state()
         try:
-            for index, (kind, shape, dtype, p, _rows, strides) in enumerate(table["draws"]):
-                mask = _draw_whole(kind, shape, dtype, p, strides)
+            for index, (kind, shape, dtype, p, _rows, strides, call) in enumerate(table["draws"]):
+                mask = _draw_whole(kind, shape, dtype, p, strides, call)
                 if index in table["mine"]:
                     st.masks[index] = mask
             st.end = gen.get_state()
@@ -106,16 +118,27 @@ def _begin(model) -> StepRng:
     return st
 
 
-def _draw_whole(kind: str, shape, dtype, p: float, strides=None) -> torch.Tensor:
-    """The whole mask of one draw from the default generator, as the single device draws it: on
-    ones laid out as the single device's input (dropout draws in its input's memory order); a
-    ``rand``'s numbers themselves."""
-    if kind == "rand":
-        return aten.rand.default(list(shape), dtype=dtype)
+def _draw_whole(kind: str, shape, dtype, p: float, strides=None, call=None) -> torch.Tensor:
+    """The whole draw of one random op from the default generator, as the single device draws it: a
+    dropout's mask on ones laid out as the single device's input (dropout draws in its input's memory
+    order); the output of an op drawing numbers of its input's shape, on an empty tensor laid out as
+    the single device's output; the uniform numbers a ``bernoulli`` of probabilities compares them with;
+    a creation op's output."""
+    if kind == "rand":   # rand, randn, randint: the arguments say it all
+        fn, args = call
+        return fn(**dict(args), dtype=dtype)
+    if kind == "bernoulli":   # bernoulli_distribution<float> (<double> for float64 probabilities) per element
+        dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if strides is None:
-        ones = torch.ones(shape, dtype=dtype)
+        empty = torch.empty(shape, dtype=dtype)
     else:
-        ones = torch.empty_like(torch.empty_strided(shape, strides, dtype=dtype)).fill_(1)
+        empty = torch.empty_strided(shape, strides, dtype=dtype)
+    if kind == "values":
+        fn, args = call
+        return fn(empty, **dict(args))
+    if kind == "bernoulli":
+        return aten.uniform.default(empty, 0.0, 1.0)
+    ones = empty.fill_(1)
     if kind in ("dropout", "sdpa"):   # dropout(1) is the mask already scaled by 1 / (1 - p)
         return aten.dropout.default(ones, p, True)
     if kind == "native_dropout":
@@ -188,7 +211,7 @@ def _rows(model, rows: int, micro: int, start: int, stop: int) -> torch.Tensor:
 
 
 def _piece(model, st: StepRng, index: int, box, micro: int) -> torch.Tensor:
-    kind, shape, _dtype, _p, rows, _strides = _table(model)["draws"][index]
+    kind, shape, _dtype, _p, rows, _strides, _call = _table(model)["draws"][index]
     mask = st.masks.get(index)
     if mask is None:
         raise CubeInternalError(f"draw {index} runs on this rank but was not drawn for it")
@@ -205,16 +228,21 @@ def _piece(model, st: StepRng, index: int, box, micro: int) -> torch.Tensor:
 
 
 def _exact(model, st: StepRng, index: int, box, micro: int, fn, args, kwargs):
-    kind, _shape, dtype, p, _rows, _strides = _table(model)["draws"][index]
+    kind, _shape, dtype, p, _rows, _strides, _call = _table(model)["draws"][index]
     mask = _piece(model, st, index, box, micro)
     if kind == "rand":   # the piece's numbers are the op's output
         device = kwargs.get("device")
         return mask.to(device) if device is not None else mask.clone()
     x = args[0]
-    if x.dtype != dtype:
-        raise ValueError(f"exact_rng=True: a random op draws in {dtype} on one device but runs in {x.dtype} here "
+    got = (kwargs.get("dtype") or x.dtype) if kind == "values" else x.dtype
+    if got != dtype:
+        raise ValueError(f"exact_rng=True: a random op draws in {dtype} on one device but runs in {got} here "
                          f"(autocast?); compile without exact_rng")
     mask = mask.to(x.device)
+    if kind == "values":   # the piece's part of the op's output
+        return mask.clone()
+    if kind == "bernoulli":   # as the CPU kernel: 1 where the uniform number is below the probability
+        return (mask < x).to(x.dtype)
     if kind == "dropout":   # aten.dropout on CPU: input * (noise / (1 - p))
         return x * mask
     if kind == "native_dropout":   # input.mul(mask).mul_(scale), as native_dropout on CPU

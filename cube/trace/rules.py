@@ -784,6 +784,12 @@ def creation(op: IRFwOperation) -> str:
     return _anno([], [["1" if s == 1 else names(True) for s in o.shape] for o in op.outputs])
 
 
+def drawn(op: IRFwOperation) -> str:
+    """A random op that reads tensors (``normal(mean, std)``) is elementwise over them; one that reads
+    none makes a tensor of the size it is given (``normal(0., 1., size)``), as ``creation``."""
+    return elementwise(op) if op.inputs else creation(op)
+
+
 # ----------------------------------------------------------------------------- registry
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
@@ -798,8 +804,8 @@ RULES: Dict[str, Rule] = {
     "along_last_two": _frozen_dims(lambda op: [-2, -1]),         # triu, tril
     "reshape": reshape, "permute": permute, "expand": expand, "select": select, "slice_rule": slice_rule,
     "split": split, "unbind": unbind, "scatter": scatter, "slice_scatter": slice_scatter, "cat": cat, "stack": stack, "pad": pad,
-    "creation": creation, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex, "index": index,
-    "repeat_interleave": repeat_interleave,
+    "creation": creation, "drawn": drawn, "diff": diff, "opaque": opaque, "view_as_complex": view_as_complex,
+    "index": index, "repeat_interleave": repeat_interleave,
     "index_select": index_select, "gather": gather, "topk": topk, "count": count,
 }
 _BUILTIN: Dict[str, Rule] = {name: RULES[info.rule] for name, info in ops.rows().items() if info.rule}
