@@ -17,12 +17,22 @@ FAST = {("gpt2", "tensor"), ("llama", "tensor"), ("gpt_neox", "tensor"), ("phi3"
         ("resnet", "data"), ("llama", "pipeline_1"), ("qwen3", "pipeline_1"), ("bart", "pipeline_1"),
         ("llama", "3d"), ("gpt2", "single"), ("convnext", "single")}
 FAST |= {(m, "pipeline") for m in zoo.MODELS}
-CASES = [(m, p) for m in zoo.MODELS for p in zoo.PLANS]
+ALL = [(m, p) for m in zoo.MODELS for p in zoo.PLANS]
+CASES = [(m, p) for m, p in ALL if m not in zoo.ADDED]   # the added families: tests/test_zoo_added.py
 
 
-@pytest.mark.parametrize("model,plan", tiered(CASES, [f"{m}-{p}" for m, p in CASES],
-                                              {f"{m}-{p}" for m, p in CASES if (m, p) not in FAST}))
+def cases(which):
+    """``which`` as parameters, the ones not in ``FAST`` in the slow tier."""
+    return tiered(which, [f"{m}-{p}" for m, p in which], {f"{m}-{p}" for m, p in which if (m, p) not in FAST})
+
+
+@pytest.mark.parametrize("model,plan", cases(CASES))
 def test_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
+    check(model, plan)
+
+
+def check(model: str, plan: str) -> None:
+    """``model`` under ``plan`` is exact, or refused as ``tests.zoo`` lists."""
     if not zoo.installed(model):
         pytest.skip(f"{zoo.PACKAGES[model]} is not installed here (no wheel for this torch): {model} runs where it is")
     outcome = zoo.run(model, plan)
@@ -35,7 +45,7 @@ def test_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
 
 
 def test_every_listed_refusal_names_a_case_of_the_table():
-    assert set(zoo.REFUSED) <= set(CASES) and set(zoo.GAPS) <= set(CASES) and not set(zoo.REFUSED) & set(zoo.GAPS)
+    assert set(zoo.REFUSED) <= set(ALL) and set(zoo.GAPS) <= set(ALL) and not set(zoo.REFUSED) & set(zoo.GAPS)
 
 
 def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
@@ -52,8 +62,13 @@ def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
 WHOLE_BY_DESIGN = ("mlp.gate.weight", "shared_expert_gate.weight", "downsample.reduction.weight",
                    "kv_a_proj_with_mqa.weight")
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", zoo.TRANSFORMERS)
+@pytest.mark.parametrize("name", [m for m in zoo.TRANSFORMERS if m not in zoo.ADDED])
 def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):
+    holds_a_tp_th(name, tp)
+
+
+def holds_a_tp_th(name: str, tp: int) -> None:
+    """Rank 0 holds at most a ``tp``-th of each of block 0's linear weights (but those whole by design)."""
     if not zoo.installed(name):
         pytest.skip(f"{zoo.PACKAGES[name]} is not installed here: {name} runs where it is")
     shares = zoo.tp_shares(name, tp)

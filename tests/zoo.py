@@ -317,6 +317,10 @@ _TITAN = {"tt_llama3": lambda: _titan("llama3"), "tt_qwen3": lambda: _titan("qwe
 PACKAGES = {**{m: "timm" for m in _VISION if m.startswith("timm_")}, "tv_vit": "torchvision",
             **{m: "torchtitan" for m in _TITAN}, **{m: "torch" for m in _TORCH}}
 MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_TORCH) + list(_IMAGE) + list(_TITAN)
+# the families added after the first table (tests/test_zoo_added.py runs them, beside tests/test_zoo.py)
+ADDED = ("bloom gptj codegen olmo olmo2 cohere stablelm starcoder2 granite gemma3 mpt helium glm4 smollm3 xglm biogpt "
+         "qwen3_moe olmoe granitemoe phimoe gpt_oss deepseek_v3 jamba mamba mamba2 rwkv distilbert albert electra "
+         "deberta_v2").split()
 
 
 def installed(name: str) -> bool:
@@ -409,6 +413,17 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    # a recurrence along the sequence: Mamba's causal conv1d (padded on both sides, cut to the sequence) and its
+    # selective scan, Mamba-2's chunked scan (the state passed chunk to chunk), RWKV's time-mixing loop; context
+    # parallel would pass each rank's last state (and the conv's last k-1 tokens) to the next rank, which cube
+    # does not do yet (Megatron-LM does not split Mamba layers along the sequence either)
+    **{(m, "cp"): ("context parallel over cp=2 lost at op", "a recurrence along the sequence (a state passed from "
+                   "each token to the next, a causal conv's window): context parallel would pass each rank's last "
+                   "state to the next rank") for m in ("mamba", "mamba2", "jamba", "rwkv")},
+    # RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) reads one token of
+    # the previous piece: a halo of one token, which cube's sequence split has no rule for yet
+    ("rwkv", "sp"): ("sequence parallel over tp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
+                     "each token: a one-token halo from the previous sequence piece, not yet a rule"),
     # cube.trace.rows gives a router on flattened (B*S, E) token rows back its (B, S) dims for softmax/topk/sum
     # routers; PhiMoE's sparsemixer also takes max along the experts (indices without keepdim), gathers, scatters,
     # concatenates and draws Gumbel noise there, so its tokens stay merged and a sequence split stops at the MoE
