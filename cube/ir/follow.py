@@ -438,10 +438,20 @@ def _normalizes(op: IRFwOperation) -> bool:
 
 
 def _marked(op: IRFwOperation, tracked: Dict[int, int]) -> bool:
-    """Whether ``op``'s rule marks whole (``^``) a dim along which it reads a split input."""
-    return op.anno is not None and any(
-        id(t) in tracked and tracked[id(t)] < len(op.anno.inputs[i]) and op.anno.inputs[i][tracked[id(t)]].head
-        is not None and op.anno.inputs[i][tracked[id(t)]].head.marked for i, t in enumerate(op.inputs))
+    """Whether ``op``'s rule marks whole (``^``) the last dim along which it reads a split input of
+    one head all heads share (a dim of size 1 before it, as ``(B, 1, S, D)``): a slice of a shared
+    rotary key's features (DeepSeek-V3's ``k_rot``). A slice of a fused projection's features (a
+    q/k/v split cube did not cut into its own linears) is no such stop: it stays a lost pair."""
+    if op.anno is None:
+        return False
+    for i, t in enumerate(op.inputs):
+        d = tracked.get(id(t))
+        if d is None or d != t.ndim - 1 or d >= len(op.anno.inputs[i]) or 1 not in tuple(t.shape[1:d]):
+            continue
+        head = op.anno.inputs[i][d].head
+        if head is not None and head.marked:
+            return True
+    return False
 
 
 def _gathered_columns(readers: "_Readers", flow: Flow, num: int) -> None:
@@ -640,14 +650,14 @@ class _Trial:
         lost: it stops at an op that could carry a split but not this one (no rule, a dim the
             rule keeps whole, a size the pieces do not divide), not at one that needs every
             feature (a norm, softmax or loss: there the linear is whole by design).
-        marked: the stop is at a dim its rule marks whole (``^``: the dim a slice cuts).
+        marked: the stop slices the features of one head all heads share (``_marked``).
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
     tracked: Dict[int, int] = field(default_factory=dict)
     reduced: List[IRFwOperation] = field(default_factory=list)
     stop: Optional[IRFwOperation] = None
-    marked: bool = False   # ``stop``'s rule keeps the split dim whole on purpose (``^``: a slice of it)
+    marked: bool = False   # ``stop`` slices the features of one head all heads share (``_marked``)
     why: str = ""
     lost: bool = False
 
