@@ -120,7 +120,9 @@ def _leads(big: Tuple[int, ...], rows: Tuple[int, ...]) -> Set[Tuple[int, ...]]:
 
 
 def _view_of(op: IRFwOperation, names) -> bool:
-    return op.name in names and len(op.inputs) == 1 and len(op.outputs) == 1 and op.args[:1] == (op.inputs[0],)
+    """Whether ``op`` is a view of one tensor named in ``names`` changing its shape only (not its dtype)."""
+    return op.name in names and len(op.inputs) == 1 and len(op.outputs) == 1 and op.args[:1] == (op.inputs[0],) \
+        and op.outputs[0].dtype == op.inputs[0].dtype
 
 
 def _merge_leads(op: IRFwOperation) -> Set[Tuple[int, ...]]:
@@ -201,6 +203,7 @@ def _find(seed: IRFwOperation, readers, makers, loss: IRTensor) -> Optional[_Cha
     chain = _Chain(n)
     values: Set[int] = set()
     todo: List[IRTensor] = []
+    reads: Dict[int, Set[int]] = {}   # id of a chain op -> ids of the inputs it reads merged
 
     def value(t: IRTensor) -> bool:   # a merged value of the chain: its readers are visited
         if t is loss:
@@ -232,6 +235,7 @@ def _find(seed: IRFwOperation, readers, makers, loss: IRTensor) -> Optional[_Cha
         if merged is None:
             return False
         chain.ops[id(op)] = op
+        reads[id(op)] = {id(t) for t in merged}
         return all(value(o) for o in op.outputs) and all(pull(t) for t in merged)
 
     chain.merges[id(seed)] = seed
@@ -247,7 +251,8 @@ def _find(seed: IRFwOperation, readers, makers, loss: IRTensor) -> Optional[_Cha
                 chain.restores[id(t)] = op
             elif not isinstance(op, IRFwOperation) or id(op) in chain.merges or not take(op):
                 return None
-    if not chain.restores:
+    if not chain.restores or any(id(t) not in reads[id(op)] for op in chain.ops.values() for t in op.inputs
+                                 if id(t) in values or id(t) in chain.sources):   # merged, read as a broadcast
         return None
     leads = set.intersection(*[_merge_leads(m) for m in chain.merges.values()],
                              *[_restore_leads(r, r.inputs[0]) for r in chain.restores.values()])
