@@ -113,3 +113,21 @@ def test_pipeline_cuts_the_batch_through_the_alibi():
     torch.manual_seed(0)
     policy = functools.partial(PAS1F1B, nmicros=2)
     assert_exact(parity(Net(), _batch(1), policy, 2, steps=2, nmicros=2, opt="sgd", strict=True))
+
+
+def test_deberta_relative_attention_splits_its_heads():
+    """DeBERTa-v2's disentangled attention (``relative_attention``, c2p and p2c terms, as DeBERTa-v3
+    checkpoints configure it): the relative position projections repeated once per sample and the
+    positions gathered by an expanded index run on ``(B, H, ...)`` too."""
+    from cube.policies.megatron import PASMegatronTP
+    from tests import zoo
+    torch.manual_seed(0)
+    model = zoo._hf("DebertaV2Config", "DebertaV2ForMaskedLM", vocab_size=zoo.V, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=64, max_position_embeddings=64, relative_attention=True,
+                    pos_att_type=["c2p", "p2c"], position_buckets=8)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, zoo.V, (2, zoo.S), generator=gen)
+    names = [op.name for op in build_graph(export(model, (ids, ids.clone())), model, "tuple")[0].ops[1:]]
+    assert "bmm" not in names and "repeat" not in names and names.count("gather") == 4, names
+    assert_exact(parity(model, (ids, ids.clone()), PASMegatronTP, 2, steps=2, opt="sgd", param_floor=zoo.PARAM_FLOOR,
+                        strict=True))

@@ -21,20 +21,24 @@ a *chain* is the ops reading or making values of ``N = prod(lead)`` rows merged 
 - ``bmm(a, b)`` becomes ``matmul(a, b)``, and ``baddbmm(c, a, b, beta=, alpha=)`` becomes
   ``add(c * beta, matmul(a, b), alpha=alpha)`` (``c`` alone for ``beta == 1``, left out for
   ``beta == 0`` as ``baddbmm`` ignores it then);
-- ``transpose``, ``permute``, ``softmax``/``log_softmax`` and views keeping the rows take their
-  dims moved by the dims added in front (dim 0, the rows, is never an argument);
+- ``transpose``, ``permute``, ``softmax``/``log_softmax``, ``gather`` (of an index with the rows:
+  DeBERTa-v2's relative positions) and views keeping the rows take their dims moved by the dims
+  added in front (dim 0, the rows, is never an argument);
 - ops with the elementwise rule (casts, scaling, masks) and dropouts that draw nothing run as
   they are, their operands from outside broadcasting over the rows (fewer dims, or a first dim of 1);
 - a merged value made by ``repeat(x, (r, 1, ...))`` of ``x`` of shape ``(prod(lead[j:]), ...)``
-  with ``r = prod(lead[:j])`` (BLOOM's alibi), and casts of it, is ``x`` viewed as
-  ``(1, ..., 1, *lead[j:], ...)``, broadcast over ``lead[:j]``: the repeat goes;
+  with ``r = prod(lead[:j])`` (BLOOM's alibi, DeBERTa-v2's relative position projections), and
+  casts of it, is ``x`` viewed as ``(1, ..., 1, *lead[j:], ...)``, broadcast over ``lead[:j]``: the
+  repeat goes; one made by ``expand(x, (N, ...))`` of ``x`` with a dim 0 of 1 (a gather's index)
+  is ``expand(x, (*lead, ...))``;
 - the merging views become views of the inner dims only (or disappear), and the restoring
   views disappear (or view the inner dims only).
 
 The values are the model's: a row-major view makes row ``r`` of ``(N, ...)`` the elements at the
 index of ``lead`` that ``r`` numbers, ``matmul`` of N-D tensors is ``bmm`` over the leading dims,
 and each other op of the chain computes a row of its outputs from the same row of its inputs.
-Row ``b * H + h`` of a repeat of ``x`` is ``x[h]``, which is what the broadcast reads. Only the
+Row ``b * H + h`` of a repeat of ``x`` is ``x[h]``, which is what the broadcast reads, and
+every row of an expand of ``x`` is ``x[0]``. Only the
 scaling of ``baddbmm`` is computed as separate ops (float round-off). The pass is exact or does
 nothing; a chain is rewritten only when every op reading one of its values is in it or is a view
 restoring ``(*lead, ...)`` (one per value, one at least), every op making a merged value it reads
@@ -104,9 +108,27 @@ def unmerge_heads(graph: IRGraph, registry: Registry) -> IRGraph:
         replace: Dict[int, List[IRFwOperation]] = {}
         for chain in chains:
             replace.update(_rewrite(chain, order, registry))
-        graph = IRGraph([new for op in graph.ops for new in replace.get(id(op), [op])], graph.attrs,
-                        graph.loss, graph.name)
+        ops = [new for op in graph.ops for new in replace.get(id(op), [op])]
+        graph = IRGraph(_without_unread_copies(ops, chains), graph.attrs, graph.loss, graph.name)
     raise CubeInternalError("unmerge_heads: the rewrite of merged heads does not end")
+
+
+def _without_unread_copies(ops: List[IRFwOperation], chains: List[_Chain]) -> List[IRFwOperation]:
+    """``ops`` without the copies of rows (and their casts) the chains read that no op reads any more:
+    the tensor they copied may be merged heads of its own, whose chain they would end."""
+    count: Dict[int, int] = {}
+    for op in ops:
+        for t in {id(t) for t in op.inputs}:
+            count[t] = count.get(t, 0) + 1
+    dropped: Set[int] = set()
+    for copy, casts in {id(s[0]): s for chain in chains for s in chain.sources.values()}.values():
+        for op in [*casts[::-1], copy]:
+            if any(count.get(id(t), 0) for t in op.outputs) or inplace.effect(op):
+                break
+            dropped.add(id(op))
+            for t in {id(t) for t in op.inputs}:
+                count[t] -= 1
+    return [op for op in ops if id(op) not in dropped]
 
 
 def _leads(big: Tuple[int, ...], rows: Tuple[int, ...]) -> Set[Tuple[int, ...]]:
@@ -145,19 +167,22 @@ def _unary(op: IRFwOperation) -> bool:
         op.args[:1] == (op.inputs[0],) and op.outputs[0].shape == op.inputs[0].shape and not inplace.effect(op)
 
 
-def _repeated(t: IRTensor, makers, n: int) -> Optional[Tuple[IRFwOperation, List[IRFwOperation]]]:
-    """``(repeat, casts)`` when ``t`` is casts of ``repeat(x, (r, 1, ...))`` of ``n`` rows, else None."""
+def _copied(t: IRTensor, makers, n: int) -> Optional[Tuple[IRFwOperation, List[IRFwOperation]]]:
+    """``(op, casts)`` when ``t`` is casts of ``n`` rows copied from a tensor without them:
+    ``repeat(x, (r, 1, ...))`` or ``expand(x, (n, ...))`` of ``x`` with a dim 0 of 1, else None."""
     casts: List[IRFwOperation] = []
     m = makers.get(id(t))
     while isinstance(m, IRFwOperation) and _unary(m):
         casts.insert(0, m)
         m = makers.get(id(m.inputs[0]))
-    if not isinstance(m, IRFwOperation) or m.name != "repeat" or len(m.inputs) != 1 or m.kwargs or \
-            len(m.args) != 2 or m.args[0] is not m.inputs[0]:
+    if not isinstance(m, IRFwOperation) or m.name not in ("repeat", "expand") or len(m.inputs) != 1 or \
+            set(m.kwargs) - {"implicit"} or len(m.args) != 2 or m.args[0] is not m.inputs[0]:
         return None
-    x, reps = m.inputs[0], m.args[1]
-    if not isinstance(reps, (list, tuple)) or len(reps) != x.ndim or x.ndim < 1 or \
-            any(r != 1 for r in reps[1:]) or reps[0] * x.shape[0] != n:
+    x, sizes = m.inputs[0], m.args[1]
+    if not isinstance(sizes, (list, tuple)) or len(sizes) != x.ndim or x.ndim < 1 or \
+            tuple(m.outputs[0].shape) != (n,) + tuple(x.shape[1:]):
+        return None
+    if m.name == "repeat" and any(r != 1 for r in sizes[1:]) or m.name == "expand" and x.shape[0] != 1:
         return None
     return m, casts
 
@@ -187,6 +212,13 @@ def _merged(op: IRFwOperation, n: int) -> Optional[List[IRTensor]]:
         if c and not _outside(c[0], out):
             return [c[0], a, b] if c[0].ndim == 3 and c[0].shape[0] == n else None
         return [a, b]
+    if name == "gather":   # gather(t, dim, index): the index has the rows too
+        index = op.args[2] if len(op.args) > 2 else op.kwargs.get("index")
+        t = op.args[0] if op.args else None
+        if not isinstance(t, IRTensor) or not isinstance(index, IRTensor) or t is index or \
+                t.ndim != index.ndim or t.shape[0] != n or index.shape[0] != n:
+            return None
+        return [t, index]
     if name in _BATCHED or _view_of(op, _MERGES | _RESTORES):   # of one merged value
         return list(op.inputs) if len(op.inputs) == 1 and op.inputs[0].shape[0] == n else None
     if op_info(name).rule == "elementwise":
@@ -222,7 +254,7 @@ def _find(seed: IRFwOperation, readers, makers, loss: IRTensor) -> Optional[_Cha
         if _merge_leads(m):
             chain.merges[id(m)] = m
             return value(t)
-        source = _repeated(t, makers, n)
+        source = _copied(t, makers, n)
         if source is not None:
             chain.sources[id(t)] = source
             return True
@@ -260,7 +292,8 @@ def _find(seed: IRFwOperation, readers, makers, loss: IRTensor) -> Optional[_Cha
         return None
     chain.lead = min(leads, key=len)
     k = len(chain.lead)
-    if any(_split(chain.lead, src[0].inputs[0].shape[0]) is None for src in chain.sources.values()) or \
+    if any(_split(chain.lead, src[0].inputs[0].shape[0]) is None for src in chain.sources.values()
+           if src[0].name == "repeat") or \
             any(tuple(m.inputs[0].shape[:k]) != chain.lead for m in chain.merges.values()) or \
             any(_call(op, chain) is None for op in chain.ops.values() if op.name != "baddbmm") or \
             any(not _baddbmm_args(op) for op in chain.ops.values() if op.name == "baddbmm"):
@@ -316,6 +349,12 @@ def _call(op: IRFwOperation, chain: _Chain) -> Optional[Tuple[Any, str, tuple, d
         return (op.target, name, (first, d) + args[2:], kwargs) if at else (op.target, name, args, dict(kwargs, dim=d))
     if name in _DROPOUTS:
         return op.target, name, args, kwargs
+    if name == "gather":
+        d = _dim(args[1] if len(args) > 1 else kwargs.get("dim"), first.ndim, shift)
+        if d is None or set(kwargs) - {"sparse_grad", "index"}:
+            return None
+        return (op.target, name, (first, d) + args[2:], kwargs) if len(args) > 1 else \
+            (op.target, name, args, dict(kwargs, dim=d))
     if _view_of(op, _MERGES | _RESTORES):   # a view keeping the rows: of the same rows on the unmerged dims
         return aten.reshape.default, "reshape", (first, list(chain.lead) + list(op.outputs[0].shape[1:])), {}
     if op_info(name).rule == "elementwise":
@@ -379,16 +418,22 @@ def _rewrite(chain: _Chain, order: Dict[int, int], registry: Registry) -> Dict[i
 
 
 def _source(t: IRTensor, chain: _Chain, made: List[IRFwOperation], like, registry: Registry) -> IRTensor:
-    """``t``, a repeat's rows (and casts of them), on the unmerged dims: the repeated tensor viewed
-    with dims of 1 for the lead dims it was repeated along, and the casts again; their ops go to ``made``."""
-    repeat, casts = chain.sources[id(t)]
-    x = repeat.inputs[0]
-    j = _split(chain.lead, x.shape[0])
-    if j is None:
-        raise CubeInternalError(f"op {repeat.name!r} ({repeat.where()}) no longer repeats merged heads")
-    shape = (1,) * j + chain.lead[j:] + tuple(x.shape[1:])
-    cur = like(t, shape)
-    made.append(_make(repeat, aten.reshape.default, "reshape", (x, list(shape)), {}, [cur], registry))
+    """``t``, rows copied (and casts of them), on the unmerged dims: a repeated tensor viewed with
+    dims of 1 for the lead dims it was repeated along, an expanded one expanded to the lead, and
+    the casts again; their ops go to ``made``."""
+    copy, casts = chain.sources[id(t)]
+    x = copy.inputs[0]
+    if copy.name == "expand":
+        shape = chain.lead + tuple(x.shape[1:])
+        cur = like(copy.outputs[0], shape)
+        made.append(_make(copy, aten.expand.default, "expand", (x, list(shape)), {}, [cur], registry))
+    else:
+        j = _split(chain.lead, x.shape[0])
+        if j is None:
+            raise CubeInternalError(f"op {copy.name!r} ({copy.where()}) no longer repeats merged heads")
+        shape = (1,) * j + chain.lead[j:] + tuple(x.shape[1:])
+        cur = like(copy.outputs[0], shape)
+        made.append(_make(copy, aten.reshape.default, "reshape", (x, list(shape)), {}, [cur], registry))
     for cast in casts:
         o = like(cast.outputs[0], shape)
         made.append(_make(cast, cast.target, cast.name, (cur,) + tuple(cast.args[1:]), dict(cast.kwargs), [o],
