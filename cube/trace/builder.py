@@ -19,6 +19,7 @@ from cube import config
 from cube.trace import flex
 from cube.trace.casts import MARK, retarget
 from cube.trace.fused import split_fused
+from cube.trace.heads import unmerge_heads
 from cube.trace.merged import unmerge
 from cube.trace.rows import unflatten_loss, unflatten_rows
 from cube.trace.rules import REGISTRY, Registry
@@ -536,9 +537,9 @@ def _flatten(x):
 
 def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                 registry: Registry = REGISTRY) -> Tuple[IRGraph, Dict[str, torch.Tensor]]:
-    """Turns an exported program into an ``IRGraph``, leading dims merged around row-wise ops given
-    back (``cube.trace.rows``) and fused projections cut into one matmul per block
-    (``cube.trace.fused``).
+    """Turns an exported program into an ``IRGraph``, leading dims merged around row-wise ops
+    (``cube.trace.rows``) and batched matmuls (``cube.trace.heads``) given back, and fused
+    projections cut into one matmul per block (``cube.trace.fused``).
 
     Returns:
         The graph and the values of lifted constant tensors (by name).
@@ -567,7 +568,7 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
                         f"Reduce it (e.g. loss.mean()) inside forward.")
     name = type(model).__name__
     graph = IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name)
-    graph = unflatten_loss(unflatten_rows(graph, registry), registry)
+    graph = unmerge_heads(unflatten_loss(unflatten_rows(graph, registry), registry), registry)
     if config.fused_cut():
         graph = split_fused(graph, registry, b.consts)
     graph = unmerge(graph, registry)
