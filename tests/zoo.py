@@ -408,14 +408,7 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
-GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
-    # cube.trace.rows gives a router on flattened (B*S, E) token rows back its (B, S) dims for softmax/topk/sum
-    # routers; PhiMoE's sparsemixer also takes max along the experts (indices without keepdim), gathers, scatters,
-    # concatenates and draws Gumbel noise there, so its tokens stay merged and a sequence split stops at the MoE
-    ("phimoe", "cp"): ("context parallel over cp=2 lost at op 'reshape'", "PhiMoE's sparsemixer router (max, gather, "
-                       "scatter, concat and random draws along the experts) keeps the tokens flattened: "
-                       "cube.trace.rows does not unflatten it, so the sequence split stops at the MoE layer"),
-}
+GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {}
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 
