@@ -424,12 +424,6 @@ GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     # the previous piece: a halo of one token, which cube's sequence split has no rule for yet
     ("rwkv", "sp"): ("sequence parallel over tp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
                      "each token: a one-token halo from the previous sequence piece, not yet a rule"),
-    # cube.trace.rows gives a router on flattened (B*S, E) token rows back its (B, S) dims for softmax/topk/sum
-    # routers; PhiMoE's sparsemixer also takes max along the experts (indices without keepdim), gathers, scatters,
-    # concatenates and draws Gumbel noise there, so its tokens stay merged and a sequence split stops at the MoE
-    ("phimoe", "cp"): ("context parallel over cp=2 lost at op 'reshape'", "PhiMoE's sparsemixer router (max, gather, "
-                       "scatter, concat and random draws along the experts) keeps the tokens flattened: "
-                       "cube.trace.rows does not unflatten it, so the sequence split stops at the MoE layer"),
 }
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")

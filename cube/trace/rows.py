@@ -43,11 +43,20 @@ rewritten only when:
   ``chunk`` and reductions along dims past the rows (moved by the dims added in front),
   elementwise ops of values of one shape, and views between ``(N * c, ...)`` and ``(N, c, ...)``
   (the same tensor there); dim 0 is never an op's argument;
+- ops along the dims past the rows of values whose dim 0 is the rows (an MoE router's, along the
+  experts: ``cube.trace.along``, which says why each is exact): views and ``expand`` keeping
+  dim 0 (DeepSeek-V3's ``(N, E) -> (N, G, E / G)`` groups), ``max``/``min``/``argmax``/``argmin`` and
+  ``topk`` along such a dim, ``gather`` and ``scatter`` along it by an index of the same rows,
+  ``cat`` along it, ``zeros_like`` and its kin; their dim arguments move by the dims added in front
+  (a negative one stays);
 - no op of the chain writes a tensor or draws random numbers (a draw follows the memory order,
   which the other shape may change), but a dropout of probability 0: it draws nothing (OPT's
-  ``dropout(fc2(h))`` on its ``(B*T, E)`` rows, dropout off). A dropout that draws keeps the
-  chain as it is: ``exact_rng`` finds the layout of a random op's input in the exported program,
-  which a rewritten op is not in.
+  ``dropout(fc2(h))`` on its ``(B*T, E)`` rows, dropout off), and a draw already marked
+  (``cube.passes.rng``) that ``exact_rng`` makes from its shape alone on a contiguous tensor of
+  the whole batch: a row-major ``(N, C)`` draw and a ``(*lead, C)`` one are the same numbers
+  (``cube.trace.along``). At trace time the draws are not marked, and a chain with a random op
+  stays as it is: ``exact_rng`` finds the layout of a random op's input in the exported program,
+  which a rewritten op is not in; a policy's graph (``cube.ir.experts._tokens_back``) has them.
 
 A loss reads flattened rows the same way: language models end with
 ``cross_entropy(logits.view(-1, V).float(), labels.view(-1))``, the sequence the inner factor of
@@ -73,7 +82,7 @@ from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_read
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.trace import inplace
+from cube.trace import along, inplace
 from cube.trace.rules import Registry
 
 aten = torch.ops.aten
@@ -171,7 +180,8 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
                 inside.add(id(op.outputs[0]))
                 todo.append(op.outputs[0])
                 continue
-            if op.name in _RESTORES and op.inputs == [t] and t is not u and len(op.outputs) == 1:
+            if op.name in _RESTORES and op.inputs == [t] and t is not u and len(op.outputs) == 1 and \
+                    not along.reshapes_row(op, x, rows):
                 if id(t) in restores:
                     return None
                 restores[id(t)] = op
@@ -205,7 +215,7 @@ def _rowish(op: IRFwOperation) -> bool:
     name = op.name
     return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name in _DROPOUTS or name == "addmm" or \
         name in _TOPK or name in _REDUCTIONS or name == EXPERTS or name in _PAIRS or \
-        op_info(name).rule == "elementwise"
+        op_info(name).rule == "elementwise" or along.rowish(op)
 
 
 def _pair_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
@@ -243,6 +253,8 @@ def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
 def _row(op: IRFwOperation, inside, rows, makers, lead) -> Optional[Tuple[Any, str, tuple, dict]]:
     """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
     arguments), or None."""
+    if along.rowish(op) and len(rows) == 1:   # along dims past the rows, or a draw (cube.trace.along)
+        return along.row(op, inside, rows, lambda t: _nd(t, rows, lead))
     if any(id(t) in inside and t.shape[:-1] != rows for t in op.inputs) or \
             any(t.shape[:-1] != rows for t in op.outputs):
         return _pair(op, inside, rows, lead)   # some value of (token, expert) pairs
@@ -466,6 +478,7 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
             out[id(op)] = [unflatten_experts(op, [swap(t) for i, t in enumerate(op.inputs) if i not in weights], outs)]
             continue
         out[id(op)] = made_ops + [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
+        along.redraw(op, out[id(op)][-1])   # a random op keeps its draw, in its new shape
     return out
 
 
