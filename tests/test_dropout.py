@@ -101,6 +101,28 @@ def test_bart_dropout_exact(plan):
     _exact(_bart, plan, False)
 
 
+def _xglm(batch: int):
+    """HF XGLM as shipped: dropout 0.1 on the attention probabilities of ``(B*H, T, T)`` merged heads
+    (``cube.trace.heads`` runs them on ``(B, H, T, T)``) and on the residual stream."""
+    torch.manual_seed(0)
+    cfg = transformers.XGLMConfig(vocab_size=V, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64,
+                                  max_position_embeddings=64)
+    assert cfg.dropout == cfg.attention_dropout == 0.1   # as shipped
+    ids = torch.randint(0, V, (batch, S), generator=torch.Generator().manual_seed(1))
+    return LM(transformers.XGLMForCausalLM(cfg)), (ids, ids.clone())
+
+
+@pytest.mark.parametrize("plan", tiered([("tensor",), ("sp",), ("pipeline_1",)], ["tensor", "sp", "pipeline_1"],
+                                        {"sp", "pipeline_1"}))
+def test_xglm_dropout_on_merged_heads_exact(plan):
+    """The attention dropout on merged heads draws the single device's mask under tensor and
+    sequence parallel and one-sample micro-batches, every split kept (``strict=True``)."""
+    p = PLANS[plan]
+    model, sample = _xglm(p.micro)
+    assert_exact(parity(model, sample, p.make(), p.world, steps=2, nmicros=p.nmicros, opt="sgd",
+                        param_floor=PARAM_FLOOR, seed=SEED, exact_rng=True, strict=True))
+
+
 def _swin(batch: int):
     """HF Swin as shipped: stochastic depth 0.1 (``torch.rand`` of one number per sample per block)."""
     torch.manual_seed(0)

@@ -10,6 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cube
+import cube.policies.context
+import cube.policies.pipeline
 from cube.trace import build_graph, export
 from tests.inprocess import assert_exact, parity
 
@@ -77,12 +79,22 @@ def test_the_chain_runs_as_matmuls_on_unmerged_heads():
         [(op.name, op.outputs[0].shape) for op in ops if op.outputs[0].ndim and op.outputs[0].shape[0] == B * H]
 
 
-def test_a_dropout_that_draws_keeps_its_chain():
-    """The probabilities' dropout draws on the merged dim (``cube.trace.rows``' rule): that chain
-    keeps its ``bmm``; the scores' chain, without a draw, is rewritten."""
+@pytest.mark.parametrize("policy,world,nmicros", [
+    ("cube.policies.megatron:PASMegatronTP", 2, 1),
+    (functools.partial(cube.policies.context.PASContext, cp=2), 2, 1),
+    (functools.partial(cube.policies.pipeline.PAS1F1B, nmicros=2), 2, 2),
+])
+def test_a_dropout_that_draws_runs_on_unmerged_heads_and_draws_the_single_devices_mask(policy, world, nmicros):
+    """The probabilities' dropout (on, as XGLM ships it) joins the chain: its mask, drawn on the
+    contiguous ``(B, H, T, T)`` tensor, is the ``(B * H, T, T)`` one element for element, so under
+    ``exact_rng`` tensor, context and pipeline plans train as the single device does."""
     torch.manual_seed(0)
-    names = [op.name for op in _ops(Net(p=0.1))]
-    assert names.count("bmm") == 2 and "baddbmm" not in names, names
+    model = Net(p=0.1)
+    names = [op.name for op in _ops(model)]
+    assert "bmm" not in names and "baddbmm" not in names, names
+    sample = _batch(B // nmicros)
+    assert_exact(parity(model, sample, policy, world, steps=2, nmicros=nmicros, opt="sgd", strict=True, seed=3,
+                        exact_rng=True))
 
 
 @pytest.mark.parametrize("beta", [1.0, 0.5, 0.0])

@@ -37,6 +37,7 @@ is refused when planning (``check_exact``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -235,10 +236,21 @@ def _layouts(ops: List[IRFwOperation], program: torch.fx.GraphModule) -> dict:
             val, like = nodes[k].meta.get("val"), op.outputs[0] if op.outputs else None
         if isinstance(val, (list, tuple)):
             val = val[0] if val else None
-        if not isinstance(val, torch.Tensor) or like is None or tuple(_int(s) for s in val.shape) != tuple(like.shape):
+        if not isinstance(val, torch.Tensor) or like is None or \
+                not _merge_of(tuple(_int(s) for s in val.shape), tuple(like.shape), val.is_contiguous()):
             continue
         out[id(op)] = None if val.is_contiguous() else tuple(_int(s) for s in val.stride())
     return out
+
+
+def _merge_of(traced: Tuple[int, ...], shape: Tuple[int, ...], contiguous: bool) -> bool:
+    """Whether a draw on ``shape`` is the one the exported program makes on ``traced``: the same shape,
+    or, contiguous, ``shape`` with its leading dims merged into one (``(B*H, S, S)`` for ``(B, H, S,
+    S)``: ``cube.trace.heads`` and ``cube.trace.rows`` give merged dims back), whose draw fills the
+    same memory order with the same numbers."""
+    if traced == shape:
+        return True
+    return contiguous and any(traced == (math.prod(shape[:k]),) + shape[k:] for k in range(2, len(shape)))
 
 
 def _int(s) -> int:

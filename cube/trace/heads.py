@@ -24,8 +24,12 @@ a *chain* is the ops reading or making values of ``N = prod(lead)`` rows merged 
 - ``transpose``, ``permute``, ``softmax``/``log_softmax``, ``gather`` (of an index with the rows:
   DeBERTa-v2's relative positions) and views keeping the rows take their dims moved by the dims
   added in front (dim 0, the rows, is never an argument);
-- ops with the elementwise rule (casts, scaling, masks) and dropouts that draw nothing run as
-  they are, their operands from outside broadcasting over the rows (fewer dims, or a first dim of 1);
+- ops with the elementwise rule (casts, scaling, masks) and dropouts run as they are, their
+  operands from outside broadcasting over the rows (fewer dims, or a first dim of 1); a dropout
+  that draws (XGLM's and BLOOM's on the attention probabilities, as shipped) draws its mask on the
+  contiguous ``(*lead, ...)`` tensor in the same memory order as on ``(N, ...)``: the same numbers
+  at the same elements, which ``exact_rng`` reproduces (``cube.passes.rng._layouts`` takes the
+  exported program's ``(N, ...)`` input as this shape's);
 - a merged value made by ``repeat(x, (r, 1, ...))`` of ``x`` of shape ``(prod(lead[j:]), ...)``
   with ``r = prod(lead[:j])`` (BLOOM's alibi, DeBERTa-v2's relative position projections), and
   casts of it, is ``x`` viewed as ``(1, ..., 1, *lead[j:], ...)``, broadcast over ``lead[:j]``: the
@@ -43,8 +47,7 @@ scaling of ``baddbmm`` is computed as separate ops (float round-off). The pass i
 nothing; a chain is rewritten only when every op reading one of its values is in it or is a view
 restoring ``(*lead, ...)`` (one per value, one at least), every op making a merged value it reads
 is in it (a merge, a repeat, or a chain op), and no op of it writes a tensor or draws random
-numbers, but a dropout of probability 0 (``cube.trace.rows``' rule: ``exact_rng`` finds the layout
-of a random op's input in the exported program, which a rewritten op is not in). The rules then
+numbers, but a dropout. The rules then
 split the N-D ops by batch, heads and sequence like any eager attention written with ``matmul``.
 """
 from __future__ import annotations
@@ -198,8 +201,8 @@ def _merged(op: IRFwOperation, n: int) -> Optional[List[IRTensor]]:
     if not op.outputs or any(o.ndim < 1 or o.shape[0] != n for o in op.outputs):
         return None
     name, out = op.name, op.outputs[0]
-    if name in _DROPOUTS:
-        if len(op.inputs) != 1 or inplace.draws(op.target, op.args, op.kwargs):
+    if name in _DROPOUTS:   # drawing or not: its mask is drawn in the same memory order (module docstring)
+        if len(op.inputs) != 1:
             return None
     elif inplace.effect(op):
         return None
