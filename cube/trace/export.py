@@ -10,7 +10,7 @@ from typing import Iterator
 
 import torch
 
-from cube.trace import flex
+from cube.trace import flex, functions
 from cube.trace.repeat import export_repeated
 
 
@@ -121,18 +121,21 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> 
             line of the model it failed on and the exporter's own message.
     """
     try:
-        with _EXPORT_LOCK, _on_one_device(model, tuple(args)) as traced_args, flex.device_check_off():
+        with _EXPORT_LOCK, _on_one_device(model, tuple(args)) as traced_args, flex.device_check_off(), \
+                functions.watch() as applied:
             # new tensor objects over the same data: a dynamic export marks the tensors it is given (torch's
             # _dynamo_dynamic_indices), which a later static export of the same batch would read
             traced_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in traced_args)
             if dynamic_batch:
                 with _sizes_not_specialized():
-                    return torch.export.export(model, traced_args, dynamic_shapes=_batch_dims(traced_args),
-                                               strict=False)
-
-            def whole():
-                return torch.export.export(model, traced_args, strict=False)
-            return export_repeated(model, whole) or whole()
+                    program = torch.export.export(model, traced_args, dynamic_shapes=_batch_dims(traced_args),
+                                                  strict=False)
+            else:
+                def whole():
+                    return torch.export.export(model, traced_args, strict=False)
+                program = export_repeated(model, whole) or whole()
+        functions.report(applied)
+        return program
     except Exception as e:  # any failure of export becomes one clear error
         where = _user_frame(e)
         first = str(e).strip().splitlines()
