@@ -64,6 +64,7 @@ from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
+from cube.trace.rows import _deep, _make   # ops made in a rewritten chain, as rows.py makes them
 from cube.trace.rules import Registry
 
 aten = torch.ops.aten
@@ -463,32 +464,3 @@ def _baddbmm(op: IRFwOperation, args: list, out: IRTensor, like, registry: Regis
         c = cb
     ops.append(_make(op, aten.add.Tensor, "add", (c, mm), {"alpha": alpha} if alpha != 1 else {}, [out], registry))
     return ops
-
-
-def _deep(a, fn):
-    if isinstance(a, (list, tuple)):
-        return type(a)(_deep(x, fn) for x in a)
-    if isinstance(a, dict):
-        return {k: _deep(v, fn) for k, v in a.items()}
-    return fn(a)
-
-
-def _tensors(a):
-    if isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _tensors(x)
-    elif isinstance(a, dict):
-        for x in a.values():
-            yield from _tensors(x)
-    elif isinstance(a, IRTensor):
-        yield a
-
-
-def _make(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[IRTensor],
-          registry: Registry) -> IRFwOperation:
-    """An op made from ``like`` (its place in the model) calling ``target``; inputs in call order."""
-    op = IRFwOperation(name=name, inputs=list(_tensors((args, kwargs))), outputs=outputs, target=target,
-                       args=tuple(args), kwargs=dict(kwargs), module_path=like.module_path, source=like.source,
-                       grad_enabled=like.grad_enabled, recompute=like.recompute)
-    registry.annotate(op)
-    return op
