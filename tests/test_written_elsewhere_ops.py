@@ -70,3 +70,42 @@ def test_trains_exactly(policy, world, nmicros):
     sample = tuple(t[:B // nmicros] for t in _batch()) if nmicros > 1 else _batch()
     assert_exact(parity(Written(), sample, policy, world, steps=2, nmicros=nmicros, opt="sgd",
                         strict="Megatron" not in str(policy)))
+
+
+def _einsum_splits():
+    """(einsum's position among the model's einsums, idx, dim) of every split its rule allows in two."""
+    ops = [op for op in cube.trace_model(Written(), _batch()).graph.ops if op.name == "einsum"]
+    return [(k, idx, dim) for k, op in enumerate(ops) for idx, dim in op.algorithms("dim").legal()
+            if op.algorithms("dim").satisfy(idx, dim, 2)]
+
+
+def _one_split(k: int, idx: int, dim: int):
+    """A policy splitting the ``k``-th einsum in two at ``(idx, dim)`` and every other op whole on
+    both devices: the planner moves its inputs into pieces and sums or joins its outputs."""
+    from cube.ir import IRFwOperation
+    from cube.ir.follow import place
+
+    def policy(graph, resource):
+        einsums = [op for op in graph.select(ntype=IRFwOperation) if op.name == "einsum"]
+        for op in graph.nodes():
+            place(graph, op, (idx, dim) if op is einsums[k] else None, [0, 1])
+        return graph
+    return policy
+
+
+@pytest.mark.parametrize("k,idx,dim", _einsum_splits())
+def test_every_split_of_an_einsum_is_exact(k, idx, dim):
+    """Each split the rule allows, an output letter (joined) or a summed one (partial sums), trains
+    exactly through cube's own partitioning and communication; the first einsum reads ``h`` twice
+    (``bshd,bthd``), and a split cutting its two reads differently (``s`` or ``t`` alone) is refused
+    naming the op."""
+    torch.manual_seed(0)
+    op = [op for op in cube.trace_model(Written(), _batch()).graph.ops if op.name == "einsum"][k]
+    letter = op.anno.inputs[idx][dim].head.name
+    cuts = {tuple(d for d, g in enumerate(op.anno.inputs[i]) if any(x.name == letter for x in g.idents))
+            for i in range(len(op.inputs))}
+    if len(op.inputs) > 1 and op.inputs[0] is op.inputs[1] and len(cuts) > 1:
+        with pytest.raises(ValueError, match=r"op 'einsum' .* reads one tensor as inputs \[0, 1\]"):
+            cube.plan(Written(), _batch(), _one_split(k, idx, dim), 2)
+        return
+    assert_exact(parity(Written(), _batch(), _one_split(k, idx, dim), 2, steps=1, opt="sgd"))

@@ -136,6 +136,8 @@ class IRGraph:
         if algo is None or getattr(algo, "op", None) is not node:
             raise ValueError(f"graph.partition: algo must come from node.algorithms('dim') of the same op {node!r}")
         ident = algo.check(idx, dim, num)
+        if isinstance(node, IRFwOperation):
+            _same_tensor_cut_alike(node, ident.name)
         pieces = [_copy(node, splits=node.splits + ((ident.name, i, num),)) for i in range(num)]
         self._replace(node, pieces)
         return pieces
@@ -341,3 +343,29 @@ def _copy(node: IROperator, **changes) -> IROperator:
     fields.update(origin=node.root, device=None, inputs=list(node.inputs), outputs=list(node.outputs))
     fields.update(changes)
     return piece
+
+
+def _same_tensor_cut_alike(op: IRFwOperation, letter: str) -> None:
+    """Refuses a split of ``op`` along ``letter`` that would cut one tensor it reads at two inputs
+    differently (``einsum("bshd,bthd->bhst", h, h)`` split along ``t``: one piece of ``h`` as the
+    second operand, all of it as the first). A piece reads one layout of each tensor.
+
+    Raises:
+        ValueError: naming the op, its model line, the inputs and the fix.
+    """
+    if op.anno is None:
+        return
+    dims: Dict[int, set] = {}
+    slots: Dict[int, List[int]] = {}
+    for i, t in enumerate(op.inputs):
+        if i >= len(op.anno.inputs):
+            continue
+        at = tuple(d for d, g in enumerate(op.anno.inputs[i]) if any(x.name == letter for x in g.idents))
+        dims.setdefault(id(t), set()).add(at)
+        slots.setdefault(id(t), []).append(i)
+    for key, found in dims.items():
+        if len(found) > 1:
+            raise ValueError(f"op {op.name!r} ({op.where()}) reads one tensor as inputs {slots[key]}, and a split along "
+                             f"'{letter}' ({op.anno}) would cut them differently; a piece reads one layout of each "
+                             f"tensor. Split the op along another letter, or give it a copy for one of them "
+                             f"(x.clone()).")
