@@ -64,7 +64,7 @@ from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
-from cube.trace.rows import _deep, _make   # ops made in a rewritten chain, as rows.py makes them
+from cube.trace.rows import make_op, map_leaves   # the rewritten ops, made as rows.py makes them
 from cube.trace.rules import Registry
 
 aten = torch.ops.aten
@@ -386,11 +386,11 @@ def _rewrite(chain: _Chain, order: Dict[int, int], registry: Registry) -> Dict[i
             new[id(u)], out[id(merge)] = x, []
         else:
             new[id(u)] = like(u, shape)
-            out[id(merge)] = [_make(merge, aten.reshape.default, "reshape", (x, list(shape)), {}, [new[id(u)]],
+            out[id(merge)] = [make_op(merge, aten.reshape.default, "reshape", (x, list(shape)), {}, [new[id(u)]],
                                     registry)]
     for t, r in chain.restores.items():   # a merge restored as it is: the restore views the new value
         if t in new:
-            out[id(r)] = [_make(r, aten.reshape.default, "reshape", (new[t], list(r.outputs[0].shape)), {},
+            out[id(r)] = [make_op(r, aten.reshape.default, "reshape", (new[t], list(r.outputs[0].shape)), {},
                                 [r.outputs[0]], registry)]
     for op in sorted(chain.ops.values(), key=lambda o: order[id(o)]):
         made: List[IRFwOperation] = []
@@ -404,7 +404,7 @@ def _rewrite(chain: _Chain, order: Dict[int, int], registry: Registry) -> Dict[i
             o2 = r.outputs[0] if r is not None and tuple(r.outputs[0].shape) == shape else like(o, shape)
             if r is not None:
                 out[id(r)] = [] if o2 is r.outputs[0] else \
-                    [_make(r, aten.reshape.default, "reshape", (o2, list(r.outputs[0].shape)), {}, [r.outputs[0]],
+                    [make_op(r, aten.reshape.default, "reshape", (o2, list(r.outputs[0].shape)), {}, [r.outputs[0]],
                            registry)]
             new[id(o)] = o2
             outs.append(o2)
@@ -416,7 +416,7 @@ def _rewrite(chain: _Chain, order: Dict[int, int], registry: Registry) -> Dict[i
                 raise CubeInternalError(f"op {op.name!r} ({op.where()}) was found to run on merged heads "
                                         f"and is not any more")
             target, name, args, kwargs = call
-            made.append(_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry))
+            made.append(make_op(op, target, name, map_leaves(args, swap), map_leaves(kwargs, swap), outs, registry))
         out[id(op)] = made
     return out
 
@@ -430,17 +430,17 @@ def _source(t: IRTensor, chain: _Chain, made: List[IRFwOperation], like, registr
     if copy.name == "expand":
         shape = chain.lead + tuple(x.shape[1:])
         cur = like(copy.outputs[0], shape)
-        made.append(_make(copy, aten.expand.default, "expand", (x, list(shape)), {}, [cur], registry))
+        made.append(make_op(copy, aten.expand.default, "expand", (x, list(shape)), {}, [cur], registry))
     else:
         j = _split(chain.lead, x.shape[0])
         if j is None:
             raise CubeInternalError(f"op {copy.name!r} ({copy.where()}) no longer repeats merged heads")
         shape = (1,) * j + chain.lead[j:] + tuple(x.shape[1:])
         cur = like(copy.outputs[0], shape)
-        made.append(_make(copy, aten.reshape.default, "reshape", (x, list(shape)), {}, [cur], registry))
+        made.append(make_op(copy, aten.reshape.default, "reshape", (x, list(shape)), {}, [cur], registry))
     for cast in casts:
         o = like(cast.outputs[0], shape)
-        made.append(_make(cast, cast.target, cast.name, (cur,) + tuple(cast.args[1:]), dict(cast.kwargs), [o],
+        made.append(make_op(cast, cast.target, cast.name, (cur,) + tuple(cast.args[1:]), dict(cast.kwargs), [o],
                           registry))
         cur = o
     return cur
@@ -452,15 +452,15 @@ def _baddbmm(op: IRFwOperation, args: list, out: IRTensor, like, registry: Regis
     beta, alpha = op.kwargs.get("beta", 1), op.kwargs.get("alpha", 1)
     if beta == 0:   # baddbmm ignores c then (even NaN in it)
         if alpha == 1:
-            return [_make(op, aten.matmul.default, "matmul", (a, b), {}, [out], registry)]
+            return [make_op(op, aten.matmul.default, "matmul", (a, b), {}, [out], registry)]
         mm = like(out, out.shape)
-        return [_make(op, aten.matmul.default, "matmul", (a, b), {}, [mm], registry),
-                _make(op, aten.mul.Tensor, "mul", (mm, alpha), {}, [out], registry)]
+        return [make_op(op, aten.matmul.default, "matmul", (a, b), {}, [mm], registry),
+                make_op(op, aten.mul.Tensor, "mul", (mm, alpha), {}, [out], registry)]
     mm = like(out, out.shape)
-    ops = [_make(op, aten.matmul.default, "matmul", (a, b), {}, [mm], registry)]
+    ops = [make_op(op, aten.matmul.default, "matmul", (a, b), {}, [mm], registry)]
     if beta != 1:
         cb = like(c, c.shape)
-        ops.append(_make(op, aten.mul.Tensor, "mul", (c, beta), {}, [cb], registry))
+        ops.append(make_op(op, aten.mul.Tensor, "mul", (c, beta), {}, [cb], registry))
         c = cb
-    ops.append(_make(op, aten.add.Tensor, "add", (c, mm), {"alpha": alpha} if alpha != 1 else {}, [out], registry))
+    ops.append(make_op(op, aten.add.Tensor, "add", (c, mm), {"alpha": alpha} if alpha != 1 else {}, [out], registry))
     return ops

@@ -440,7 +440,7 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
         target = aten.reshape.default if merge.name == "flatten" else merge.target
         u2 = IRTensor(lead + u.shape[-1:], u.dtype, u.requires_grad, TensorKind.ACTIVATION, u.hint)
         new[id(u)] = u2
-        out[id(merge)] = [_make(merge, target, target._schema.name.split("::")[-1],
+        out[id(merge)] = [make_op(merge, target, target._schema.name.split("::")[-1],
                                 (x, list(u2.shape)), {}, [u2], registry)]
     inside = set(new) | {id(o) for op in chain.ops for o in op.outputs}
     for op in chain.ops:
@@ -463,7 +463,7 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
             if isinstance(a, _Transposed):
                 w = a.weight
                 wt = IRTensor(tuple(w.shape[::-1]), w.dtype, w.requires_grad, TensorKind.ACTIVATION, w.hint)
-                made_ops.append(_make(op, aten.t.default, "t", (w,), {}, [wt], registry))
+                made_ops.append(make_op(op, aten.t.default, "t", (w,), {}, [wt], registry))
                 args = args[:i] + (wt,) + args[i + 1:]
         swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
         for i, a in enumerate(args):
@@ -471,22 +471,23 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                 v = swap(a.value)
                 shape = v.shape[:a.dim] + (1,) + v.shape[a.dim:]
                 vu = IRTensor(shape, v.dtype, v.requires_grad, TensorKind.ACTIVATION, v.hint)
-                made_ops.append(_make(op, aten.unsqueeze.default, "unsqueeze", (v, a.dim), {}, [vu], registry))
+                made_ops.append(make_op(op, aten.unsqueeze.default, "unsqueeze", (v, a.dim), {}, [vu], registry))
                 args = args[:i] + (vu,) + args[i + 1:]
         if name == EXPERTS:
             weights = set(weights_of(op))
             out[id(op)] = [unflatten_experts(op, [swap(t) for i, t in enumerate(op.inputs) if i not in weights], outs)]
             continue
-        out[id(op)] = made_ops + [_make(op, target, name, _deep(args, swap), _deep(kwargs, swap), outs, registry)]
+        out[id(op)] = made_ops + [make_op(op, target, name, map_leaves(args, swap), map_leaves(kwargs, swap), outs, registry)]
         along.redraw(op, out[id(op)][-1])   # a random op keeps its draw, in its new shape
     return out
 
 
-def _deep(a, fn):
+def map_leaves(a, fn):
+    """``a`` (an op's arguments: lists, tuples and dicts of values) with ``fn`` applied to each leaf."""
     if isinstance(a, (list, tuple)):
-        return type(a)(_deep(x, fn) for x in a)
+        return type(a)(map_leaves(x, fn) for x in a)
     if isinstance(a, dict):
-        return {k: _deep(v, fn) for k, v in a.items()}
+        return {k: map_leaves(v, fn) for k, v in a.items()}
     return fn(a)
 
 
@@ -501,7 +502,7 @@ def _tensors(a):
         yield a
 
 
-def _make(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[IRTensor],
+def make_op(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[IRTensor],
           registry: Registry) -> IRFwOperation:
     """An op made from ``like`` (its place in the model) calling ``target``; inputs in call order,
     as the builder lists them."""
@@ -586,17 +587,17 @@ def _rewrite_loss(loss: IRFwOperation, merge: IRFwOperation, casts: List[IRFwOpe
     for op in casts:
         o = op.outputs[0]
         o2 = IRTensor(tuple(x.shape), o.dtype, o.requires_grad, TensorKind.ACTIVATION, o.hint)
-        out[id(op)] = [_make(op, op.target, op.name, (cur,) + tuple(op.args[1:]), dict(op.kwargs), [o2], registry)]
+        out[id(op)] = [make_op(op, op.target, op.name, (cur,) + tuple(op.args[1:]), dict(op.kwargs), [o2], registry)]
         cur = o2
     k = x.ndim - 1
     order = [0, k] + list(range(1, k))
     moved = IRTensor(tuple(cur.shape[d] for d in order), cur.dtype, cur.requires_grad, TensorKind.ACTIVATION,
                      cur.hint)
-    permute = _make(loss, aten.permute.default, "permute", (cur, order), {}, [moved], registry)
+    permute = make_op(loss, aten.permute.default, "permute", (cur, order), {}, [moved], registry)
     z, t = loss.args[0], loss.args[1]
     swap = lambda a: moved if a is z else y if a is t else a   # noqa: E731
     from cube.runtime.ops import cross_entropy_loss   # aten's, on class rows: no copy of the permuted logits
-    new = _make(loss, cross_entropy_loss, loss.name, _deep(tuple(loss.args), swap), _deep(dict(loss.kwargs), swap),
+    new = make_op(loss, cross_entropy_loss, loss.name, map_leaves(tuple(loss.args), swap), map_leaves(dict(loss.kwargs), swap),
                 list(loss.outputs), registry)
     out[id(loss)] = [permute, new]
     return out
