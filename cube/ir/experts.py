@@ -256,7 +256,7 @@ def _fuse(graph: IRGraph, region: Region, capacity_factor: Optional[float] = Non
                   body=(ops.index(body[0]) + lead, ops.index(body[-1]) + lead), combine=slot[id(y)], experts=experts,
                   outputs=tuple(slot[id(t)] for t in outputs), pairs=max(1, x.shape[0] // outputs[0].shape[0]))
     if by_id:   # its rows are the sorting rank's: an expert split would run the body on rows from other ranks
-        kwargs.update(by_id=next(by_id[k] for k in by_id).where())
+        kwargs.update(by_id=next(iter(by_id.values())).where())
     if capacity_factor is not None:   # the arrival order inside an expert: the sort's indices
         perm = region.sort.outputs[1] if region.sort.name == "sort" else region.sort.outputs[0]
         kwargs.update(capacity=float(capacity_factor), perm=slot[id(perm)], layer=grouped[0].module_path)
