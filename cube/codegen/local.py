@@ -73,6 +73,10 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
             dim = _get(op, names, "dim") % op.inputs[0].ndim
             sizes = _get(op, names, "sizes")
             _set(args, kwargs, names, "sizes", list(out_shapes[0][dim:dim + len(sizes)]))
+    if op.name.startswith("conv") and "groups" in names and _get(op, names, "groups", 1) > 1:
+        # a depthwise conv split along its channels (cube.trace.rules.conv): one group per local channel
+        x_box = layout.inputs[0]
+        _set(args, kwargs, names, "groups", box_shape(x_box)[len(x_box) - op.inputs[1].ndim + 1])
     partial = bool(layout.out_terms and layout.out_terms[0])
     if not partial:
         return fn, args, kwargs

@@ -723,6 +723,12 @@ def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:
         for dim, d in enumerate(group):
             if d.head is not None and d.head.name == "n" and op.inputs[idx].ndim == 2:
                 return idx, dim
+    if op.name in ("matmul", "mm") and op.inputs[0].ndim == 2 and op.inputs[0].kind is TensorKind.PARAM:
+        # ``W @ x`` (Mamba's ``dt_proj.weight @ time_step.transpose(1, 2)``): the weight's rows ('m') are the
+        # output features
+        head = op.anno.inputs[0][0].head
+        if head is not None and head.name == "m":
+            return 0, 0
     return None
 
 

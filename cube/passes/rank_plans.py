@@ -164,6 +164,7 @@ def build_plans(graph: IRGraph, world: int) -> Dict[int, RankPlan]:
                 made.setdefault(id(t), {})[r] = (b, term)
                 makers[id(t)] = lop
 
+    _sum_earlier(raw, makers, pieces, layouts)
     _sum_at_parameters(raw, makers, pieces, layouts)
     after: set = set()
     reduce = _defer_param_reductions(graph, raw, world, alloc, after)
@@ -503,6 +504,74 @@ def _term_ranks(p: IROperator, r: int, by: Dict[int, IROperator], layouts, memo:
     if k not in groups:
         groups[k] = tuple(v[k] for v in tiles.values())
     return groups[k]
+
+
+def _only_sum(steps: Dict[int, List[Step]]) -> Optional[Tuple[int, ...]]:
+    """The group of ``steps`` when every rank's is one gradient sum (``identity_all_reduce``) over it."""
+    groups = {s[0].ranks if len(s) == 1 and s[0].kind == "identity_all_reduce" else None for s in steps.values()}
+    group = groups.pop() if len(groups) == 1 else None
+    return group if group is not None and set(group) == set(steps) else None
+
+
+def _sum_earlier(raw, makers, pieces, layouts) -> None:
+    """Moves gradient sums back through whole, replicated ops to one sum of what they read.
+
+    A whole tensor that split pieces read (a ``(B, N)`` slice of Mamba's ``C`` per token, read by a
+    matmul split along the channels) has its gradient summed over the pieces' ranks where it is read:
+    one all-reduce in backward per reader, ``T`` of them for a scan over ``T`` tokens. When every
+    reader of a value ``t`` sums its gradient over one group and ``t`` is made by a replicated op on
+    exactly that group from one value ``u`` that needs a gradient (``select``, ``unsqueeze``, a
+    transpose), the partial gradients flow back through that op (a backward is linear in the
+    output's gradient) and are summed once at ``u``; readers of ``u`` with the same sum then share
+    that one collective. A sum moves only where it does not grow: ``u`` holds no more elements than
+    the values moved to it together (the ``T`` per-token slices of ``C``, not the last token of a big
+    tensor).
+    """
+    readers: Dict[int, List] = {}
+    for entry in raw:
+        readers.setdefault(id(entry[2]), []).append(entry)
+    changed = True
+    while changed:
+        changed = False
+        # per value u: the entries (makers' reads of u) a sum could move to, and the sums it would replace
+        moves: Dict[int, Tuple[IRTensor, Tuple[int, ...], List, List, int]] = {}
+        for tid, entries in readers.items():
+            t = entries[0][2]
+            group = _only_sum({r: s for e in entries for r, s in e[3].items()}) if \
+                t.kind is TensorKind.ACTIVATION and t.requires_grad else None
+            if group is None or any(_only_sum(e[3]) != group for e in entries):
+                continue
+            maker = makers.get(tid)
+            if not isinstance(maker, IRFwOperation) or len(maker.outputs) != 1 or \
+                    set(pieces[id(maker)]) != set(group):
+                continue
+            if any(p.splits or any(layouts[id(p)].out_terms) or any(layouts[id(p)].in_terms)
+                   for p in pieces[id(maker)].values()):
+                continue
+            grads = [(k, u) for k, u in enumerate(maker.inputs) if u.requires_grad]
+            if len(grads) != 1 or grads[0][1].kind is not TensorKind.ACTIVATION:
+                continue
+            k, u = grads[0]
+            mine = [e for e in readers.get(id(u), []) if e[0] is maker and e[1] == k]
+            if len(mine) != 1 or any(mine[0][3].get(r) for r in group) or set(mine[0][3]) != set(group):
+                continue
+            at = moves.setdefault(id(u), (u, group, [], [], 0))
+            if at[1] != group:
+                continue
+            at[2].append(mine[0])
+            at[3].extend(entries)
+            moves[id(u)] = (u, group, at[2], at[3], at[4] + t.numel())
+        for u, group, targets, sources, numel in moves.values():
+            summed = [e for e in readers.get(id(u), []) if _only_sum(e[3]) == group]
+            if u.numel() > numel + (u.numel() if summed else 0):
+                continue
+            for e in sources:
+                for r in e[3]:
+                    e[3][r] = []
+            for e in targets:
+                for r in group:
+                    e[3][r] = [Step("identity_all_reduce", tuple(sorted(group)), box=full_box(u.shape))]
+            changed = True
 
 
 def _sum_at_parameters(raw, makers, pieces, layouts) -> None:

@@ -57,6 +57,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
@@ -247,7 +248,10 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
     c = dim.pop()
     if chain:   # the cut dim of the chain's last tensor back to ``z``'s, the others in their order
         c = _through(moved[-1][1], c, z.ndim)
-        if c is None or any(blk.stop - blk.start != 1 for _, blk in blocks):
+        # unit blocks: a view makes each cut's tensor; wider ones (Mamba's ``in_proj(x).transpose(1, 2)
+        # .chunk(2, dim=1)``): each block's matmul output goes through the chain itself (``_replay``)
+        if c is None or (any(blk.stop - blk.start != 1 for _, blk in blocks) and
+                         (view is not None or any(blk.drops for _, blk in blocks))):
             return None
     if c not in dims:
         return None
@@ -439,6 +443,28 @@ def _sub(p: IRTensor, dim: int, start: int, stop: int, label: str) -> IRTensor:
                     region=p.user_box(box), full=p.user_shape)
 
 
+def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, registry: Registry
+            ) -> List[IRFwOperation]:
+    """The ops of ``chain`` (moves of dims, ``_MOVES``) applied to one block's matmul output ``start``,
+    the last making the cut's tensor ``end``: the same moves on a tensor narrower along the cut dim."""
+    ops, t = [], start
+    for k, op in enumerate(chain):
+        labels = _moved(op, t, list(range(t.ndim)))
+        shape = tuple(1 if d is None else t.shape[d] for d in labels)
+        last = k == len(chain) - 1
+        if last and shape != tuple(end.shape):
+            raise CubeInternalError(f"fused projection: the moves after block {end.hint!r} give {shape}, its cut "
+                                    f"{tuple(end.shape)}")
+        out = end if last else IRTensor(shape, t.dtype, t.requires_grad, TensorKind.ACTIVATION, op.outputs[0].hint)
+        new = IRFwOperation(name=op.name, inputs=[t], outputs=[out], target=op.target, args=(t,) + tuple(op.args[1:]),
+                            kwargs=dict(op.kwargs), module_path=op.module_path, source=op.source,
+                            grad_enabled=op.grad_enabled)
+        registry.annotate(new)
+        ops.append(new)
+        t = out
+    return ops
+
+
 def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTensor], List[IRTensor]]:
     """The ops replacing ``f.op`` (a matmul per block, then the reshapes to the cuts' shapes) and the
     weight's and bias's sub-parameters."""
@@ -465,7 +491,8 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         shape = y.shape[:-1] + (hi - lo,)
         if label.isidentifier():
             blk.out.hint = label
-        direct = f.view is None and not blk.drops   # the block's matmul makes the cut's tensor itself
+        replay = bool(f.chain) and f.view is None and not blk.drops and blk.stop - blk.start != 1
+        direct = f.view is None and not blk.drops and not f.chain   # the matmul makes the cut's tensor itself
         out = blk.out if direct else IRTensor(shape, y.dtype, y.requires_grad, TensorKind.ACTIVATION,
                                               label if label.isidentifier() else y.hint)
         args = tuple(swap.get(id(a), a) if isinstance(a, IRTensor) else a for a in op.args)
@@ -474,7 +501,9 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
                            source=op.source, grad_enabled=op.grad_enabled)
         registry.annotate(mm)
         matmuls.append(mm)
-        if not direct:
+        if replay:
+            reshapes += _replay(f.chain, out, blk.out, registry)
+        elif not direct:
             target = f.view.target if f.view is not None and f.view.name != "unflatten" else \
                 torch.ops.aten.view.default
             cut = blk.cut

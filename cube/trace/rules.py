@@ -333,6 +333,14 @@ def _conv(op: IRFwOperation, transposed: bool) -> str:
     lead = ["b", c] if x.ndim == nsp + 2 else [c]   # unbatched input: (c, spatial...)
     olead = ["b", o] if x.ndim == nsp + 2 else [o]
     ins = [lead + sp, ([c, o] if transposed else [o, c]) + names.many(nsp, True)]
+    if groups > 1 and groups == x.shape[x.ndim - nsp - 1] == w.shape[0] and w.shape[1] == 1:
+        # depthwise (one channel a group, Mamba's causal conv1d): the channels split like an elementwise op's,
+        # each piece calls the conv with its own channel count as groups (cube.codegen.local)
+        lead, olead = lead[:-1] + ["c"], olead[:-1] + ["c"]
+        ins = [lead + sp, ["c", names(True)] + names.many(nsp, True)]
+        if len(op.inputs) == 3:
+            ins.append(["c"])
+        return _anno(ins, [olead + sp])
     if len(op.inputs) == 3:
         ins.append([o])
     return _anno(ins, [olead + sp])
