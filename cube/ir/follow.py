@@ -400,29 +400,38 @@ def _params_read(op: IRFwOperation, makers: Dict[int, IRFwOperation]) -> Tuple[I
     return tuple(found.values())
 
 
-_VIEWS = frozenset("t transpose permute numpy_T".split())
+_CHAIN = 8   # the most ops between a parameter and the split op reading it that _weight_views follows
 
 
 def _weight_views(readers: _Readers, flow: Flow, num: int) -> None:
-    """Adds to ``flow`` the split of a transposed weight a split matmul reads (``x @ w.T``, as
-    Falcon's linear writes it): the transpose is cut along the split, so each rank holds its piece
-    of the weight itself, not the whole weight and a piece of its transpose."""
+    """Adds to ``flow`` the split of the ops between a parameter and a split op that reads what they
+    make of it, each op one tensor in, one out and read only by the next: ``x @ w.T`` (Falcon's
+    linear) cut along the split, so each rank holds its piece of the weight itself, not the whole
+    weight and a piece of its transpose; Mamba's ``A = -exp(A_log.float())`` read as
+    ``A[None, :, None, :]`` and its ``D[None, :, None]`` in a scan split by channels, so each rank
+    holds its channels' rows."""
     makers = readers.makers
     for op, idx, dim in list(flow.splits.values()):
         letter = op.anno.inputs[idx][dim].head
         for j, t in enumerate(op.inputs):
-            view = makers.get(id(t))
-            if view is None or view.name not in _VIEWS or id(view) in flow.splits or \
-                    view.inputs[0].kind is not TensorKind.PARAM or len(readers.of.get(id(t), ())) != 1:
-                continue
             at = [d for d, g in enumerate(op.anno.inputs[j]) if g.head is not None and g.head.name == letter.name]
-            if len(at) != 1 or view.anno is None:
+            if len(at) != 1 or t.kind is TensorKind.PARAM:
                 continue
-            out = view.anno.outputs[0][at[0]].head
-            src = [d for d, g in enumerate(view.anno.inputs[0]) if g.head is not None and out is not None
-                   and g.head.name == out.name]
-            if len(src) == 1 and view.algorithms("dim").satisfy(0, src[0], num):
-                flow.splits[id(view)] = (view, 0, src[0])
+            chain, cur, d = [], t, at[0]
+            while len(chain) < _CHAIN and cur.kind is not TensorKind.PARAM:
+                m = makers.get(id(cur))
+                if m is None or id(m) in flow.splits or m.anno is None or len(m.inputs) != 1 or \
+                        len(m.outputs) != 1 or len(readers.of.get(id(cur), ())) != 1:
+                    break
+                out = m.anno.outputs[0][d].head
+                src = [k for k, g in enumerate(m.anno.inputs[0]) if g.head is not None and out is not None
+                       and g.head.name == out.name]
+                if len(src) != 1 or not m.algorithms("dim").satisfy(0, src[0], num):
+                    break
+                chain.append((m, 0, src[0]))
+                cur, d = m.inputs[0], src[0]
+            if chain and cur.kind is TensorKind.PARAM:
+                flow.splits.update((id(m), (m, i, k)) for m, i, k in chain)
 
 
 # rules of ops that need every element along the dims they keep whole (a norm, softmax, a loss, a

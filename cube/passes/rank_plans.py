@@ -553,7 +553,8 @@ def _sum_earlier(raw, makers, pieces, layouts) -> None:
                 continue
             k, u = grads[0]
             mine = [e for e in readers.get(id(u), []) if e[0] is maker and e[1] == k]
-            if len(mine) != 1 or any(mine[0][3].get(r) for r in group) or set(mine[0][3]) != set(group):
+            if len(mine) != 1 or set(mine[0][3]) != set(group) or \
+                    any(not _can_sum_after(mine[0][3][r], group, u) for r in group):
                 continue
             at = moves.setdefault(id(u), (u, group, [], [], 0))
             if at[1] != group:
@@ -570,8 +571,26 @@ def _sum_earlier(raw, makers, pieces, layouts) -> None:
                     e[3][r] = []
             for e in targets:
                 for r in group:
-                    e[3][r] = [Step("identity_all_reduce", tuple(sorted(group)), box=full_box(u.shape))]
+                    e[3][r] = _sum_after(e[3][r], group, u)
             changed = True
+
+
+def _can_sum_after(steps: List[Step], group: Tuple[int, ...], u: IRTensor) -> bool:
+    """Whether a gradient sum over ``group`` can end ``steps`` (a read of ``u``): they leave ``u`` whole
+    (none, or collectives making it whole: the all-reduce of a row linear's partial sums) and hold no
+    sum of their own (``_sum_earlier``)."""
+    whole = full_box(u.shape)
+    return not steps or (steps[-1].box == whole and all(s.kind in ("all_reduce", "all_gather") for s in steps)
+                         and not any(s.kind == "all_gather" and s.grad == "V" for s in steps))
+
+
+def _sum_after(steps: List[Step], group: Tuple[int, ...], u: IRTensor) -> List[Step]:
+    """``steps`` then a gradient sum over ``group``; an all-gather over ``group`` that ends them sums
+    its gradient itself (its backward reduce-scatters, as ``cube.passes.adapter.transitions`` makes it)."""
+    last = steps[-1] if steps else None
+    if last is not None and last.kind == "all_gather" and set(last.ranks) == set(group):
+        return steps[:-1] + [replace(last, grad="V")]
+    return steps + [Step("identity_all_reduce", tuple(sorted(group)), box=full_box(u.shape))]
 
 
 def _sum_at_parameters(raw, makers, pieces, layouts) -> None:

@@ -1,0 +1,126 @@
+"""State-space mixers under tensor parallel, split as Megatron-LM splits Mamba layers: the input
+projection by output features into its x and gate halves (``in_proj(h).transpose(1, 2).chunk(2, 1)``:
+``cube.trace.fused`` cuts it through the transpose), the causal depthwise ``conv1d`` by channels (one
+group per local channel), ``x_proj`` by input features (partial sums), ``dt_proj`` (``W @ x``) by
+output features, the selective scan over each rank's channels and ``out_proj`` by input features.
+
+A scan reads a whole tensor one token at a time (``C[:, i]``) in a matmul split by channels: the
+gradients of those reads are summed over the ranks once, at ``C`` (``cube.passes.rank_plans
+._sum_earlier``), not once per token, so the plan's collectives do not grow with the sequence.
+
+Checked on a small model written here (each piece alone) and on Hugging Face's Mamba and Jamba as
+shipped (``tests.zoo``), trained exactly against the plain model."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cube
+from cube.policies.megatron import PASMegatronTP
+from tests import zoo
+from tests.inprocess import assert_exact, parity
+
+B, E, D, N = 2, 8, 16, 4   # batch, model width, channels of the mixer, state size
+
+
+class Scan(nn.Module):
+    """A Mamba-like mixer written as Hugging Face writes its slow path: a fused input projection cut
+    after a transpose, a causal depthwise conv, ``W @ x`` for the step sizes, a loop over tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(E, 2 * D, bias=False)
+        self.conv = nn.Conv1d(D, D, 3, groups=D, padding=2)
+        self.x_proj = nn.Linear(D, 1 + 2 * N, bias=False)
+        self.dt = nn.Parameter(torch.randn(D, 1) / 2)
+        self.A = nn.Parameter(-torch.rand(D, N))
+        self.out_proj = nn.Linear(D, E, bias=False)
+
+    def forward(self, x, y):
+        T = x.shape[1]
+        h, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)            # (B, D, T) each
+        h = F.silu(self.conv(h)[..., :T])
+        step, Bm, Cm = torch.split(self.x_proj(h.transpose(1, 2)), [1, N, N], dim=-1)
+        dt = F.softplus(self.dt @ step.transpose(1, 2))                       # (B, D, T)
+        dA = torch.exp(self.A[None, :, None, :] * dt[..., None])             # (B, D, T, N)
+        dBu = dt[..., None] * Bm[:, None] * h[..., None]
+        state, outs = torch.zeros(x.shape[0], D, N), []
+        for i in range(T):
+            state = dA[:, :, i] * state + dBu[:, :, i]
+            outs.append(torch.matmul(state, Cm[:, i].unsqueeze(-1))[..., 0])  # C read one token at a time
+        scan = torch.stack(outs, dim=-1) * F.silu(gate)
+        return F.mse_loss(self.out_proj(scan.transpose(1, 2)), y)
+
+
+def _batch(T: int):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(B, T, E, generator=gen), torch.randn(B, T, E, generator=gen)
+
+
+def _rank0(model, sample):
+    return cube.plan(model, sample, PASMegatronTP, 2, strict=True).program.plans[0]
+
+
+def _collectives(plan) -> int:
+    return sum(1 for c in plan.calls if c.step is not None)
+
+
+def test_every_projection_and_the_conv_are_split_in_two():
+    torch.manual_seed(0)
+    plan = _rank0(Scan(), _batch(6))
+    held = [(t.names[0], t.user_box(b)) for t, b in plan.attrs]
+    full = {t.names[0]: t.user_shape for t, _ in plan.attrs}
+
+    def share(name):
+        boxes = [b for n, b in held if n == name]
+        return sum(torch.Size([e - s for s, e in b]).numel() for b in boxes) / torch.Size(full[name]).numel()
+
+    for name in ("in_proj.weight", "x_proj.weight", "dt", "out_proj.weight", "conv.weight", "conv.bias"):
+        assert share(name) == 0.5, (name, [b for n, b in held if n == name])
+    pieces = {c.op.name: c for c in plan.calls if c.op is not None}
+    conv = pieces["conv1d"]
+    assert conv.layout.outputs[0][1] == (0, D // 2), conv.layout.outputs   # its channels, one group each
+
+
+def test_the_scans_gradient_sums_do_not_grow_with_the_sequence():
+    torch.manual_seed(0)
+    short, long = _rank0(Scan(), _batch(4)), _rank0(Scan(), _batch(12))
+    assert _collectives(short) == _collectives(long), (_collectives(short), _collectives(long))
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_scan_trains_exactly_under_tensor_parallel(opt):
+    torch.manual_seed(0)
+    assert_exact(parity(Scan(), _batch(6), PASMegatronTP, 2, steps=2, opt=opt, strict=True))
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
+    """Every op of the mixer that makes a ``(B, channels, T)``-sized activation makes half of it on
+    rank 0 (before, the mixer ran whole on every rank after an all-gather of ``in_proj``)."""
+    if not zoo.installed(name):
+        pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
+    model, sample = zoo.build(name, zoo.B)
+    inner = model.model.config.intermediate_size
+    plan = _rank0(model, sample)
+    mixer = [c for c in plan.calls if c.op is not None and c.op.module_path and
+             (".mixer" in c.op.module_path or ".mamba" in c.op.module_path)]
+    big = [c for c in mixer if any(t.numel() >= zoo.B * zoo.S * inner for t in c.op.outputs)]
+    assert len(big) > 10, [c.op.name for c in mixer]
+    whole = [f"{c.op.name} ({c.op.where()})" for c in big
+             if all(torch.Size([e - s for s, e in b]).numel() == t.numel()
+                    for t, b in zip(c.op.outputs, c.layout.outputs))]
+    assert not whole, whole
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba"])
+def test_hugging_face_mixer_collectives_do_not_grow_with_the_sequence(name):
+    if not zoo.installed(name):
+        pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
+    model, _ = zoo.build(name, zoo.B)
+    gen = torch.Generator().manual_seed(0)
+    counts = []
+    for T in (8, 16):
+        x = torch.randint(0, zoo.V, (zoo.B, T), generator=gen)
+        counts.append(_collectives(_rank0(model, (x, x.clone()))))
+    assert counts[0] == counts[1], counts
