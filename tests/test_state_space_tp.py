@@ -94,14 +94,15 @@ def test_scan_trains_exactly_under_tensor_parallel(opt):
     assert_exact(parity(Scan(), _batch(6), PASMegatronTP, 2, steps=2, opt=opt, strict=True))
 
 
-@pytest.mark.parametrize("name", ["mamba", "jamba"])
+@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2"])
 def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
     """Every op of the mixer that makes a ``(B, channels, T)``-sized activation makes half of it on
     rank 0 (before, the mixer ran whole on every rank after an all-gather of ``in_proj``)."""
     if not zoo.installed(name):
         pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
     model, sample = zoo.build(name, zoo.B)
-    inner = model.model.config.intermediate_size
+    cfg = model.model.config
+    inner = getattr(cfg, "intermediate_size", None) or cfg.expand * cfg.hidden_size
     plan = _rank0(model, sample)
     mixer = [c for c in plan.calls if c.op is not None and c.op.module_path and
              (".mixer" in c.op.module_path or ".mamba" in c.op.module_path)]
@@ -113,7 +114,7 @@ def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
     assert not whole, whole
 
 
-@pytest.mark.parametrize("name", ["mamba", "jamba"])
+@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2"])
 def test_hugging_face_mixer_collectives_do_not_grow_with_the_sequence(name):
     if not zoo.installed(name):
         pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")

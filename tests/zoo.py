@@ -166,6 +166,56 @@ _TEXT = {
     "deberta_v2": lambda: _hf("DebertaV2Config", "DebertaV2ForMaskedLM", vocab_size=V, hidden_size=32,
                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                               max_position_embeddings=64),
+    # the families of 2025 (``RECENT``): hybrids of Mamba-2 mixers and attention (Bamba, Falcon-H1, Granite 4's
+    # MoE hybrid, Nemotron-H), short convolutions (LFM2), linear attention (Qwen3-Next's gated delta rule,
+    # MiniMax's lightning attention, Kimi Linear's delta attention), Falcon-Mamba, MoE routers with
+    # sigmoid scores, groups and bias correction (GLM-4.5, ERNIE 4.5, dots.llm1, Hunyuan-A13B, Llama 4),
+    # and the dense newcomers (OLMo 3, Apertus, Seed-OSS, EXAONE 4, BitNet)
+    "bamba": lambda: _hf("BambaConfig", "BambaForCausalLM", mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16,
+                         mamba_n_groups=1, mamba_chunk_size=8, mamba_expand=2, attn_layer_indices=[1], **SMALL),
+    "falcon_h1": lambda: _hf("FalconH1Config", "FalconH1ForCausalLM", mamba_d_state=8, mamba_n_heads=4,
+                             mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=8, mamba_d_ssm=64, head_dim=8,
+                             **SMALL),
+    "granitemoehybrid": lambda: _hf("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", mamba_d_state=8,
+                                    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_chunk_size=8,
+                                    mamba_expand=2, layer_types=["mamba", "attention"], num_local_experts=4,
+                                    num_experts_per_tok=2, shared_intermediate_size=32, **SMALL),
+    "nemotron_h": lambda: _hf("NemotronHConfig", "NemotronHForCausalLM", ssm_state_size=8, mamba_num_heads=4,
+                              mamba_head_dim=16, n_groups=1, chunk_size=8, hybrid_override_pattern="M*-",
+                              **{**SMALL, "num_hidden_layers": 3}),
+    "lfm2": lambda: _hf("Lfm2Config", "Lfm2ForCausalLM", layer_types=["conv", "full_attention"], **SMALL),
+    "falcon_mamba": lambda: _hf("FalconMambaConfig", "FalconMambaForCausalLM", vocab_size=V, hidden_size=32,
+                                num_hidden_layers=2, state_size=8),
+    "qwen3_next": lambda: _hf("Qwen3NextConfig", "Qwen3NextForCausalLM", head_dim=8, linear_num_value_heads=4,
+                              linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                              linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"],
+                              **SMALL),
+    "minimax": lambda: _hf("MiniMaxConfig", "MiniMaxForCausalLM", head_dim=8, num_local_experts=4,
+                           num_experts_per_tok=2, layer_types=["linear_attention", "full_attention"], block_size=8,
+                           **SMALL),
+    "kimi_linear": lambda: _hf("KimiLinearConfig", "KimiLinearForCausalLM", pad_token_id=0, moe_intermediate_size=32,
+                               num_experts=4, num_experts_per_token=2, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                               v_head_dim=8, kv_lora_rank=16, q_lora_rank=None, linear_head_dim=8, linear_num_heads=4,
+                               layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
+                               head_dim=8, **{**SMALL, "num_key_value_heads": 4}),
+    "glm4_moe": lambda: _hf("Glm4MoeConfig", "Glm4MoeForCausalLM", head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                            moe_intermediate_size=32, first_k_dense_replace=1, n_group=1, topk_group=1, pad_token_id=0,
+                            **SMALL),
+    "ernie4_5_moe": lambda: _hf("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", moe_num_experts=4, moe_k=2,
+                                moe_intermediate_size=32, moe_layer_start_index=1, head_dim=8, **SMALL),
+    "dots1": lambda: _hf("Dots1Config", "Dots1ForCausalLM", n_routed_experts=4, n_shared_experts=1,
+                         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, head_dim=8, **SMALL),
+    "hunyuan_moe": lambda: _hf("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", num_experts=4, moe_topk=2, head_dim=8,
+                               **SMALL),
+    "llama4": lambda: _hf("Llama4TextConfig", "Llama4ForCausalLM", num_local_experts=4, num_experts_per_tok=1,
+                          intermediate_size_mlp=64, head_dim=8, attention_chunk_size=8, **SMALL),
+    "olmo3": lambda: _hf("Olmo3Config", "Olmo3ForCausalLM", sliding_window=8, **SMALL),
+    "apertus": lambda: _hf("ApertusConfig", "ApertusForCausalLM", **SMALL),
+    "seed_oss": lambda: _hf("SeedOssConfig", "SeedOssForCausalLM", head_dim=8, **SMALL),
+    "exaone4": lambda: _hf("Exaone4Config", "Exaone4ForCausalLM", sliding_window=8, **SMALL),
+    "bitnet": lambda: _hf("BitNetConfig", "BitNetForCausalLM", **SMALL),
 }
 _SEQ2SEQ = {
     "t5": lambda: _hf("T5Config", "T5ForConditionalGeneration", vocab_size=V, d_model=32, d_kv=8, d_ff=64,
@@ -321,6 +371,9 @@ MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_TORCH) + list(_IMAGE) + list(_TITA
 ADDED = ("bloom gptj codegen olmo olmo2 cohere stablelm starcoder2 granite gemma3 mpt helium glm4 smollm3 xglm biogpt "
          "qwen3_moe olmoe granitemoe phimoe gpt_oss deepseek_v3 jamba mamba mamba2 rwkv distilbert albert electra "
          "deberta_v2").split()
+# the families of 2025 (tests/test_zoo_recent.py runs them)
+RECENT = ("bamba falcon_h1 granitemoehybrid nemotron_h lfm2 falcon_mamba qwen3_next minimax kimi_linear glm4_moe "
+          "ernie4_5_moe dots1 hunyuan_moe llama4 olmo3 apertus seed_oss exaone4 bitnet").split()
 
 
 def installed(name: str) -> bool:

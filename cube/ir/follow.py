@@ -362,6 +362,8 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
         if col is None or not op.algorithms("dim").satisfy(*col, num):
             continue
         trial = _trial(readers, flow, op, col, num, inside_ends=vocab)
+        if trial.stop is None and _sums_activations(trial, readers):
+            continue
         if trial.stop is None:
             flow.splits.update(trial.splits)
             flow.tracked.update(trial.tracked)
@@ -381,9 +383,19 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
             behind.update(past.splits)
     _gathered_columns(readers, flow, num)
     _weight_views(readers, flow, num)
+    _pull_splits(readers, flow, num)
     if vocab:
         _vocab_embeddings(readers.ops, flow, num)
     return flow
+
+
+def _sums_activations(trial: "_Trial", readers: "_Readers") -> bool:
+    """Whether a column split ends in the partial sums of a product of two activations: features
+    contracted inside a scan or an attention-like product (the state size of a Mamba-2 layer's ``B`` and
+    ``C`` in ``C^T B``), whose partial sums (one per token pair and head) dwarf a row linear's. No
+    Megatron pair ends so: the linear is whole by design (Megatron-LM keeps ``B`` and ``C`` whole where
+    their groups do not split)."""
+    return any(op_info(op.name).cost == "matmul" and not _params_read(op, readers.makers) for op in trial.reduced)
 
 
 def _params_read(op: IRFwOperation, makers: Dict[int, IRFwOperation]) -> Tuple[IRTensor, ...]:
@@ -432,6 +444,40 @@ def _weight_views(readers: _Readers, flow: Flow, num: int) -> None:
                 cur, d = m.inputs[0], src[0]
             if chain and cur.kind is TensorKind.PARAM:
                 flow.splits.update((id(m), (m, i, k)) for m, i, k in chain)
+
+
+def _pull_splits(readers: _Readers, flow: Flow, num: int) -> None:
+    """Adds to ``flow`` the split of each op left whole whose output only split ops read, all along one
+    dim its rule can split: each rank then computes its piece of that output instead of the whole of
+    it to keep a piece (a whole op's output read by a split op is cut locally, so this moves no data).
+    Followed back op by op: Mamba-2's ``C^T B`` per head (an einsum over ``B`` and ``C`` repeated to the
+    heads) runs on each rank's heads. An op that draws random numbers stays as it is."""
+    changed = True
+    while changed:
+        changed = False
+        for op in reversed(readers.ops):
+            if id(op) in flow.splits or op.anno is None or len(op.outputs) != 1 or \
+                    getattr(op, "draw", None) is not None:
+                continue
+            t = op.outputs[0]
+            dims = set()
+            for i in readers.of.get(id(t), ()):
+                split = flow.splits.get(id(readers.ops[i]))
+                if split is None:
+                    dims = None
+                    break
+                r, idx, dim = split
+                letter = r.anno.inputs[idx][dim].head.name
+                dims |= {d for k, x in enumerate(r.inputs) if x is t for d, g in enumerate(r.anno.inputs[k])
+                         if g.head is not None and g.head.name == letter}
+            if not dims or len(dims) != 1:
+                continue
+            out = op.anno.outputs[0][dims.pop()].head
+            src = [(k, d) for k, g in enumerate(op.anno.inputs) for d, x in enumerate(g)
+                   if out is not None and x.head is not None and x.head.name == out.name]
+            if src and op.algorithms("dim").satisfy(*src[0], num):
+                flow.splits[id(op)] = (op, *src[0])
+                changed = True
 
 
 # rules of ops that need every element along the dims they keep whole (a norm, softmax, a loss, a

@@ -60,7 +60,9 @@ import torch
 from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
 from cube.ir.operator import IRFwOperation
+from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
+from cube.trace.inplace import draws
 from cube.trace.rules import Registry
 
 # op name -> (argument holding the weight, the weight's output-feature dim, argument holding the bias)
@@ -100,6 +102,8 @@ class _Fused:
     unit: int
     transpose: Optional[IRFwOperation] = None   # ``x @ W.t()`` (Falcon's linear): the transpose of the weight
     chain: Tuple[IRFwOperation, ...] = ()       # the ops moving the block dim between the reshape and the cuts
+    # per depthwise conv of the chain: (conv, its weight parameter, the moves from it to the conv, its bias or None)
+    convs: Tuple[Tuple[IRFwOperation, IRTensor, Tuple[IRFwOperation, ...], Optional[IRTensor]], ...] = ()
 
 
 def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, torch.Tensor]] = None) -> IRGraph:
@@ -112,25 +116,27 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
         ``graph`` itself when nothing is cut, else a new graph of the same model.
     """
     graph = split_params(graph, registry)
-    readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
-    found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
-             for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
-    if not found:
-        return graph
-    replace: Dict[int, List[IRFwOperation]] = {}
-    subs: Dict[int, List[IRTensor]] = {}
-    for f in found:
-        ops, weights, biases = _cut(f, registry)
-        replace[id(f.op)] = ops
-        for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) + \
-                list(f.chain) + f.cuts:
-            replace[id(op)] = []
-        subs[id(f.weight)] = weights
-        if f.bias is not None:
-            subs[id(f.bias)] = biases
-    ops = [new for op in graph.ops for new in replace.get(id(op), [op])]
-    attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
-    return IRGraph(ops, attrs, graph.loss, graph.name)
+    while True:   # a block may be a fused projection of its own (Mamba-2's x, B and C, cut after their conv)
+        readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
+        found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
+                 for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
+        if not found:
+            return graph
+        replace: Dict[int, List[IRFwOperation]] = {}
+        subs: Dict[int, List[IRTensor]] = {}
+        for f in found:
+            ops, weights, biases, conv_subs = _cut(f, registry)
+            replace[id(f.op)] = ops
+            for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) \
+                    + list(f.chain) + f.cuts + [m for _, _, moves, _ in f.convs for m in moves]:
+                replace[id(op)] = []
+            subs[id(f.weight)] = weights
+            if f.bias is not None:
+                subs[id(f.bias)] = biases
+            subs.update(conv_subs)
+        ops = [new for op in graph.ops for new in replace.get(id(op), [op])]
+        attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
+        graph = IRGraph(ops, attrs, graph.loss, graph.name)
 
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split"}
@@ -231,7 +237,7 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
     if len(after) == 1 and after[0].name in _RESHAPES and after[0].inputs == [y] and len(after[0].outputs) == 1:
         view, z = after[0], after[0].outputs[0]
         dims = {c for c in range(z.ndim) if math.prod(z.shape[c:]) == features}
-    chain, moved = _chain(z, readers, loss)
+    chain, moved, convs = _chain(z, readers, makers, loss)
     cut_of = moved[-1][0] if chain else z
     cuts = readers.get(id(cut_of), [])
     if not cuts or cut_of is loss:
@@ -247,11 +253,16 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
         return None
     c = dim.pop()
     if chain:   # the cut dim of the chain's last tensor back to ``z``'s, the others in their order
+        last = c
         c = _through(moved[-1][1], c, z.ndim)
-        # unit blocks: a view makes each cut's tensor; wider ones (Mamba's ``in_proj(x).transpose(1, 2)
-        # .chunk(2, dim=1)``): each block's matmul output goes through the chain itself (``_replay``)
-        if c is None or (any(blk.stop - blk.start != 1 for _, blk in blocks) and
+        # a view makes each cut's tensor of unit blocks after moves alone; otherwise (Mamba's
+        # ``in_proj(x).transpose(1, 2).chunk(2, dim=1)``, Mamba-2's x, B and C cut after their conv) each
+        # block's matmul output goes through the chain itself (``_replay``)
+        moves_only = all(op.name in _MOVES for op in chain)
+        if c is None or ((any(blk.stop - blk.start != 1 for _, blk in blocks) or not moves_only) and
                          (view is not None or any(blk.drops for _, blk in blocks))):
+            return None
+        if not moves_only and not _along(chain, moved, moved[-1][1][last], z.ndim, convs):
             return None
     if c not in dims:
         return None
@@ -263,31 +274,104 @@ def _find(op: IRFwOperation, readers, makers, loss: IRTensor, consts) -> Optiona
         edge = blk.stop
     if edge != z.shape[c] or len(blocks) < 2:
         return None
-    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]), transpose, tuple(chain))
+    return _Fused(op, w, fdim, b, view, cuts, blocks, math.prod(z.shape[c + 1:]), transpose, tuple(chain),
+                  tuple(convs))
 
 
-def _chain(z: IRTensor, readers, loss) -> Tuple[List[IRFwOperation], List[Tuple[IRTensor, List[Optional[int]]]]]:
-    """The ops after ``z``, each its tensor's only reader, that only move dims or add and drop dims
-    of size 1; with, per op, its output and the dim of ``z`` each of the output's dims is (None: a
-    new dim of size 1). Empty when the next op is none of them."""
+def _chain(z: IRTensor, readers, makers, loss) -> Tuple[List[IRFwOperation], List[Tuple[IRTensor, List[Optional[int]]]],
+                                                      list]:
+    """The ops after ``z``, each its tensor's only reader, that move dims or add and drop dims of size
+    1, or keep every dim where it is (``_keeps_dims``: elementwise ops of one tensor, slices, depthwise
+    convolutions); with, per op, its output and the dim of ``z`` each of the output's dims is (None: a
+    new dim of size 1), and the depthwise convolutions (``_Fused.convs``). Empty when the next op is
+    none of them."""
     ops: List[IRFwOperation] = []
     moved: List[Tuple[IRTensor, List[Optional[int]]]] = []
+    convs = []
     t, labels = z, list(range(z.ndim))
     while True:
         after = readers.get(id(t), [])
         if len(after) != 1 or t is loss:
             break
         op = after[0]
-        if op.name not in _MOVES or op.inputs != [t] or len(op.outputs) != 1 or op.kwargs or \
-                not op.args or op.args[0] is not t:
+        if len(op.outputs) != 1 or not op.args or op.args[0] is not t:
             break
-        labels = _moved(op, t, labels)
-        if labels is None or len(labels) != op.outputs[0].ndim:
-            break
+        if op.name in _MOVES:
+            if op.inputs != [t] or op.kwargs:
+                break
+            labels = _moved(op, t, labels)
+            if labels is None or len(labels) != op.outputs[0].ndim:
+                break
+        else:
+            conv = _depthwise(op, t, readers, makers)
+            if conv is None and not _keeps_dims(op, t):
+                break
+            if conv is not None:
+                convs.append(conv)
         ops.append(op)
         t = op.outputs[0]
         moved.append((t, labels))
-    return ops, moved
+    return ops, moved, convs
+
+
+def _keeps_dims(op: IRFwOperation, t: IRTensor) -> bool:
+    """``op`` reads ``t`` alone and keeps each of its dims where it is: an elementwise op drawing no
+    random numbers (a cast, an activation) or a slice with step 1 (a causal conv's output cut to the
+    sequence); ``_along`` checks that a slice cuts no block dim."""
+    out = op.outputs[0]
+    if op.inputs != [t] or out.ndim != t.ndim:
+        return False
+    if op.name in ("slice", "narrow"):
+        return op.name == "narrow" or _arg(op, 4, "step", 1) == 1
+    return op_info(op.name).rule == "elementwise" and tuple(out.shape) == tuple(t.shape) and \
+        not draws(op.target, op.args, op.kwargs)
+
+
+def _depthwise(op: IRFwOperation, t: IRTensor, readers, makers):
+    """``(op, weight parameter, moves from it to the conv, bias parameter or None)`` when ``op`` is a
+    depthwise convolution of ``t`` (one channel a group, Mamba's causal ``conv1d``) whose weight (through
+    moves: ``weight.squeeze(1)`` then ``unsqueeze(1)``) and bias only it reads; else None."""
+    if op.name not in ("conv1d", "conv2d", "conv3d") or op.inputs[0] is not t or len(op.inputs) not in (2, 3):
+        return None
+    w = op.inputs[1]
+    channels = t.shape[1] if t.ndim == w.ndim else None
+    if channels is None or _arg(op, 6, "groups", 1) != channels or w.shape[0] != channels or w.shape[1] != 1 or \
+            op.outputs[0].shape[1] != channels or readers.get(id(w)) != [op]:
+        return None
+    moves: List[IRFwOperation] = []
+    while w.kind is not TensorKind.PARAM:
+        m = makers.get(id(w))
+        if m is None or m.name not in _MOVES or len(m.inputs) != 1 or len(m.outputs) != 1 or m.kwargs:
+            return None
+        moves.insert(0, m)
+        w = m.inputs[0]
+        if readers.get(id(w)) != [m]:
+            return None
+    labels: Optional[List[Optional[int]]] = list(range(w.ndim))
+    for m in moves:
+        labels = _moved(m, m.inputs[0], labels) if labels is not None else None
+    if labels is None or labels[0] != 0 or readers.get(id(w)) != ([moves[0]] if moves else [op]):
+        return None   # the conv's output channels must be the parameter's dim 0
+    b = op.inputs[2] if len(op.inputs) == 3 else None
+    if b is not None and not (b.kind is TensorKind.PARAM and readers.get(id(b)) == [op] and b.shape == (channels,)):
+        return None
+    return op, w, tuple(moves), b
+
+
+def _along(chain, moved, label: Optional[int], n: int, convs) -> bool:
+    """Whether the block dim (``label``: the dim of ``z`` it is) is where each depthwise conv of the chain
+    has its channels (dim 1) and no slice of the chain cuts it."""
+    conv_ops = {id(c[0]) for c in convs}
+    for k, op in enumerate(chain):
+        labels = moved[k - 1][1] if k else list(range(n))
+        if label not in labels:
+            return False
+        at = labels.index(label)
+        if id(op) in conv_ops and at != 1:
+            return False
+        if op.name in ("slice", "narrow") and _arg(op, 1, "dim", 0) % op.inputs[0].ndim == at:
+            return False
+    return True
 
 
 def _moved(op: IRFwOperation, t: IRTensor, labels: List[Optional[int]]) -> Optional[List[Optional[int]]]:
@@ -443,33 +527,86 @@ def _sub(p: IRTensor, dim: int, start: int, stop: int, label: str) -> IRTensor:
                     region=p.user_box(box), full=p.user_shape)
 
 
-def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, registry: Registry
-            ) -> List[IRFwOperation]:
-    """The ops of ``chain`` (moves of dims, ``_MOVES``) applied to one block's matmul output ``start``,
-    the last making the cut's tensor ``end``: the same moves on a tensor narrower along the cut dim."""
+def _again(op: IRFwOperation, inputs: List[IRTensor], args: tuple, shape: tuple, registry: Registry,
+           out: Optional[IRTensor] = None, kwargs: Optional[dict] = None) -> IRFwOperation:
+    """``op`` called again on ``inputs`` (``args`` and ``kwargs`` laid out as its own), making ``out`` or
+    a new tensor of ``shape``."""
+    y = op.outputs[0]
+    out = out if out is not None else IRTensor(shape, y.dtype, y.requires_grad, TensorKind.ACTIVATION, y.hint)
+    new = IRFwOperation(name=op.name, inputs=inputs, outputs=[out], target=op.target, args=args,
+                        kwargs=dict(op.kwargs if kwargs is None else kwargs), module_path=op.module_path,
+                        source=op.source, grad_enabled=op.grad_enabled)
+    registry.annotate(new)
+    return new
+
+
+def _moved_shape(op: IRFwOperation, t: IRTensor) -> tuple:
+    return tuple(1 if d is None else t.shape[d] for d in _moved(op, t, list(range(t.ndim))))
+
+
+def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, registry: Registry,
+            conv_inputs: Dict[int, Tuple[IRTensor, Optional[IRTensor]]]) -> List[IRFwOperation]:
+    """The ops of ``chain`` applied to one block's matmul output ``start``, the last making the cut's
+    tensor ``end``: the same ops on a tensor narrower along the block dim; a depthwise conv on the
+    block's channels (``conv_inputs``: conv id -> the block's weight and bias), one group each."""
     ops, t = [], start
     for k, op in enumerate(chain):
-        labels = _moved(op, t, list(range(t.ndim)))
-        shape = tuple(1 if d is None else t.shape[d] for d in labels)
+        if op.name in _MOVES:
+            shape = _moved_shape(op, t)
+        else:   # the dims stay: the block dim is the one ``t`` is narrower along
+            at = [d for d in range(t.ndim) if t.shape[d] != op.inputs[0].shape[d]]
+            if len(at) != 1:
+                raise CubeInternalError(f"fused projection: block {end.hint!r} of shape {tuple(t.shape)} at op "
+                                        f"{op.name!r} of {tuple(op.inputs[0].shape)}")
+            shape = tuple(t.shape[d] if d == at[0] else s for d, s in enumerate(op.outputs[0].shape))
         last = k == len(chain) - 1
         if last and shape != tuple(end.shape):
-            raise CubeInternalError(f"fused projection: the moves after block {end.hint!r} give {shape}, its cut "
+            raise CubeInternalError(f"fused projection: the ops after block {end.hint!r} give {shape}, its cut "
                                     f"{tuple(end.shape)}")
-        out = end if last else IRTensor(shape, t.dtype, t.requires_grad, TensorKind.ACTIVATION, op.outputs[0].hint)
-        new = IRFwOperation(name=op.name, inputs=[t], outputs=[out], target=op.target, args=(t,) + tuple(op.args[1:]),
-                            kwargs=dict(op.kwargs), module_path=op.module_path, source=op.source,
-                            grad_enabled=op.grad_enabled)
-        registry.annotate(new)
+        args, kwargs, inputs = [t] + list(op.args[1:]), dict(op.kwargs), [t]
+        if id(op) in conv_inputs:   # conv(input, weight, bias, stride, padding, dilation, groups)
+            w, b = conv_inputs[id(op)]
+            inputs = [t, w] + ([b] if b is not None else [])
+            for i, name, value in ((1, "weight", w), (2, "bias", b), (6, "groups", t.shape[1])):
+                if i < len(args):
+                    args[i] = value
+                elif name in kwargs or value is not None:
+                    kwargs[name] = value
+        new = _again(op, inputs, tuple(args), shape, registry, end if last else None, kwargs)
         ops.append(new)
-        t = out
+        t = new.outputs[0]
     return ops
 
 
-def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTensor], List[IRTensor]]:
-    """The ops replacing ``f.op`` (a matmul per block, then the reshapes to the cuts' shapes) and the
-    weight's and bias's sub-parameters."""
+def _conv_blocks(f: _Fused, lo: int, hi: int, label: str, registry: Registry, subs: Dict[int, List[IRTensor]]
+                 ) -> Tuple[List[IRFwOperation], Dict[int, Tuple[IRTensor, Optional[IRTensor]]]]:
+    """For one block (channels ``[lo, hi)``), each depthwise conv's weight and bias pieces (sub-parameters,
+    added to ``subs``) and the moves making the conv's weight of the weight's piece."""
+    ops: List[IRFwOperation] = []
+    inputs: Dict[int, Tuple[IRTensor, Optional[IRTensor]]] = {}
+    for conv, w, moves, b in f.convs:
+        wt = _sub(w, 0, lo, hi, label)
+        subs.setdefault(id(w), []).append(wt)
+        for m in moves:
+            new = _again(m, [wt], (wt,) + tuple(m.args[1:]), _moved_shape(m, wt), registry)
+            ops.append(new)
+            wt = new.outputs[0]
+        bt = None
+        if b is not None:
+            bt = _sub(b, 0, lo, hi, label)
+            subs.setdefault(id(b), []).append(bt)
+        inputs[id(conv)] = (wt, bt)
+    return ops, inputs
+
+
+def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTensor], List[IRTensor],
+                                                 Dict[int, List[IRTensor]]]:
+    """The ops replacing ``f.op`` (a matmul per block, then the reshapes to the cuts' shapes, or the
+    chain again per block), the weight's and bias's sub-parameters, and the sub-parameters of each
+    depthwise conv's weight and bias in the chain (parameter id -> one per block)."""
     op, y = f.op, f.op.outputs[0]
     matmuls, reshapes, weights, biases = [], [], [], []
+    conv_subs: Dict[int, List[IRTensor]] = {}
     for blk, label in zip(f.blocks, _labels(f)):
         lo, hi = blk.start * f.unit, blk.stop * f.unit
         w = _sub(f.weight, f.feature_dim, lo, hi, label)
@@ -491,7 +628,7 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         shape = y.shape[:-1] + (hi - lo,)
         if label.isidentifier():
             blk.out.hint = label
-        replay = bool(f.chain) and f.view is None and not blk.drops and blk.stop - blk.start != 1
+        replay = bool(f.chain) and f.view is None and not blk.drops
         direct = f.view is None and not blk.drops and not f.chain   # the matmul makes the cut's tensor itself
         out = blk.out if direct else IRTensor(shape, y.dtype, y.requires_grad, TensorKind.ACTIVATION,
                                               label if label.isidentifier() else y.hint)
@@ -502,7 +639,8 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         registry.annotate(mm)
         matmuls.append(mm)
         if replay:
-            reshapes += _replay(f.chain, out, blk.out, registry)
+            conv_ops, conv_inputs = _conv_blocks(f, lo, hi, label, registry, conv_subs)
+            reshapes += conv_ops + _replay(f.chain, out, blk.out, registry, conv_inputs)
         elif not direct:
             target = f.view.target if f.view is not None and f.view.name != "unflatten" else \
                 torch.ops.aten.view.default
@@ -512,4 +650,4 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
                                module_path=cut.module_path, source=cut.source, grad_enabled=cut.grad_enabled)
             registry.annotate(rs)
             reshapes.append(rs)
-    return matmuls + reshapes, weights, biases
+    return matmuls + reshapes, weights, biases, conv_subs
