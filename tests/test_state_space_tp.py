@@ -125,3 +125,73 @@ def test_hugging_face_mixer_collectives_do_not_grow_with_the_sequence(name):
         x = torch.randint(0, zoo.V, (zoo.B, T), generator=gen)
         counts.append(_collectives(_rank0(model, (x, x.clone()))))
     assert counts[0] == counts[1], counts
+
+
+class Depthwise(nn.Module):
+    """Depthwise convolutions, 1-D (Mamba's) and 2-D (ConvNeXt's), between pointwise ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(D, D, 3, groups=D, padding=1)
+        self.c2 = nn.Conv2d(D, D, 3, groups=D, padding=1, bias=False)
+        self.grouped = nn.Conv1d(D, D, 1, groups=2)
+
+    def forward(self, x, y):
+        h = F.gelu(self.c1(x))                                   # (B, D, L)
+        h = self.c2(h.unflatten(-1, (2, -1))).flatten(-2)        # (B, D, 2, L/2)
+        return F.mse_loss(self.grouped(h), y)
+
+
+def _conv_split(name: str):
+    """A policy splitting the first conv ``name`` in two along its channels (input 0, dim 1), the rest
+    whole: its pieces call the conv with their own channels as groups."""
+    from cube.ir import IRFwOperation
+    from cube.ir.follow import place
+
+    def policy(graph, resource):
+        first = next(op for op in graph.select(ntype=IRFwOperation) if op.name == name)
+        for op in graph.nodes():
+            place(graph, op, (0, 1) if op is first else None, [0, 1])
+        return graph
+    return policy
+
+
+def test_a_depthwise_conv_splits_its_channels_and_a_grouped_one_keeps_them():
+    torch.manual_seed(0)
+    c1, c2, grouped = [op for op in cube.trace_model(Depthwise(), _conv_batch()).graph.ops if op.name.startswith("conv")]
+    assert c1.algorithms("dim").satisfy(0, 1, 2) and c2.algorithms("dim").satisfy(0, 1, 2), (c1.anno, c2.anno)
+    assert not grouped.algorithms("dim").satisfy(0, 1, 2), grouped.anno   # two groups of 8: channels whole
+
+
+def _conv_batch():
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(B, D, 8, generator=gen), torch.randn(B, D, 8, generator=gen)
+
+
+@pytest.mark.parametrize("name", ["conv1d", "conv2d"])
+def test_a_depthwise_conv_split_by_channels_trains_exactly(name):
+    torch.manual_seed(0)
+    assert_exact(parity(Depthwise(), _conv_batch(), _conv_split(name), 2, steps=2, opt="sgd"))
+
+
+class Scores(nn.Module):
+    """Attention of one head without a head dim: ``q @ k^T`` contracts the projections' features."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(E, E) for _ in range(4))
+
+    def forward(self, x, y):
+        att = (self.q(x) @ self.k(x).transpose(1, 2)).softmax(-1)
+        return F.mse_loss(self.o(att @ self.v(x)), y)
+
+
+def test_no_column_split_ends_in_partial_sums_of_a_product_of_activations():
+    """Split by features, ``q`` would make ``q @ k^T`` a partial sum of ``(B, T, T)`` scores per rank (all
+    of them reduced): not a Megatron pair, so ``q`` and ``k`` stay whole; ``v`` and ``o`` make one."""
+    torch.manual_seed(0)
+    plan = _rank0(Scores(), _batch(6))
+    held = {t.names[0]: t.user_box(b) for t, b in plan.attrs}
+    assert held["q.weight"] == ((0, E), (0, E)) and held["k.weight"] == ((0, E), (0, E)), held
+    assert held["v.weight"] == ((0, E // 2), (0, E)) and held["o.weight"] == ((0, E), (0, E // 2)), held
+    assert_exact(parity(Scores(), _batch(6), PASMegatronTP, 2, steps=2, opt="sgd", strict=True))

@@ -395,7 +395,20 @@ def _sums_activations(trial: "_Trial", readers: "_Readers") -> bool:
     ``C`` in ``C^T B``), whose partial sums (one per token pair and head) dwarf a row linear's. No
     Megatron pair ends so: the linear is whole by design (Megatron-LM keeps ``B`` and ``C`` whole where
     their groups do not split)."""
-    return any(op_info(op.name).cost == "matmul" and not _params_read(op, readers.makers) for op in trial.reduced)
+    return any(op_info(op.name).cost == "matmul" and not any(_from_param(t, readers.makers) for t in op.inputs)
+               for op in trial.reduced)
+
+
+def _from_param(t: IRTensor, makers: Dict[int, IRFwOperation], steps: int = 4) -> bool:
+    """Whether ``t`` is a parameter or made of one by a few one-input ops (``W.T``, ``W.to(dtype)``)."""
+    for _ in range(steps + 1):
+        if t.kind is TensorKind.PARAM:
+            return True
+        m = makers.get(id(t))
+        if m is None or len(m.inputs) != 1:
+            return False
+        t = m.inputs[0]
+    return False
 
 
 def _params_read(op: IRFwOperation, makers: Dict[int, IRFwOperation]) -> Tuple[IRTensor, ...]:
