@@ -118,6 +118,10 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
     graph = split_params(graph, registry)
     while True:   # a block may be a fused projection of its own (Mamba-2's x, B and C, cut after their conv)
         readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
+        uncut = _uncat(graph, readers, makers, registry)
+        if uncut is not None:
+            graph = uncut
+            continue
         found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
                  for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
         if not found:
@@ -140,6 +144,58 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
 
 
 _SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split"}
+
+
+def _uncat(graph: IRGraph, readers, makers, registry: Registry) -> Optional[IRGraph]:
+    """``graph`` with the first ``cat`` whose blocks a chain of ops keeping their dims (``_chain``: a
+    depthwise conv among them) carries to a cut into the same blocks replaced by the chain once per
+    block, each conv on its block's channels; None when there is none. Qwen3-Next's gated delta rule
+    concatenates its q, k and v, runs one causal conv over the channels and splits them again: per
+    block, each is an ordinary head-split value, not a piece of a concatenation that no contiguous
+    split of the channels holds a rank's heads of."""
+    for op in graph.ops:
+        if not isinstance(op, IRFwOperation) or op.name != "cat" or len(op.outputs) != 1 or len(op.inputs) < 2:
+            continue
+        z = op.outputs[0]
+        parts = op.args[0] if op.args else ()
+        if list(parts) != list(op.inputs) or len(set(map(id, parts))) != len(parts):
+            continue
+        d = _arg(op, 1, "dim", 0) % z.ndim
+        chain, moved, convs = _chain(z, readers, makers, graph.loss)
+        if not chain or any(c.name in _MOVES and c.name != "transpose" and c.name != "contiguous" for c in chain):
+            continue   # moves other than transposes could change which dim the blocks are along
+        cut_of = moved[-1][0]
+        cuts = readers.get(id(cut_of), [])
+        if len(cuts) != 1:
+            continue
+        got = _blocks(cuts[0], cut_of)
+        if got is None or len({c for c, _ in got}) != 1:
+            continue
+        c = got[0][0]
+        label = moved[-1][1][c]
+        if label != d or not _along(chain, moved, d, z.ndim, convs):
+            continue
+        starts = [0]
+        for t in parts:
+            starts.append(starts[-1] + t.shape[d])
+        if [(b.start, b.stop) for _, b in got] != list(zip(starts, starts[1:])) or any(b.drops for _, b in got):
+            continue
+        new_ops: List[IRFwOperation] = []
+        subs: Dict[int, List[IRTensor]] = {}
+        for t, (_, blk), (lo, hi) in zip(parts, got, zip(starts, starts[1:])):
+            label_ = blk.out.hint if blk.out.hint and blk.out.hint.isidentifier() else f"{lo}_{hi}"
+            conv_ops, conv_inputs = _conv_blocks(convs, lo, hi, label_, registry, subs)
+            new_ops += conv_ops + _replay(tuple(chain), t, blk.out, registry, conv_inputs)
+        gone = {id(op), id(cuts[0])} | {id(c) for c in chain} | {id(m) for _, _, moves, _ in convs for m in moves}
+        ops = []
+        for o in graph.ops:
+            if id(o) == id(op):
+                ops += new_ops
+            elif id(o) not in gone:
+                ops.append(o)
+        attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
+        return IRGraph(ops, attrs, graph.loss, graph.name)
+    return None
 
 
 def split_params(graph: IRGraph, registry: Registry) -> IRGraph:
@@ -578,13 +634,13 @@ def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, re
     return ops
 
 
-def _conv_blocks(f: _Fused, lo: int, hi: int, label: str, registry: Registry, subs: Dict[int, List[IRTensor]]
+def _conv_blocks(convs, lo: int, hi: int, label: str, registry: Registry, subs: Dict[int, List[IRTensor]]
                  ) -> Tuple[List[IRFwOperation], Dict[int, Tuple[IRTensor, Optional[IRTensor]]]]:
     """For one block (channels ``[lo, hi)``), each depthwise conv's weight and bias pieces (sub-parameters,
     added to ``subs``) and the moves making the conv's weight of the weight's piece."""
     ops: List[IRFwOperation] = []
     inputs: Dict[int, Tuple[IRTensor, Optional[IRTensor]]] = {}
-    for conv, w, moves, b in f.convs:
+    for conv, w, moves, b in convs:
         wt = _sub(w, 0, lo, hi, label)
         subs.setdefault(id(w), []).append(wt)
         for m in moves:
@@ -639,7 +695,7 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         registry.annotate(mm)
         matmuls.append(mm)
         if replay:
-            conv_ops, conv_inputs = _conv_blocks(f, lo, hi, label, registry, conv_subs)
+            conv_ops, conv_inputs = _conv_blocks(f.convs, lo, hi, label, registry, conv_subs)
             reshapes += conv_ops + _replay(f.chain, out, blk.out, registry, conv_inputs)
         elif not direct:
             target = f.view.target if f.view is not None and f.view.name != "unflatten" else \

@@ -110,6 +110,7 @@ class _Chain:
     ops: List[IRFwOperation]
     restores: Dict[int, IRFwOperation]   # id of a chain value -> the view restoring it
     aliases: Dict[int, IRTensor]          # id of an op of ``ops`` making a value equal to this one
+    entries: Dict[int, IRFwOperation] = None   # merges of other tensors into the same rows (``_back``)
 
 
 def unflatten_rows(graph: IRGraph, registry: Registry) -> IRGraph:
@@ -161,7 +162,7 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
                for k in range(len(rows) + 1, x.ndim + 1)):
         return None
     # every op a value of the chain reaches; restoring views end it; views keeping the shape are aliases
-    inside, ops, restores, todo, aliases = {id(u)}, {}, {}, [u], {}
+    inside, ops, restores, todo, aliases, entries, pending = {id(u)}, {}, {}, [u], {}, {}, []
     for op in readers.get(id(x), []) if siblings else ():
         if op is not merge and op.name in _MERGES and _merges(op) and op.outputs[0].shape == u.shape:
             ops[id(op)], aliases[id(op)] = op, u
@@ -169,7 +170,12 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
             todo.append(op.outputs[0])
     if siblings and not aliases:
         return None
-    while todo:
+    while todo or pending:
+        if not todo:
+            t = pending.pop()
+            if id(t) not in inside and not _back(t, u, merge, makers, ops, entries, inside, todo, loss):
+                return None
+            continue
         t = todo.pop()
         for op in readers.get(id(t), []):
             if id(op) in ops or op in restores.values():
@@ -189,6 +195,9 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
             if not isinstance(op, IRFwOperation) or not op.outputs or not _rowish(op):
                 return None
             ops[id(op)] = op
+            # rows of another tensor merged alike (a gate), when the walk has not reached them: the chain
+            # starts there too (``_back``, once the walk is done)
+            pending += [t_in for t_in in op.inputs if t_in.ndim == u.ndim and t_in.shape[:-1] == rows]
             for o in op.outputs:
                 if o is loss or not (o.shape[:-1] == rows or _pair_rows(o, rows)):
                     return None
@@ -205,9 +214,40 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
         return None
     if any(r.outputs[0].shape[-1] != r.inputs[0].shape[-1] for r in restores.values()):
         return None
-    if any(_row(op, inside, rows, makers, lead) is None for op in ops.values() if id(op) not in aliases):
+    if any(tuple(m.inputs[0].shape[:k]) != lead or math.prod(m.inputs[0].shape[k:]) != u.shape[-1]
+           for m in entries.values()):
         return None
-    return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores, aliases)
+    if any(_row(op, inside, rows, makers, lead) is None for op in ops.values()
+           if id(op) not in aliases and id(op) not in entries):
+        return None
+    return _Chain(merge, lead, sorted(ops.values(), key=lambda op: order[id(op)]), restores, aliases, entries)
+
+
+def _back(t: IRTensor, u: IRTensor, merge: IRFwOperation, makers, ops, entries, inside, todo,
+          loss: IRTensor) -> bool:
+    """Walks back from ``t``, a value of the chain's rows made outside it, through row-wise ops of one
+    value of those rows to a merge of another tensor into the same rows (Qwen3-Next's gate ``z``,
+    merged as its attention output is, then cast and activated); adds them to the chain (``entries``:
+    the merges). False when the walk meets anything else."""
+    rows = u.shape[:-1]
+    while True:
+        m = makers.get(id(t))
+        if m is None or m is merge or not isinstance(m, IRFwOperation) or len(m.outputs) != 1 or t is loss:
+            return False
+        if m.name in _MERGES and _merges(m) and t.shape == u.shape:
+            entries[id(m)] = ops[id(m)] = m
+            inside.add(id(t))
+            todo.append(t)
+            return True
+        if not _rowish(m) or op_info(m.name).rule != "elementwise":
+            return False
+        grown = [x for x in m.inputs if id(x) not in inside and x.ndim == u.ndim and x.shape[:-1] == rows]
+        if len(grown) != 1:
+            return False
+        ops[id(m)] = m
+        inside.add(id(t))
+        todo.append(t)
+        t = grown[0]
 
 
 def _rowish(op: IRFwOperation) -> bool:
@@ -444,6 +484,17 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                                 (x, list(u2.shape)), {}, [u2], registry)]
     inside = set(new) | {id(o) for op in chain.ops for o in op.outputs}
     for op in chain.ops:
+        if id(op) in (chain.entries or {}):   # another tensor merged alike: merged only in ``inner``
+            y, w = op.inputs[0], op.outputs[0]
+            if tuple(y.shape[len(lead):]) == w.shape[-1:]:
+                new[id(w)], out[id(op)] = y, []
+            else:
+                w2 = IRTensor(lead + w.shape[-1:], w.dtype, w.requires_grad, TensorKind.ACTIVATION, w.hint)
+                new[id(w)] = w2
+                target = aten.reshape.default if op.name == "flatten" else op.target
+                out[id(op)] = [make_op(op, target, target._schema.name.split("::")[-1], (y, list(w2.shape)), {},
+                                       [w2], registry)]
+            continue
         if id(op) in chain.aliases:   # the same value: its readers read the one it equals
             new[id(op.outputs[0])], out[id(op)] = new[id(chain.aliases[id(op)])], []
             continue
