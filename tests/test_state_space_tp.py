@@ -195,3 +195,49 @@ def test_no_column_split_ends_in_partial_sums_of_a_product_of_activations():
     assert held["q.weight"] == ((0, E), (0, E)) and held["k.weight"] == ((0, E), (0, E)), held
     assert held["v.weight"] == ((0, E // 2), (0, E)) and held["o.weight"] == ((0, E), (0, E // 2)), held
     assert_exact(parity(Scores(), _batch(6), PASMegatronTP, 2, steps=2, opt="sgd", strict=True))
+
+
+class DeltaLike(nn.Module):
+    """Qwen3-Next's gated delta rule as Hugging Face writes it, reduced to its shapes: q, k and v
+    concatenated for one causal depthwise conv and split again; the heads' output and a gate both
+    merged into ``(B*T*H, D)`` rows for a gated RMS norm, then restored."""
+
+    H = 4
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.z = (nn.Linear(E, D) for _ in range(4))
+        self.conv = nn.Conv1d(3 * D, 3 * D, 3, groups=3 * D, padding=2, bias=False)
+        self.weight = nn.Parameter(torch.ones(D // self.H))
+        self.o = nn.Linear(D, E)
+
+    def forward(self, x, y):
+        b, t, _ = x.shape
+        mixed = torch.cat((self.q(x), self.k(x), self.v(x)), dim=-1).transpose(1, 2)
+        mixed = F.silu(self.conv(mixed)[..., :t]).transpose(1, 2)
+        q, k, v = (m.reshape(b, t, self.H, -1) for m in torch.split(mixed, [D, D, D], dim=-1))
+        out = (q * k).sum(-1, keepdim=True).sigmoid() * v                     # (B, T, H, D/H)
+        z = self.z(x).view(b, t, self.H, -1)
+        shape = z.shape
+        out, z = out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1])    # rows of (B*T*H)
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight * F.silu(z.float())
+        return F.mse_loss(self.o(out.reshape(shape).reshape(b, t, -1)), y)
+
+
+def test_a_concatenation_carried_by_a_depthwise_conv_to_its_cut_runs_per_block():
+    torch.manual_seed(0)
+    graph = cube.trace_model(DeltaLike(), _batch(6)).graph
+    names = [op.name for op in graph.ops]
+    assert "cat" not in names and names.count("conv1d") == 3, names
+    rows = [op for op in graph.ops if any(t.ndim == 2 and t.shape[0] == B * 6 * DeltaLike.H for t in op.outputs)]
+    assert not rows, [op.name for op in rows]   # the gated norm runs on (B, T, H, D/H)
+    plan = _rank0(DeltaLike(), _batch(6))
+    held = [(t.names[0], t.user_box(b)) for t, b in plan.attrs]
+    assert ("conv.weight", ((0, D // 2), (0, 1), (0, 3))) in held, held      # q's channels of the conv
+    assert ("q.weight", ((0, D // 2), (0, E))) in held and ("z.weight", ((0, D // 2), (0, E))) in held, held
+
+
+@pytest.mark.parametrize("policy", [PASMegatronTP, "cube.policies.data:PASData"])
+def test_a_concatenation_carried_by_a_depthwise_conv_trains_exactly(policy):
+    torch.manual_seed(0)
+    assert_exact(parity(DeltaLike(), _batch(6), policy, 2, steps=2, opt="sgd", strict=True))
