@@ -173,8 +173,8 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
     while todo or pending:
         if not todo:
             t = pending.pop()
-            if id(t) not in inside and not _back(t, u, merge, makers, ops, entries, inside, todo, loss):
-                return None
+            if id(t) not in inside:   # else (not found) the op reading it is judged as before (``_row``)
+                _back(t, u, merge, makers, ops, entries, inside, todo, loss)
             continue
         t = todo.pop()
         for op in readers.get(id(t), []):
@@ -227,26 +227,27 @@ def _back(t: IRTensor, u: IRTensor, merge: IRFwOperation, makers, ops, entries, 
           loss: IRTensor) -> bool:
     """Walks back from ``t``, a value of the chain's rows made outside it, through row-wise ops of one
     value of those rows to a merge of another tensor into the same rows (Qwen3-Next's gate ``z``,
-    merged as its attention output is, then cast and activated); adds them to the chain (``entries``:
-    the merges). False when the walk meets anything else."""
+    merged as its attention output is, then cast and activated) and adds them to the chain (``entries``:
+    the merges); adds nothing and gives False when the walk meets anything else."""
     rows = u.shape[:-1]
+    walked: List[Tuple[IRFwOperation, IRTensor]] = []
     while True:
         m = makers.get(id(t))
         if m is None or m is merge or not isinstance(m, IRFwOperation) or len(m.outputs) != 1 or t is loss:
             return False
+        walked.append((m, t))
         if m.name in _MERGES and _merges(m) and t.shape == u.shape:
-            entries[id(m)] = ops[id(m)] = m
-            inside.add(id(t))
-            todo.append(t)
+            entries[id(m)] = m
+            for op, made in walked:
+                ops[id(op)] = op
+                inside.add(id(made))
+                todo.append(made)
             return True
         if not _rowish(m) or op_info(m.name).rule != "elementwise":
             return False
         grown = [x for x in m.inputs if id(x) not in inside and x.ndim == u.ndim and x.shape[:-1] == rows]
         if len(grown) != 1:
             return False
-        ops[id(m)] = m
-        inside.add(id(t))
-        todo.append(t)
         t = grown[0]
 
 
