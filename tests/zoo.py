@@ -473,6 +473,26 @@ GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, "cp"): ("context parallel over cp=2 lost at op", "a recurrence along the sequence (a state passed from "
                    "each token to the next, a causal conv's window): context parallel would pass each rank's last "
                    "state to the next rank") for m in ("mamba", "mamba2", "jamba", "rwkv")},
+    # the same in the families of 2025: Mamba-2 mixers of the hybrids and Falcon-Mamba's Mamba layers; the
+    # delta rule of Qwen3-Next and Kimi Linear and MiniMax's lightning attention pass a state chunk to chunk
+    **{(m, "cp"): ("context parallel over cp=2 lost at op", "a recurrence along the sequence (Mamba-2's chunked "
+                   "scan, Mamba's selective scan, a delta rule or lightning attention passing its state from "
+                   "chunk to chunk, a causal conv's window): context parallel would pass each rank's last state "
+                   "to the next rank")
+       for m in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "falcon_mamba", "qwen3_next", "minimax",
+                 "kimi_linear")},
+    # LFM2's short convolution: a causal depthwise conv along the sequence (padded on both sides, cut to the
+    # sequence) reads the k - 1 tokens before each piece: a halo cube's sequence split has no rule for yet
+    ("lfm2", "cp"): ("context parallel over cp=2 lost at op", "LFM2's short causal convolution reads the k - 1 "
+                     "tokens before each piece of the sequence: a halo from the previous rank, not yet a rule"),
+    # Llama 4's MoE tiles its flattened tokens expert-major (hidden.repeat(E, 1), scores transposed to (E, N)):
+    # rows of (expert, token) pairs, which cube.trace.rows gives back their dims only token-major
+    # (repeat_interleave); the sequence split ends there
+    ("llama4", "sp"): ("sequence parallel over tp=2 lost at op 'reshape'", "Llama 4's MoE tiles the flattened "
+                       "tokens expert-major (hidden.repeat(E, 1)): rows of (expert, token) pairs cube does not "
+                       "give back their sequence dim yet, so the MoE runs on the gathered sequence"),
+    ("llama4", "cp"): ("no sequence dim found to split", "the same expert-major tiling of Llama 4's MoE ends the "
+                       "sequence split in every layer, and context parallel keeps none"),
     # RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) reads one token of
     # the previous piece: a halo of one token, which cube's sequence split has no rule for yet
     ("rwkv", "sp"): ("sequence parallel over tp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
