@@ -22,9 +22,9 @@ ALL = [(m, p) for m in zoo.MODELS for p in zoo.PLANS]
 CASES = [(m, p) for m, p in ALL if m not in zoo.ADDED and m not in zoo.RECENT]
 
 
-def cases(which):
-    """``which`` as parameters, the ones not in ``FAST`` in the slow tier."""
-    return tiered(which, [f"{m}-{p}" for m, p in which], {f"{m}-{p}" for m, p in which if (m, p) not in FAST})
+def cases(which, fast=FAST):
+    """``which`` as parameters, the ones not in ``fast`` in the slow tier."""
+    return tiered(which, [f"{m}-{p}" for m, p in which], {f"{m}-{p}" for m, p in which if (m, p) not in fast})
 
 
 @pytest.mark.parametrize("model,plan", cases(CASES))

@@ -8,8 +8,7 @@ changes were about; ``CUBE_SLOW=1`` runs the rest."""
 import pytest
 
 from tests import zoo
-from tests.test_zoo import FAST, check, holds_a_tp_th
-from tests.tiers import tiered
+from tests.test_zoo import FAST, cases, check, holds_a_tp_th
 
 MINE = FAST | {("granitemoe", "tensor"), ("gpt_oss", "tensor"), ("deepseek_v3", "tensor"), ("gpt_oss", "data"),
                ("mamba2", "pipeline_1"), ("xglm", "pipeline_1"), ("phimoe", "tensor"), ("bloom", "tensor"),
@@ -17,8 +16,7 @@ MINE = FAST | {("granitemoe", "tensor"), ("gpt_oss", "tensor"), ("deepseek_v3", 
 CASES = [(m, p) for m in zoo.ADDED for p in zoo.PLANS]
 
 
-@pytest.mark.parametrize("model,plan", tiered(CASES, [f"{m}-{p}" for m, p in CASES],
-                                              {f"{m}-{p}" for m, p in CASES if (m, p) not in MINE}))
+@pytest.mark.parametrize("model,plan", cases(CASES, MINE))
 def test_added_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
     check(model, plan)
 

@@ -10,8 +10,7 @@ data parallel; ``CUBE_SLOW=1`` runs the rest."""
 import pytest
 
 from tests import zoo
-from tests.test_zoo import check, holds_a_tp_th
-from tests.tiers import tiered
+from tests.test_zoo import cases, check
 
 MINE = {(m, "pipeline") for m in zoo.RECENT} | {
     ("bamba", "tensor"), ("nemotron_h", "sp"), ("qwen3_next", "tensor"), ("minimax", "tensor"), ("lfm2", "tensor"),
@@ -19,13 +18,7 @@ MINE = {(m, "pipeline") for m in zoo.RECENT} | {
 CASES = [(m, p) for m in zoo.RECENT for p in zoo.PLANS]
 
 
-@pytest.mark.parametrize("model,plan", tiered(CASES, [f"{m}-{p}" for m, p in CASES],
-                                              {f"{m}-{p}" for m, p in CASES if (m, p) not in MINE}))
+@pytest.mark.parametrize("model,plan", cases(CASES, MINE))
 def test_recent_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
     check(model, plan)
 
-
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", [m for m in zoo.TRANSFORMERS if m in zoo.RECENT])
-def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):
-    holds_a_tp_th(name, tp)
