@@ -241,3 +241,27 @@ def test_a_concatenation_carried_by_a_depthwise_conv_to_its_cut_runs_per_block()
 def test_a_concatenation_carried_by_a_depthwise_conv_trains_exactly(policy):
     torch.manual_seed(0)
     assert_exact(parity(DeltaLike(), _batch(6), policy, 2, steps=2, opt="sgd", strict=True))
+
+
+class LastToken(nn.Module):
+    """A classifier on the last token: after an MLP pair, a column-split MLP reads ``h[:, -1]`` of the
+    whole ``(B, T, E)`` the first pair's all-reduce makes."""
+
+    def __init__(self):
+        super().__init__()
+        self.up0, self.down0 = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+        self.up, self.down = nn.Linear(E, 2 * E), nn.Linear(2 * E, E)
+
+    def forward(self, x, y):
+        h = self.down0(F.gelu(self.up0(x)))[:, -1]
+        return F.mse_loss(self.down(F.gelu(self.up(h))), y[:, -1])
+
+
+def test_a_gradient_sum_moves_back_only_where_it_does_not_grow():
+    """The sum of the last token's gradient stays on the ``(B, E)`` slice: moved back to the ``(B, T, E)``
+    tensor it is cut from, it would sum ``T`` times more."""
+    torch.manual_seed(0)
+    plan = _rank0(LastToken(), _batch(6))
+    sums = [c for c in plan.calls if c.step is not None and c.step.kind == "identity_all_reduce"]
+    assert len(sums) == 1 and tuple(c.inputs[0].shape for c in sums) == ((B, E),), [c.inputs[0] for c in sums]
+    assert_exact(parity(LastToken(), _batch(6), PASMegatronTP, 2, steps=2, opt="sgd", strict=True))
