@@ -111,7 +111,7 @@ maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and
 bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
 zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors floor_divide remainder fmod
-trunc isnan isinf bitwise_xor __xor__ xlogy""", rule="elementwise")
+trunc isnan isinf bitwise_xor __xor__ xlogy expm1""", rule="elementwise")
 # random numbers of their input's shape (the functional forms of ``x.exponential_()``... that tracing makes, and
 # what stays in place on a copy): elementwise, so a batch, sequence or head split carries through them; each
 # piece draws its own numbers (cube.runtime.rng)
@@ -156,7 +156,7 @@ _add("slice_scatter select_scatter", rule="slice_scatter")
 _add("cat concat", rule="cat")
 _add("stack", rule="stack")
 _add("pad constant_pad_nd", rule="pad")
-_add("arange zeros ones full empty rand randn randint scalar_tensor tensor", rule="creation")
+_add("arange zeros ones full empty rand randn randint scalar_tensor tensor eye", rule="creation")
 _add("diff", rule="diff")
 _add("""new_ones new_zeros new_full new_empty index_put scatter masked_select nonzero
 one_hot repeat flip roll""", rule="opaque")
