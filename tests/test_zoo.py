@@ -59,9 +59,9 @@ def test_cube_has_a_rule_for_every_op_dtensor_covers_in_the_tier():
 # whole by design, as in Megatron-LM: an MoE router and a shared expert's gate (one output per
 # expert or token), Swin's patch merging (a linear with no partner to pair with), multi-head latent
 # attention's down projection (its rotary key part is one head every head shares: Megatron-LM keeps
-# linear_kv_down_proj whole too)
+# linear_kv_down_proj whole too), Llama 4's router (its top-1 of the logits, as GraniteMoE's)
 WHOLE_BY_DESIGN = ("mlp.gate.weight", "shared_expert_gate.weight", "downsample.reduction.weight",
-                   "kv_a_proj_with_mqa.weight")
+                   "kv_a_proj_with_mqa.weight", "feed_forward.router.weight")
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", [m for m in zoo.TRANSFORMERS if m not in zoo.ADDED and m not in zoo.RECENT])
 def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):

@@ -10,7 +10,7 @@ data parallel; ``CUBE_SLOW=1`` runs the rest."""
 import pytest
 
 from tests import zoo
-from tests.test_zoo import cases, check
+from tests.test_zoo import cases, check, holds_a_tp_th
 
 MINE = {(m, "pipeline") for m in zoo.RECENT} | {
     ("bamba", "tensor"), ("nemotron_h", "sp"), ("qwen3_next", "tensor"), ("minimax", "tensor"), ("lfm2", "tensor"),
@@ -22,3 +22,9 @@ CASES = [(m, p) for m in zoo.RECENT for p in zoo.PLANS]
 def test_recent_model_under_plan_is_exact_or_refused_for_a_listed_reason(model, plan):
     check(model, plan)
 
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", [m for m in zoo.TRANSFORMERS if m in zoo.RECENT])
+def test_tensor_parallel_holds_a_tp_th_of_every_block_linear(name, tp):
+    holds_a_tp_th(name, tp)

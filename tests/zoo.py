@@ -549,7 +549,10 @@ TRANSFORMERS = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
                 "tt_llama3", "tt_qwen3",
                 # of the families added later, one of each kind: parallel blocks, ALiBi, QK norms, sliding
                 # windows, top-k routers, latent attention, shared layers, recurrent and state-space mixers
-                "gptj", "mpt", "olmo2", "gemma3", "granitemoe", "deepseek_v3", "albert", "rwkv", "mamba2"]
+                "gptj", "mpt", "olmo2", "gemma3", "granitemoe", "deepseek_v3", "albert", "rwkv", "mamba2",
+                # of the families of 2025: Mamba-2 hybrids, Falcon-Mamba, LFM2's short convolutions, sigmoid
+                # routers with expert groups, Llama 4's top-1 router and shared expert
+                "bamba", "falcon_mamba", "nemotron_h", "lfm2", "glm4_moe", "llama4"]
 
 
 def tp_shares(name: str, tp: int) -> Dict[str, float]:
