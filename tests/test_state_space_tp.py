@@ -174,6 +174,14 @@ def test_a_depthwise_conv_split_by_channels_trains_exactly(name):
     assert_exact(parity(Depthwise(), _conv_batch(), _conv_split(name), 2, steps=2, opt="sgd"))
 
 
+def test_grouped_convs_split_along_the_batch_keep_their_groups():
+    """Data parallel cuts every conv along the batch: the grouped one keeps its 2 groups, the depthwise
+    ones their one group per channel."""
+    torch.manual_seed(0)
+    assert_exact(parity(Depthwise(), _conv_batch(), "cube.policies.data:PASData", 2, steps=2, opt="sgd",
+                        strict=True))
+
+
 class Scores(nn.Module):
     """Attention of one head without a head dim: ``q @ k^T`` contracts the projections' features."""
 

@@ -73,10 +73,13 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
             dim = _get(op, names, "dim") % op.inputs[0].ndim
             sizes = _get(op, names, "sizes")
             _set(args, kwargs, names, "sizes", list(out_shapes[0][dim:dim + len(sizes)]))
-    if op.name.startswith("conv") and "groups" in names and _get(op, names, "groups", 1) > 1:
-        # a depthwise conv split along its channels (cube.trace.rules.conv): one group per local channel
-        x_box = layout.inputs[0]
-        _set(args, kwargs, names, "groups", box_shape(x_box)[len(x_box) - op.inputs[1].ndim + 1])
+    groups = _get(op, names, "groups", 1) if op.name.startswith("conv") and "groups" in names else 1
+    if groups > 1:
+        # a depthwise conv split along its channels (cube.trace.rules.conv) keeps one group per local
+        # channel; a grouped conv split along another dim keeps its groups
+        c = len(layout.inputs[0]) - op.inputs[1].ndim + 1
+        local, full = box_shape(layout.inputs[0])[c], op.inputs[0].shape[c]
+        _set(args, kwargs, names, "groups", groups * local // full)
     partial = bool(layout.out_terms and layout.out_terms[0])
     if not partial:
         return fn, args, kwargs
