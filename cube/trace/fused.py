@@ -118,16 +118,13 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
     graph = split_params(graph, registry)
     while True:   # a block may be a fused projection of its own (Mamba-2's x, B and C, cut after their conv)
         readers, makers = graph_readers(graph.ops), graph_makers(graph.ops)
-        uncut = _uncat(graph, readers, makers, registry)
-        if uncut is not None:
-            graph = uncut
-            continue
-        found = [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
-                 for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
-        if not found:
-            return graph
         replace: Dict[int, List[IRFwOperation]] = {}
         subs: Dict[int, List[IRTensor]] = {}
+        found = [] if _uncat(graph, readers, makers, registry, replace, subs) else \
+            [f for op in graph.ops if isinstance(op, IRFwOperation) and op.name in _MATMULS
+             for f in [_find(op, readers, makers, graph.loss, consts or {})] if f is not None]
+        if not found and not replace:
+            return graph
         for f in found:
             ops, weights, biases, conv_subs = _cut(f, registry)
             replace[id(f.op)] = ops
@@ -146,10 +143,12 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
 _SPLITS = {"split", "split_with_sizes", "chunk", "unsafe_split"}
 
 
-def _uncat(graph: IRGraph, readers, makers, registry: Registry) -> Optional[IRGraph]:
-    """``graph`` with the first ``cat`` whose blocks a chain of ops keeping their dims (``_chain``: a
-    depthwise conv among them) carries to a cut into the same blocks replaced by the chain once per
-    block, each conv on its block's channels; None when there is none. Qwen3-Next's gated delta rule
+def _uncat(graph: IRGraph, readers, makers, registry: Registry, replace: Dict[int, List[IRFwOperation]],
+           subs: Dict[int, List[IRTensor]]) -> bool:
+    """Adds to ``replace`` (op id -> the ops replacing it) and ``subs`` (parameter id -> its sub-parameters)
+    the first ``cat`` whose blocks a chain of ops keeping their dims (``_chain``: a depthwise conv among
+    them) carries to a cut into the same blocks, replaced by the chain once per block, each conv on its
+    block's channels; False when there is none. Qwen3-Next's gated delta rule
     concatenates its q, k and v, runs one causal conv over the channels and splits them again: per
     block, each is an ordinary head-split value, not a piece of a concatenation that no contiguous
     split of the channels holds a rank's heads of."""
@@ -181,21 +180,15 @@ def _uncat(graph: IRGraph, readers, makers, registry: Registry) -> Optional[IRGr
         if [(b.start, b.stop) for _, b in got] != list(zip(starts, starts[1:])) or any(b.drops for _, b in got):
             continue
         new_ops: List[IRFwOperation] = []
-        subs: Dict[int, List[IRTensor]] = {}
         for t, (_, blk), (lo, hi) in zip(parts, got, zip(starts, starts[1:])):
-            label_ = blk.out.hint if blk.out.hint and blk.out.hint.isidentifier() else f"{lo}_{hi}"
-            conv_ops, conv_inputs = _conv_blocks(convs, lo, hi, label_, registry, subs)
+            name = blk.out.hint if blk.out.hint and blk.out.hint.isidentifier() else f"{lo}_{hi}"
+            conv_ops, conv_inputs = _conv_blocks(convs, lo, hi, name, registry, subs)
             new_ops += conv_ops + _replay(tuple(chain), t, blk.out, registry, conv_inputs)
-        gone = {id(op), id(cuts[0])} | {id(c) for c in chain} | {id(m) for _, _, moves, _ in convs for m in moves}
-        ops = []
-        for o in graph.ops:
-            if id(o) == id(op):
-                ops += new_ops
-            elif id(o) not in gone:
-                ops.append(o)
-        attrs = [new for t in graph.attrs for new in subs.get(id(t), [t])]
-        return IRGraph(ops, attrs, graph.loss, graph.name)
-    return None
+        replace[id(op)] = new_ops
+        for gone in [cuts[0], *chain, *(m for _, _, moves, _ in convs for m in moves)]:
+            replace[id(gone)] = []
+        return True
+    return False
 
 
 def split_params(graph: IRGraph, registry: Registry) -> IRGraph:
