@@ -472,29 +472,14 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
     """What replaces each op of ``chain`` (by op id): the merge of ``inner`` (or nothing), each
     op on the unmerged rows, and nothing for the restoring views."""
     merge, lead = chain.merge, chain.lead
-    x, u = merge.inputs[0], merge.outputs[0]
+    u = merge.outputs[0]
     new: Dict[int, IRTensor] = {}
     out: Dict[int, List[IRFwOperation]] = {id(r): [] for r in chain.restores.values()}
-    if tuple(x.shape[len(lead):]) == u.shape[-1:]:
-        new[id(u)], out[id(merge)] = x, []
-    else:
-        target = aten.reshape.default if merge.name == "flatten" else merge.target
-        u2 = IRTensor(lead + u.shape[-1:], u.dtype, u.requires_grad, TensorKind.ACTIVATION, u.hint)
-        new[id(u)] = u2
-        out[id(merge)] = [make_op(merge, target, target._schema.name.split("::")[-1],
-                                (x, list(u2.shape)), {}, [u2], registry)]
+    _merge_inner(merge, lead, new, out, registry)
     inside = set(new) | {id(o) for op in chain.ops for o in op.outputs}
     for op in chain.ops:
-        if id(op) in (chain.entries or {}):   # another tensor merged alike: merged only in ``inner``
-            y, w = op.inputs[0], op.outputs[0]
-            if tuple(y.shape[len(lead):]) == w.shape[-1:]:
-                new[id(w)], out[id(op)] = y, []
-            else:
-                w2 = IRTensor(lead + w.shape[-1:], w.dtype, w.requires_grad, TensorKind.ACTIVATION, w.hint)
-                new[id(w)] = w2
-                target = aten.reshape.default if op.name == "flatten" else op.target
-                out[id(op)] = [make_op(op, target, target._schema.name.split("::")[-1], (y, list(w2.shape)), {},
-                                       [w2], registry)]
+        if id(op) in (chain.entries or {}):   # another tensor merged alike
+            _merge_inner(op, lead, new, out, registry)
             continue
         if id(op) in chain.aliases:   # the same value: its readers read the one it equals
             new[id(op.outputs[0])], out[id(op)] = new[id(chain.aliases[id(op)])], []
@@ -532,6 +517,21 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
         out[id(op)] = made_ops + [make_op(op, target, name, map_leaves(args, swap), map_leaves(kwargs, swap), outs, registry)]
         along.redraw(op, out[id(op)][-1])   # a random op keeps its draw, in its new shape
     return out
+
+
+def _merge_inner(merge: IRFwOperation, lead: Tuple[int, ...], new: Dict[int, IRTensor],
+                 out: Dict[int, List[IRFwOperation]], registry: Registry) -> None:
+    """``merge`` of ``x`` into rows, rewritten to merge only the dims past ``lead`` (nothing when they are
+    one dim already): its result in ``new``, the op replacing it in ``out``."""
+    x, u = merge.inputs[0], merge.outputs[0]
+    if tuple(x.shape[len(lead):]) == u.shape[-1:]:
+        new[id(u)], out[id(merge)] = x, []
+        return
+    target = aten.reshape.default if merge.name == "flatten" else merge.target
+    u2 = IRTensor(lead + u.shape[-1:], u.dtype, u.requires_grad, TensorKind.ACTIVATION, u.hint)
+    new[id(u)] = u2
+    out[id(merge)] = [make_op(merge, target, target._schema.name.split("::")[-1], (x, list(u2.shape)), {}, [u2],
+                              registry)]
 
 
 def map_leaves(a, fn):
