@@ -19,6 +19,7 @@ from cube import schedule
 from cube.ir import lost
 from cube.ir.blocks import recompute_blocks
 from cube.ir.follow import Flow, batch_flow, context_flow, cut, expert_flow, megatron_flow, sequence_flow
+from cube.ir.heads import head_parallel
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
@@ -51,11 +52,18 @@ def data_parallel(graph: IRGraph, over: Union[MeshDim, int], fuse: bool = True) 
     return batch_flow(graph, n) if n > 1 else Flow(batch=True)
 
 
-def context_parallel(graph: IRGraph, over: Union[MeshDim, int]) -> Flow:
+def context_parallel(graph: IRGraph, over: Union[MeshDim, int], heads: bool = True) -> Flow:
     """The sequence split over ``over`` (``cube.ir.follow.context_flow``): activations along their
-    token dim, attention as ring attention."""
+    token dim, attention as ring attention. With ``heads``, a recurrence along the sequence (a
+    state-space mixer, a delta rule) runs split by heads between two all-to-all exchanges, as
+    Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``); policies pass
+    ``heads=False`` when tensor parallel splits the heads too (not planned together yet: the
+    recurrence then runs whole on its inputs gathered, a lost split)."""
     n = _size(over)
-    return context_flow(graph, n) if n > 1 else Flow()
+    if n == 1:
+        return Flow()
+    flow = context_flow(graph, n)
+    return head_parallel(graph, flow, n) if heads else flow
 
 
 def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int], vocab: bool = False) -> Flow:

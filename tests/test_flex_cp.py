@@ -236,8 +236,21 @@ def test_an_uneven_split_of_the_query_blocks_is_refused():
         graph.partition(op, op.algorithms("dim"), idx=0, dim=2, num=2)
     assert "module 'blocks.0'" in str(info.value) and "BLOCK_SIZE" in str(info.value)
     assert op.algorithms("dim").satisfy(0, 2, 3)   # 8 queries each: one block of the mask
-    with pytest.raises(ValueError, match=r"lost at op 'flex_attention'.*uneven split"):
-        cube.plan(model, sample, functools.partial(PASContext, cp=2), 2, strict=True)
+
+
+def test_where_the_query_blocks_do_not_split_context_parallel_splits_the_heads():
+    """``PASContext`` on that split runs the attention on each rank's heads instead (``cube.ir.heads``):
+    q, k and v exchanged all-to-all from the sequence split into the head split, the output projection's
+    partial sums reduce-scattered back into the sequence split; exact, no split lost."""
+    model, sample = Causal(block=8, layers=1), _batch(s=24)
+    policy = functools.partial(PASContext, cp=2)
+    plan = cube.plan(model, sample, policy, 2, strict=True).program.plans[0]
+    steps = [c.step.kind for c in plan.calls if c.step is not None]
+    assert steps.count("all_to_all") == 3 and "all_gather" not in steps, steps
+    attention = next(c for c in plan.calls if c.op is not None and c.op.name == "flex_attention")
+    assert attention.layout.outputs[0][1] == (0, H // 2), attention.layout.outputs
+    with flex.device_check_off():
+        assert_exact(parity(model, sample, policy, 2, steps=2, opt="sgd", strict=True))
 
 
 def test_cross_attention_keeps_the_keys_whole():

@@ -135,15 +135,17 @@ def test_a_linear_kept_whole_is_named_with_the_op_that_stops_its_split():
 
 
 class FlipsTheSequence(nn.Module):
-    """Three linears, the sequence reversed after the first (``torch.flip`` along dim 1: no split of
-    the sequence can run it), a mean squared error."""
+    """Three linears on the sequence reversed (``torch.flip`` along dim 1 of the scaled input: no split of
+    the sequence can run it, and no head split either: tensor parallel splits no op before the first
+    linear), a mean squared error."""
 
     def __init__(self, dim=8):
         super().__init__()
         self.inp, self.mid, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
 
     def forward(self, x, y):
-        h = torch.flip(self.inp(x), dims=[1])
+        h = self.inp(torch.flip(x * self.scale, dims=[1]))
         return ((self.out(torch.relu(self.mid(h))) - y) ** 2).mean()
 
 

@@ -585,9 +585,12 @@ def test_sampler_sees_a_busy_program_during_its_span():
     assert sampler.mean() > 0
 
 
-@pytest.mark.parametrize("example", ["examples/mlp/linears.py", "examples/gpt/train.py", "examples/bigmodel/train.py",
-                                     "examples/text/train.py", "examples/onnx/train.py",
-                                     "examples/spatial/train.py"])
+# the default tier runs the command on a model of linears and on the big model built on meta; the slow tier
+# (CUBE_SLOW=1) on the other examples too (each 15-30 s: a trace, a plan and a simulation of its own)
+@pytest.mark.parametrize("example", ["examples/mlp/linears.py", "examples/bigmodel/train.py",
+                                     *(pytest.param(e, marks=pytest.mark.slow) for e in (
+                                         "examples/gpt/train.py", "examples/text/train.py", "examples/onnx/train.py",
+                                         "examples/spatial/train.py"))])
 def test_the_readme_simulator_command_runs_on_every_example(example):
     """``python -m cube.sim examples/<each> --ngpus 4 --policy PASData --estimate``, as docs/simulator.md shows."""
     import subprocess

@@ -466,25 +466,19 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
-    # a recurrence along the sequence: Mamba's causal conv1d (padded on both sides, cut to the sequence) and its
-    # selective scan, Mamba-2's chunked scan (the state passed chunk to chunk), RWKV's time-mixing loop; context
-    # parallel would pass each rank's last state (and the conv's last k-1 tokens) to the next rank, which cube
-    # does not do yet (Megatron-LM does not split Mamba layers along the sequence either)
-    **{(m, "cp"): ("context parallel over cp=2 lost at op", "a recurrence along the sequence (a state passed from "
-                   "each token to the next, a causal conv's window): context parallel would pass each rank's last "
-                   "state to the next rank") for m in ("mamba", "mamba2", "jamba", "rwkv")},
-    # the same in the families of 2025: Mamba-2 mixers of the hybrids and Falcon-Mamba's Mamba layers; the
-    # delta rule of Qwen3-Next and Kimi Linear and MiniMax's lightning attention pass a state chunk to chunk
-    **{(m, "cp"): ("context parallel over cp=2 lost at op", "a recurrence along the sequence (Mamba-2's chunked "
-                   "scan, Mamba's selective scan, a delta rule or lightning attention passing its state from "
-                   "chunk to chunk, a causal conv's window): context parallel would pass each rank's last state "
-                   "to the next rank")
-       for m in ("bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "falcon_mamba", "qwen3_next", "minimax",
-                 "kimi_linear")},
-    # LFM2's short convolution: a causal depthwise conv along the sequence (padded on both sides, cut to the
-    # sequence) reads the k - 1 tokens before each piece: a halo cube's sequence split has no rule for yet
-    ("lfm2", "cp"): ("context parallel over cp=2 lost at op", "LFM2's short causal convolution reads the k - 1 "
-                     "tokens before each piece of the sequence: a halo from the previous rank, not yet a rule"),
+    # context parallel runs a recurrence along the sequence (a state-space mixer, a delta rule) split by heads
+    # between two all-to-all exchanges, as Megatron-LM does (cube.ir.heads), where tensor parallel splits its
+    # heads. Falcon-H1 scales its fused projection by a multiplier vector before the cut into z, x, B, C and
+    # dt, which cube.trace.fused does not cut through yet: tensor parallel keeps the mixer's conv and scan whole
+    # (in_proj split only where its columns are z and dt), so context parallel finds no heads to split there
+    ("falcon_h1", "cp"): ("context parallel over cp=2 lost at op", "Falcon-H1's mixer: its fused projection is "
+                          "scaled by a multiplier vector before the cut into x, B, C, which cube does not cut "
+                          "through yet, so no head split reaches its conv and chunked scan"),
+    # RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) reads one token of
+    # the previous piece: a halo of one token, which cube's sequence split has no rule for yet (its
+    # time-mixing loop alone would run split by channels)
+    ("rwkv", "cp"): ("context parallel over cp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
+                     "each token: a one-token halo from the previous sequence piece, not yet a rule"),
     # Llama 4's MoE tiles its flattened tokens expert-major (hidden.repeat(E, 1), scores transposed to (E, N)):
     # rows of (expert, token) pairs, which cube.trace.rows gives back their dims only token-major
     # (repeat_interleave); the sequence split ends there

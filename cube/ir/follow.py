@@ -60,6 +60,9 @@ class Flow:
             ``blocked``) that compute, as a whole, each token from that token alone; its outputs
             carry the batch along dim 0. A pipeline runs them on each micro-batch's own tokens.
         unproven: op id of a sort of the tokens -> why cube could not prove its region token-local.
+        shared: ids of the linears ``megatron_flow`` keeps whole by design because their output
+            features end contracted in a product of two activations (Mamba-2's ``B`` and ``C``, read
+            whole by every head): what they make is no lost split where every head reads it.
     """
 
     splits: Dict[int, Tuple[IRFwOperation, int, int]] = field(default_factory=dict)
@@ -71,6 +74,7 @@ class Flow:
     empty: str = ""
     local: Dict[int, Region] = field(default_factory=dict)
     unproven: Dict[int, str] = field(default_factory=dict)
+    shared: Set[int] = field(default_factory=set)
 
     def split_of(self, op) -> Optional[Tuple[int, int]]:
         """The (idx, dim) to split ``op`` (or a piece of it) on, or None: replicate it."""
@@ -83,7 +87,7 @@ class Flow:
         """A copy with its own containers (``changes`` replace fields)."""
         fields = dict(splits=dict(self.splits), tracked=dict(self.tracked), blocked=list(self.blocked),
                       reduced=list(self.reduced), batch=self.batch, losses=dict(self.losses), empty=self.empty,
-                      local=dict(self.local), unproven=dict(self.unproven))
+                      local=dict(self.local), unproven=dict(self.unproven), shared=set(self.shared))
         fields.update(changes)
         return Flow(**fields)
 
@@ -363,6 +367,7 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
             continue
         trial = _trial(readers, flow, op, col, num, inside_ends=vocab)
         if trial.stop is None and _sums_activations(trial, readers):
+            flow.shared.add(id(op))
             continue
         if trial.stop is None:
             flow.splits.update(trial.splits)

@@ -4,8 +4,10 @@ Every activation is split along its token dim over ``cp`` devices: norms, MLPs a
 work on their block of tokens, and attention runs as ring attention (``cube.runtime.ring``: key
 and value blocks passed around the ``cp`` ranks, load-balanced under a causal mask), so no rank
 holds a whole sequence's activations; ``flex_attention`` gathers one layer's keys and values
-inside its call (``cube.runtime.flex``). ``tp > 1`` also splits heads and linears Megatron-style
-inside each context-parallel rank; the remaining ``ngpus // (cp * tp)`` devices are data parallel.
+inside its call (``cube.runtime.flex``). A recurrence along the sequence (a state-space mixer, a
+delta rule, a causal conv) runs split by heads or channels between two all-to-all exchanges, as
+Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``; with ``tp == 1``).
+``tp > 1`` also splits heads and linears Megatron-style inside each context-parallel rank; the remaining ``ngpus // (cp * tp)`` devices are data parallel.
 The devices form a ``("dp", "cp", "tp")`` mesh, tensor parallel innermost.
 """
 from typing import Optional
@@ -34,7 +36,7 @@ def PASContext(graph: IRGraph, resource, cp: Optional[int] = None, tp: int = 1, 
                          f"count (the data parallel degree is devices / (cp * tp))")
     mesh = DeviceMesh(("dp", resource.ngpus // (cp * tp)), ("cp", cp), ("tp", tp))
     fuse_local(graph, mesh["dp"].size * cp)   # MoE layers: one op each, run on each rank's tokens (cube.ir.experts)
-    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]), cp=context_parallel(graph, mesh["cp"]),
-              tp=tensor_parallel(graph, mesh["tp"]))
+    place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]),
+              cp=context_parallel(graph, mesh["cp"], heads=tp == 1), tp=tensor_parallel(graph, mesh["tp"]))
     apply_recompute(graph, recompute)
     return graph

@@ -1,0 +1,99 @@
+"""Context parallel through a recurrence: the mixer split by heads, as Megatron-LM's all-to-all context parallel.
+
+A recurrence along the sequence (Mamba's causal conv and selective scan, Mamba-2's chunked scan, a delta
+rule passing its state chunk to chunk) cannot run on a block of tokens: each token needs the state of
+every token before it. ``cube.ir.follow.context_flow`` stops the sequence split there, and the mixer
+would run whole on its inputs gathered, on every rank. Its channels and heads, though, are independent
+of each other: Megatron-LM's context parallel for state-space layers (``MambaContextParallel``)
+exchanges the sequence-split projections all-to-all into head-split ones before the conv and the scan,
+and back after them.
+
+``head_parallel`` does the same from the graph's structure. The *region* of a lost sequence split is
+the op that loses it and every op after it that the sequence split leaves whole and that reads, directly
+or through such ops, what the region makes (the mixer up to where its output meets the sequence split
+again: the gate, the output projection). Each op of the region that Megatron's tensor-parallel plan
+(``megatron_flow``) splits takes that split (heads, channels, a row linear's contraction); the others
+follow it where their rules can. Where the region meets the sequence split (its input projections, its
+gate, its output), ``cube.passes.adapter`` exchanges the tensors all-to-all, as Megatron-LM does.
+
+The same holds for any op the sequence split stops at that tensor parallel splits by heads: a
+``flex_attention`` whose query blocks a rank's tokens would cut runs on each rank's heads, q, k and v
+exchanged all-to-all (as DeepSpeed-Ulysses runs attention), rather than on its inputs gathered.
+
+A region op left whole that gathers what a linear tensor parallel keeps whole by design makes
+(``Flow.shared``: Mamba-2's ``B`` and ``C`` of one group, contracted in ``C^T B`` and read whole by
+every head; Megatron-LM replicates a group no rank's heads split) is no lost split: it reads its input
+gathered, as the heads it feeds read it whole. Any other op left whole on a gathered input (a flip
+of the sequence, an op tensor parallel loses too) stays a lost split (``cube.ir.lost``).
+"""
+from __future__ import annotations
+
+from typing import List, Set
+
+from cube.ir.follow import Flow, Loss, follow, megatron_flow, refusal
+from cube.ir.graph import IRGraph, makers as graph_makers
+from cube.ir.operator import IRDataOperation, IRFwOperation
+
+_STEPS = 6   # the most one-input ops (a transpose, a cast) between a shared linear and the op gathering it
+
+
+def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
+    """``flow`` (a sequence split ``num`` ways, ``context_flow``) with the region of each lost split
+    split by heads where tensor parallel splits it (module docstring); ``flow`` itself when no region
+    gains a split."""
+    if not flow.losses:
+        return flow
+    ops = graph.select(ntype=IRFwOperation)
+    region: List[IRFwOperation] = []
+    made: Set[int] = set()
+    for op in ops:
+        if id(op) in flow.splits:
+            continue
+        if id(op) in flow.losses or any(id(t) in made for t in op.inputs):
+            region.append(op)
+            made.update(id(t) for t in op.outputs)
+    tensor = megatron_flow(graph, num)
+    start = {id(op): tensor.splits[id(op)][1:] for op in region if id(op) in tensor.splits}
+    if not start:
+        return flow
+    inside = {id(op) for op in region}
+    base = flow.copy(losses={k: v for k, v in flow.losses.items() if k not in inside})
+    out = follow(graph, {}, num, flow=base, start=start,
+                 drop={id(op) for op in ops if id(op) not in inside and id(op) not in flow.splits})
+    out.empty = flow.empty
+    _losses(graph, out, region, tensor, num)
+    return out
+
+
+def _losses(graph: IRGraph, out: Flow, region: List[IRFwOperation], tensor: Flow, num: int) -> None:
+    """Adds to ``out.losses`` each op of ``region`` left whole that reads a tensor ``out`` splits, unless
+    it is whole by design (module docstring)."""
+    made = graph_makers(graph.ops)
+
+    def split(t) -> bool:
+        maker = made.get(id(t))
+        return id(t) in out.tracked and (out.batch if isinstance(maker, IRDataOperation)
+                                         else maker is not None and id(maker) in out.splits)
+
+    def shared(t) -> bool:
+        """Whether ``t`` is made by a linear of ``tensor.shared``, directly or through one-input ops."""
+        for _ in range(_STEPS + 1):
+            maker = made.get(id(t))
+            if maker is None:
+                return False
+            if id(maker) in tensor.shared:
+                return True
+            if len(maker.inputs) != 1:
+                return False
+            t = maker.inputs[0]
+        return False
+
+    for op in region:
+        if id(op) in out.splits:
+            continue
+        reads = tuple(t for t in op.inputs if split(t))
+        if not reads or (id(op) not in tensor.losses and all(shared(t) for t in reads)):
+            continue
+        out.losses[id(op)] = Loss(op, refusal(op, out.tracked, num) + "; its region runs split by heads (context "
+                                  "parallel through a recurrence, cube.ir.heads), which does not reach it",
+                                  "context parallel", reads)
