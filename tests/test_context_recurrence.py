@@ -60,7 +60,7 @@ def test_with_tensor_parallel_too_the_recurrence_is_a_lost_split():
         _rank0(Scan(), _batch(6), functools.partial(PASContext, cp=2, tp=2), 4)
 
 
-@pytest.mark.parametrize("name", ["mamba", "mamba2"])
+@pytest.mark.parametrize("name", ["mamba", "mamba2", "falcon_h1"])
 def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
     """Every op of the mixer making a ``(B, channels, T)``-sized activation makes half of it on rank 0
     (before, the mixer ran whole on every rank after an all-gather of the sequence)."""

@@ -25,10 +25,15 @@ B, E, D, N = 2, 8, 16, 4   # batch, model width, channels of the mixer, state si
 
 class Scan(nn.Module):
     """A Mamba-like mixer written as Hugging Face writes its slow path: a fused input projection cut
-    after a transpose, a causal depthwise conv, ``W @ x`` for the step sizes, a loop over tokens."""
+    after a transpose, a causal depthwise conv, ``W @ x`` for the step sizes, a loop over tokens. With
+    ``scale``, the projection is scaled per feature by a buffer before the cut, as Falcon-H1 scales its
+    ``in_proj`` by ``mup_vector`` (each block reads its range of the buffer: ``cube.trace.fused._scale``)."""
 
-    def __init__(self):
+    def __init__(self, scale: bool = False):
         super().__init__()
+        if scale:
+            self.register_buffer("mup", torch.linspace(0.5, 1.5, 2 * D))
+        self.scale = scale
         self.in_proj = nn.Linear(E, 2 * D, bias=False)
         self.conv = nn.Conv1d(D, D, 3, groups=D, padding=2)
         self.x_proj = nn.Linear(D, 1 + 2 * N, bias=False)
@@ -38,7 +43,8 @@ class Scan(nn.Module):
 
     def forward(self, x, y):
         T = x.shape[1]
-        h, gate = self.in_proj(x).transpose(1, 2).chunk(2, dim=1)            # (B, D, T) each
+        z = self.in_proj(x) * self.mup if self.scale else self.in_proj(x)
+        h, gate = z.transpose(1, 2).chunk(2, dim=1)                          # (B, D, T) each
         h = F.silu(self.conv(h)[..., :T])
         step, Bm, Cm = torch.split(self.x_proj(h.transpose(1, 2)), [1, N, N], dim=-1)
         dt = F.softplus(self.dt @ step.transpose(1, 2))                       # (B, D, T)
@@ -65,9 +71,10 @@ def _collectives(plan) -> int:
     return sum(1 for c in plan.calls if c.step is not None)
 
 
-def test_every_projection_and_the_conv_are_split_in_two():
+@pytest.mark.parametrize("scale", [False, True])
+def test_every_projection_and_the_conv_are_split_in_two(scale):
     torch.manual_seed(0)
-    plan = _rank0(Scan(), _batch(6))
+    plan = _rank0(Scan(scale), _batch(6))
     held = [(t.names[0], t.user_box(b)) for t, b in plan.attrs]
     full = {t.names[0]: t.user_shape for t, _ in plan.attrs}
 
@@ -88,13 +95,13 @@ def test_the_scans_gradient_sums_do_not_grow_with_the_sequence():
     assert _collectives(short) == _collectives(long), (_collectives(short), _collectives(long))
 
 
-@pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_scan_trains_exactly_under_tensor_parallel(opt):
+@pytest.mark.parametrize("opt,scale", [("sgd", False), ("adamw", False), ("sgd", True)])
+def test_scan_trains_exactly_under_tensor_parallel(opt, scale):
     torch.manual_seed(0)
-    assert_exact(parity(Scan(), _batch(6), PASMegatronTP, 2, steps=2, opt=opt, strict=True))
+    assert_exact(parity(Scan(scale), _batch(6), PASMegatronTP, 2, steps=2, opt=opt, strict=True))
 
 
-@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2"])
+@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2", "falcon_h1"])
 def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
     """Every op of the mixer that makes a ``(B, channels, T)``-sized activation makes half of it on
     rank 0 (before, the mixer ran whole on every rank after an all-gather of ``in_proj``)."""

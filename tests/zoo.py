@@ -468,15 +468,9 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     # context parallel runs a recurrence along the sequence (a state-space mixer, a delta rule) split by heads
     # between two all-to-all exchanges, as Megatron-LM does (cube.ir.heads), where tensor parallel splits its
-    # heads. Falcon-H1 scales its fused projection by a multiplier vector before the cut into z, x, B, C and
-    # dt, which cube.trace.fused does not cut through yet: tensor parallel keeps the mixer's conv and scan whole
-    # (in_proj split only where its columns are z and dt), so context parallel finds no heads to split there
-    ("falcon_h1", "cp"): ("context parallel over cp=2 lost at op", "Falcon-H1's mixer: its fused projection is "
-                          "scaled by a multiplier vector before the cut into x, B, C, which cube does not cut "
-                          "through yet, so no head split reaches its conv and chunked scan"),
-    # RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) reads one token of
-    # the previous piece: a halo of one token, which cube's sequence split has no rule for yet (its
-    # time-mixing loop alone would run split by channels)
+    # heads. RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) comes first:
+    # it reads one token of the previous piece, a halo of one token, which cube's sequence split has no rule
+    # for yet
     ("rwkv", "cp"): ("context parallel over cp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
                      "each token: a one-token halo from the previous sequence piece, not yet a rule"),
     # Llama 4's MoE tiles its flattened tokens expert-major (hidden.repeat(E, 1), scores transposed to (E, N)):

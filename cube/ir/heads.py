@@ -33,8 +33,10 @@ from typing import List, Set
 from cube.ir.follow import Flow, Loss, follow, megatron_flow, refusal
 from cube.ir.graph import IRGraph, makers as graph_makers
 from cube.ir.operator import IRDataOperation, IRFwOperation
+from cube.ir.tensor import TensorKind
 
 _STEPS = 6   # the most one-input ops (a transpose, a cast) between a shared linear and the op gathering it
+_CONSTANT = (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST)
 
 
 def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
@@ -75,15 +77,20 @@ def _losses(graph: IRGraph, out: Flow, region: List[IRFwOperation], tensor: Flow
         return id(t) in out.tracked and (out.batch if isinstance(maker, IRDataOperation)
                                          else maker is not None and id(maker) in out.splits)
 
+    def constant(t) -> bool:   # a parameter, buffer or constant, or a slice of one (of a slice of one)
+        m = made.get(id(t))
+        return t.kind in _CONSTANT or (m is not None and m.name == "slice" and constant(m.inputs[0]))
+
     def shared(t) -> bool:
-        """Whether ``t`` is made by a linear of ``tensor.shared``, directly or through one-input ops."""
+        """Whether ``t`` is made by a linear of ``tensor.shared``, directly or through ops of one input
+        besides parameters or buffers (a cast, a transpose, a scale)."""
         for _ in range(_STEPS + 1):
             maker = made.get(id(t))
             if maker is None:
                 return False
             if id(maker) in tensor.shared:
                 return True
-            if len(maker.inputs) != 1:
+            if not maker.inputs or not all(constant(x) for x in maker.inputs[1:]):
                 return False
             t = maker.inputs[0]
         return False

@@ -39,6 +39,11 @@ followed too, when every block is one unit wide: ``nn.MultiheadAttention``'s pac
 front, then ``select`` of q, k and v) is cut into three projections like Llama's. Each block's
 elements are then in the order of its matmul's output, so a ``view`` makes the cut's tensor.
 
+The chain may also scale the features by a parameter or buffer broadcast to them (Falcon-H1's
+``in_proj(h) * mup_vector``, one multiplier per feature): each block is scaled by its own range of it,
+a ``slice`` of the scale beside the block's matmul. A chain replayed per block runs where the chain
+ended, after every tensor its ops read.
+
 A parameter the model itself cuts into blocks before its matmuls (``nn.MultiheadAttention``'s
 cross-attention: ``w_q, w_kv = in_proj_weight.split([E, 2 * E])``, the bias likewise) is read
 as one sub-parameter per block first (``split_params``), so each block is an ordinary projection
@@ -74,6 +79,7 @@ _MATMULS = {
 }
 _RESHAPES = {"view", "_unsafe_view", "reshape", "unflatten"}
 _MOVES = {"unsqueeze", "squeeze", "transpose", "permute", "contiguous"}   # ops of the chain (module docstring)
+_SCALES = ("mul", "div", "add", "sub")   # a block's values scaled by a parameter or buffer (``_scale``)
 
 
 @dataclass
@@ -127,10 +133,15 @@ def split_fused(graph: IRGraph, registry: Registry, consts: Optional[Dict[str, t
             return graph
         for f in found:
             ops, weights, biases, conv_subs = _cut(f, registry)
-            replace[id(f.op)] = ops
             for op in ([f.view] if f.view is not None else []) + ([f.transpose] if f.transpose is not None else []) \
                     + list(f.chain) + f.cuts + [m for _, _, moves, _ in f.convs for m in moves]:
                 replace[id(op)] = []
+            if f.chain and f.view is None:
+                # the chain again per block where the chain ended, after every tensor its ops read (a
+                # scale an earlier cut sliced per block is made after this block's matmul)
+                replace[id(f.op)], replace[id(f.chain[-1])] = ops
+            else:
+                replace[id(f.op)] = ops[0] + ops[1]
             subs[id(f.weight)] = weights
             if f.bias is not None:
                 subs[id(f.bias)] = biases
@@ -183,7 +194,7 @@ def _uncat(graph: IRGraph, readers, makers, registry: Registry, replace: Dict[in
         for t, (_, blk), (lo, hi) in zip(parts, got, zip(starts, starts[1:])):
             name = blk.out.hint if blk.out.hint and blk.out.hint.isidentifier() else f"{lo}_{hi}"
             conv_ops, conv_inputs = _conv_blocks(convs, lo, hi, name, registry, subs)
-            new_ops += conv_ops + _replay(tuple(chain), t, blk.out, registry, conv_inputs)
+            new_ops += conv_ops + _replay(tuple(chain), t, blk.out, registry, conv_inputs, (lo, hi))
         replace[id(op)] = new_ops
         for gone in [cuts[0], *chain, *(m for _, _, moves, _ in convs for m in moves)]:
             replace[id(gone)] = []
@@ -353,7 +364,7 @@ def _chain(z: IRTensor, readers, makers, loss) -> Tuple[List[IRFwOperation], Lis
                 break
         else:
             conv = _depthwise(op, t, readers, makers)
-            if conv is None and not _keeps_dims(op, t):
+            if conv is None and not _keeps_dims(op, t) and _scale(op, t, makers) is None:
                 break
             if conv is not None:
                 convs.append(conv)
@@ -374,6 +385,32 @@ def _keeps_dims(op: IRFwOperation, t: IRTensor) -> bool:
         return op.name == "narrow" or _arg(op, 4, "step", 1) == 1
     return op_info(op.name).rule == "elementwise" and tuple(out.shape) == tuple(t.shape) and \
         not draws(op.target, op.args, op.kwargs)
+
+
+def _scale(op: IRFwOperation, t: IRTensor, makers) -> Optional[IRTensor]:
+    """The other operand when ``op`` is ``t * c`` (or ``/``, ``+``, ``-``) with ``c`` a parameter, buffer
+    or constant (or a slice of one: a block's range, cut again) broadcast to ``t`` that keeps its dims
+    (Falcon-H1's ``in_proj(h) * mup_vector``, a scale per feature); else None. Each block reads its own
+    range of ``c`` (``_replay``)."""
+    if op.name not in _SCALES or len(op.inputs) != 2 or len(op.args) < 2 or \
+            op.args[0] is not t or op.kwargs or op_info(op.name).rule != "elementwise":
+        return None
+    c = op.args[1]
+    if not isinstance(c, IRTensor) or c is not op.inputs[1]:
+        return None
+    src = c
+    while src.kind is TensorKind.ACTIVATION:
+        m = makers.get(id(src))
+        if m is None or m.name != "slice" or len(m.inputs) != 1:
+            return None
+        src = m.inputs[0]
+    if src.kind not in (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST):
+        return None
+    lead = t.ndim - c.ndim
+    if lead < 0 or any(s not in (1, t.shape[lead + d]) for d, s in enumerate(c.shape)) or \
+            tuple(op.outputs[0].shape) != tuple(t.shape):
+        return None
+    return c
 
 
 def _depthwise(op: IRFwOperation, t: IRTensor, readers, makers):
@@ -594,10 +631,12 @@ def _moved_shape(op: IRFwOperation, t: IRTensor) -> tuple:
 
 
 def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, registry: Registry,
-            conv_inputs: Dict[int, Tuple[IRTensor, Optional[IRTensor]]]) -> List[IRFwOperation]:
+            conv_inputs: Dict[int, Tuple[IRTensor, Optional[IRTensor]]], span: Tuple[int, int]
+            ) -> List[IRFwOperation]:
     """The ops of ``chain`` applied to one block's matmul output ``start``, the last making the cut's
     tensor ``end``: the same ops on a tensor narrower along the block dim; a depthwise conv on the
-    block's channels (``conv_inputs``: conv id -> the block's weight and bias), one group each."""
+    block's channels (``conv_inputs``: conv id -> the block's weight and bias), one group each; a scale
+    per feature (``_scale``) by its slice ``span`` (the block's ``[lo, hi)`` along the block dim)."""
     ops, t = [], start
     for k, op in enumerate(chain):
         if op.name in _MOVES:
@@ -613,6 +652,13 @@ def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, re
             raise CubeInternalError(f"fused projection: the ops after block {end.hint!r} give {shape}, its cut "
                                     f"{tuple(end.shape)}")
         args, kwargs, inputs = [t] + list(op.args[1:]), dict(op.kwargs), [t]
+        # the chain's only two-input op besides a conv: a scale (``_scale``)
+        c = op.inputs[1] if op.name in _SCALES and len(op.inputs) == 2 and id(op) not in conv_inputs else None
+        if c is not None:   # the block's range of a per-feature scale; a scale of size 1 there is read whole
+            j = at[0] - (t.ndim - c.ndim)
+            if j >= 0 and c.shape[j] > 1:
+                c = _sliced(c, j, span, op, registry, ops)
+            args[1], inputs = c, [t, c]
         if id(op) in conv_inputs:   # conv(input, weight, bias, stride, padding, dilation, groups)
             w, b = conv_inputs[id(op)]
             inputs = [t, w] + ([b] if b is not None else [])
@@ -625,6 +671,20 @@ def _replay(chain: Tuple[IRFwOperation, ...], start: IRTensor, end: IRTensor, re
         ops.append(new)
         t = new.outputs[0]
     return ops
+
+
+def _sliced(c: IRTensor, dim: int, span: Tuple[int, int], op: IRFwOperation, registry: Registry,
+            ops: List[IRFwOperation]) -> IRTensor:
+    """``c[..., lo:hi, ...]`` along ``dim``, its slice op appended to ``ops``."""
+    lo, hi = span
+    out = IRTensor(tuple(hi - lo if d == dim else s for d, s in enumerate(c.shape)), c.dtype, c.requires_grad,
+                   TensorKind.ACTIVATION, c.hint)
+    sl = IRFwOperation(name="slice", inputs=[c], outputs=[out], target=torch.ops.aten.slice.Tensor,
+                       args=(c, dim, lo, hi, 1), kwargs={}, module_path=op.module_path, source=op.source,
+                       grad_enabled=op.grad_enabled)
+    registry.annotate(sl)
+    ops.append(sl)
+    return out
 
 
 def _conv_blocks(convs, lo: int, hi: int, label: str, registry: Registry, subs: Dict[int, List[IRTensor]]
@@ -648,9 +708,9 @@ def _conv_blocks(convs, lo: int, hi: int, label: str, registry: Registry, subs: 
     return ops, inputs
 
 
-def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTensor], List[IRTensor],
-                                                 Dict[int, List[IRTensor]]]:
-    """The ops replacing ``f.op`` (a matmul per block, then the reshapes to the cuts' shapes, or the
+def _cut(f: _Fused, registry: Registry) -> Tuple[Tuple[List[IRFwOperation], List[IRFwOperation]], List[IRTensor],
+                                                 List[IRTensor], Dict[int, List[IRTensor]]]:
+    """The ops replacing ``f.op`` (a matmul per block; then the reshapes to the cuts' shapes, or the
     chain again per block), the weight's and bias's sub-parameters, and the sub-parameters of each
     depthwise conv's weight and bias in the chain (parameter id -> one per block)."""
     op, y = f.op, f.op.outputs[0]
@@ -689,7 +749,7 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
         matmuls.append(mm)
         if replay:
             conv_ops, conv_inputs = _conv_blocks(f.convs, lo, hi, label, registry, conv_subs)
-            reshapes += conv_ops + _replay(f.chain, out, blk.out, registry, conv_inputs)
+            reshapes += conv_ops + _replay(f.chain, out, blk.out, registry, conv_inputs, (lo, hi))
         elif not direct:
             target = f.view.target if f.view is not None and f.view.name != "unflatten" else \
                 torch.ops.aten.view.default
@@ -699,4 +759,4 @@ def _cut(f: _Fused, registry: Registry) -> Tuple[List[IRFwOperation], List[IRTen
                                module_path=cut.module_path, source=cut.source, grad_enabled=cut.grad_enabled)
             registry.annotate(rs)
             reshapes.append(rs)
-    return matmuls + reshapes, weights, biases, conv_subs
+    return (matmuls, reshapes), weights, biases, conv_subs
