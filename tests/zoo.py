@@ -466,13 +466,6 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
 GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
-    # context parallel runs a recurrence along the sequence (a state-space mixer, a delta rule) split by heads
-    # between two all-to-all exchanges, as Megatron-LM does (cube.ir.heads), where tensor parallel splits its
-    # heads. RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) comes first:
-    # it reads one token of the previous piece, a halo of one token, which cube's sequence split has no rule
-    # for yet
-    ("rwkv", "cp"): ("context parallel over cp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
-                     "each token: a one-token halo from the previous sequence piece, not yet a rule"),
     # Llama 4's MoE tiles its flattened tokens expert-major (hidden.repeat(E, 1), scores transposed to (E, N)):
     # rows of (expert, token) pairs, which cube.trace.rows gives back their dims only token-major
     # (repeat_interleave); the sequence split ends there
@@ -481,10 +474,6 @@ GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
                        "give back their sequence dim yet, so the MoE runs on the gathered sequence"),
     ("llama4", "cp"): ("no sequence dim found to split", "the same expert-major tiling of Llama 4's MoE ends the "
                        "sequence split in every layer, and context parallel keeps none"),
-    # RWKV's time shift (ZeroPad2d((0, 0, 1, -1)): each token mixed with the one before it) reads one token of
-    # the previous piece: a halo of one token, which cube's sequence split has no rule for yet
-    ("rwkv", "sp"): ("sequence parallel over tp=2 lost at op 'pad'", "RWKV's time shift reads the token before "
-                     "each token: a one-token halo from the previous sequence piece, not yet a rule"),
 }
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")

@@ -143,10 +143,12 @@ def stencil(op: IRFwOperation, d: int) -> Stencil:
             non-integer factor).
     """
     x, out = op.inputs[0], op.outputs[0]
-    nsp = spatial(op)
-    j = d - (x.ndim - nsp)
     size_in, size_out = x.shape[d], out.shape[d]
     name = op.name
+    if name in PADS:   # output row o is input row o - before (before < 0: rows cut from the front)
+        return Stencil(size_in, size_out, 1, 1, _padding(op, d)[0])
+    nsp = spatial(op)
+    j = d - (x.ndim - nsp)
     if name.startswith("conv_transpose"):
         return _transposed(op, d, j, nsp, size_in, size_out)
     if name.startswith("upsample_linear") or name.startswith("upsample_bilinear") or \
@@ -183,6 +185,15 @@ def stencil(op: IRFwOperation, d: int) -> Stencil:
                           "Use count_include_pad=True, padding=0, or keep it whole")
         return st
     raise _refuse(op, "cube knows no window geometry for it", "Keep it whole along its spatial dims")
+
+
+PADS = ("pad", "constant_pad_nd")   # a constant padding: a stencil of one row, shifted (``rules.pad``)
+
+
+def _padding(op: IRFwOperation, d: int) -> Tuple[int, int]:
+    """The rows a pad adds before and after dim ``d`` of its input (its list names the last dim first)."""
+    sizes, k = list(_arg(op, "pad")), op.inputs[0].ndim - 1 - d
+    return (sizes[2 * k], sizes[2 * k + 1]) if 2 * k + 1 < len(sizes) else (0, 0)
 
 
 def _transposed(op: IRFwOperation, d: int, j: int, nsp: int, size_in: int, size_out: int) -> Stencil:
@@ -303,6 +314,9 @@ def needs_exchange(op: IRFwOperation, d: int, num: int) -> bool:
 
 def fill(op: IRFwOperation) -> float:
     """The value the op's padding adds at the global borders."""
+    if op.name in PADS:
+        value = _arg(op, "value", 0)
+        return 0.0 if value is None else float(value)
     return float("-inf") if op.name.startswith("max") else 0.0
 
 
@@ -317,6 +331,13 @@ def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int]
     """
     target, args, kwargs = op.target, list(op.args), dict(op.kwargs)
     names = [a.name for a in target._schema.arguments]
+    if op.name in PADS:   # the window holds the rows along an exchanged dim: nothing to pad there
+        sizes, n = list(_arg(op, "pad")), op.inputs[0].ndim
+        for d in exchanged:
+            k = n - 1 - d
+            sizes[2 * k:2 * k + 2] = [0, 0]
+        args[1] = sizes
+        return target, args, kwargs
     nsp = spatial(op)
     first = op.inputs[0].ndim - nsp   # input 0's first spatial dim
 

@@ -155,7 +155,7 @@ _add("unbind", rule="unbind")
 _add("slice_scatter select_scatter", rule="slice_scatter")
 _add("cat concat", rule="cat")
 _add("stack", rule="stack")
-_add("pad constant_pad_nd", rule="pad")
+_add("pad constant_pad_nd", rule="pad", inside="halo")
 _add("arange zeros ones full empty rand randn randint scalar_tensor tensor eye", rule="creation")
 _add("diff", rule="diff")
 _add("""new_ones new_zeros new_full new_empty index_put scatter masked_select nonzero

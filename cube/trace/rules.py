@@ -637,14 +637,24 @@ def stack(op: IRFwOperation) -> str:
 
 
 def pad(op: IRFwOperation) -> str:
-    """``pad(x, [l_last, r_last, l_before, r_before, ...])``: a dim padded on either side is whole; a
-    dim the list pads by 0 on both sides splits (Mamba-2's chunk padding names the batch dim's
-    ``(0, 0)`` too)."""
+    """``pad(x, [l_last, r_last, l_before, r_before, ...])``: a dim the list pads by 0 on both sides
+    splits (Mamba-2's chunk padding names the batch dim's ``(0, 0)`` too). A dim padded with a constant
+    splits too, with a halo exchange inside the piece's call (``~``, ``cube.ir.halo``): each block of
+    the output reads the input rows it shifts in from its neighbours, the global borders filled with
+    the constant (RWKV's time shift, ``ZeroPad2d((0, 0, 1, -1))``: each token reads the one before);
+    padded otherwise (reflect, replicate, circular), it is whole."""
     x = op.inputs[0]
     sizes = list(op.args[1])
     padded = [x.ndim - 1 - k // 2 for k in range(0, len(sizes) - 1, 2)
               if not (isinstance(sizes[k], int) and isinstance(sizes[k + 1], int) and sizes[k] == sizes[k + 1] == 0)]
-    return _frozen_dims(lambda o: padded)(op) if padded else elementwise(op)
+    if not padded:
+        return elementwise(op)
+    mode = _arg(op, 2, "mode", "constant") if op.name == "pad" else "constant"
+    if mode != "constant" or not all(isinstance(v, int) for v in sizes):
+        return _frozen_dims(lambda o: padded)(op)
+    names = _Names()
+    g = ["1" if s == 1 else (names() + "~" if d in padded else names()) for d, s in enumerate(x.shape)]
+    return _anno([g], [g])
 
 
 def diff(op: IRFwOperation) -> str:
