@@ -13,7 +13,7 @@ from cube.ir.lost import LostSplitError
 from cube.policies.context import PASContext
 from tests import zoo
 from tests.inprocess import assert_exact, parity
-from tests.test_state_space_tp import Scan, _batch
+from tests.test_state_space_tp import Scan, _batch, halved, hf_mixer
 
 CP2 = functools.partial(PASContext, cp=2)
 
@@ -26,15 +26,6 @@ def _forward_steps(plan):
     return [c.step.kind for c in plan.calls if c.step is not None and c.step.kind not in ("chunk", "narrow")]
 
 
-def _halved(plan, size: int):
-    """The calls making an output of at least ``size`` elements, and those of them rank 0 makes whole."""
-    big = [c for c in plan.calls if c.op is not None and any(t.numel() >= size for t in c.op.outputs)]
-    whole = [f"{c.op.name} ({c.op.where()})" for c in big
-             if all(torch.Size([e - s for s, e in b]).numel() == t.numel()
-                    for t, b in zip(c.op.outputs, c.layout.outputs))]
-    return big, whole
-
-
 def test_the_scan_runs_on_each_ranks_channels_between_two_all_to_alls():
     torch.manual_seed(0)
     plan = _rank0(Scan(), _batch(6))
@@ -42,8 +33,10 @@ def test_the_scan_runs_on_each_ranks_channels_between_two_all_to_alls():
     # into the channel split before the scan, back to the sequence split before the gate (x_proj's
     # contraction over channels adds the all-reduces, as under tensor parallel)
     assert steps.count("all_to_all") == 2 and "all_gather" not in steps, steps
-    big, whole = _halved(plan, 2 * 16 * 6 * 4)   # the (B, D, T, N) step sizes and inputs of the scan
-    assert len(big) >= 3 and not whole, whole
+    big = [c for c in plan.calls if c.op is not None and any(t.numel() >= 2 * 16 * 6 * 4 for t in c.op.outputs)]
+    halves = [c for c in big if all(torch.Size([e - s for s, e in b]).numel() * 2 == t.numel()
+                                    for t, b in zip(c.op.outputs, c.layout.outputs))]
+    assert len(big) >= 3 and halves == big, [c.op.name for c in big]   # the scan's (B, D, T, N) step sizes
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
@@ -64,15 +57,11 @@ def test_with_tensor_parallel_too_the_recurrence_is_a_lost_split():
 def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
     """Every op of the mixer making a ``(B, channels, T)``-sized activation makes half of it on rank 0
     (before, the mixer ran whole on every rank after an all-gather of the sequence)."""
-    if not zoo.installed(name):
-        pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
-    model, sample = zoo.build(name, zoo.B)
-    cfg = model.model.config
-    inner = getattr(cfg, "intermediate_size", None) or cfg.expand * cfg.hidden_size
+    model, sample, inner = hf_mixer(name)
     plan = _rank0(model, sample)
     assert "all_to_all" in _forward_steps(plan)
-    big, whole = _halved(plan, zoo.B * zoo.S * inner)
-    assert len(big) > 10 and not whole, whole
+    big, whole = halved(plan, zoo.B * zoo.S * inner)
+    assert len(big) > 10 and not whole, (len(big), whole)
 
 
 def test_hugging_face_mamba_trains_exactly_under_context_parallel():

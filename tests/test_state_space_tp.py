@@ -101,24 +101,35 @@ def test_scan_trains_exactly_under_tensor_parallel(opt, scale):
     assert_exact(parity(Scan(scale), _batch(6), PASMegatronTP, 2, steps=2, opt=opt, strict=True))
 
 
-@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2", "falcon_h1"])
-def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
-    """Every op of the mixer that makes a ``(B, channels, T)``-sized activation makes half of it on
-    rank 0 (before, the mixer ran whole on every rank after an all-gather of ``in_proj``)."""
+def hf_mixer(name: str):
+    """(model, batch, the mixer's channel count) of a Hugging Face state-space zoo model (skips when its
+    package is not installed)."""
     if not zoo.installed(name):
         pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
     model, sample = zoo.build(name, zoo.B)
     cfg = model.model.config
-    inner = getattr(cfg, "intermediate_size", None) or cfg.expand * cfg.hidden_size
-    plan = _rank0(model, sample)
-    mixer = [c for c in plan.calls if c.op is not None and c.op.module_path and
-             (".mixer" in c.op.module_path or ".mamba" in c.op.module_path)]
-    big = [c for c in mixer if any(t.numel() >= zoo.B * zoo.S * inner for t in c.op.outputs)]
-    assert len(big) > 10, [c.op.name for c in mixer]
+    return model, sample, getattr(cfg, "intermediate_size", None) or cfg.expand * cfg.hidden_size
+
+
+def halved(plan, size: int):
+    """The calls of a mixer (``.mixer``, ``.mamba``) making an output of at least ``size`` elements, and
+    those of them the rank makes whole."""
+    big = [c for c in plan.calls if c.op is not None and c.op.module_path and
+           (".mixer" in c.op.module_path or ".mamba" in c.op.module_path) and
+           any(t.numel() >= size for t in c.op.outputs)]
     whole = [f"{c.op.name} ({c.op.where()})" for c in big
              if all(torch.Size([e - s for s, e in b]).numel() == t.numel()
                     for t, b in zip(c.op.outputs, c.layout.outputs))]
-    assert not whole, whole
+    return big, whole
+
+
+@pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2", "falcon_h1"])
+def test_hugging_face_mixer_runs_on_each_ranks_channels(name):
+    """Every op of the mixer that makes a ``(B, channels, T)``-sized activation makes half of it on
+    rank 0 (before, the mixer ran whole on every rank after an all-gather of ``in_proj``)."""
+    model, sample, inner = hf_mixer(name)
+    big, whole = halved(_rank0(model, sample), zoo.B * zoo.S * inner)
+    assert len(big) > 10 and not whole, (len(big), whole)
 
 
 @pytest.mark.parametrize("name", ["mamba", "jamba", "mamba2"])
