@@ -219,13 +219,14 @@ def refusal(op: IRFwOperation, tracked, num: int) -> str:
     return "it cannot carry the split"
 
 
-def _gathers(graph: IRGraph, flow: Flow, num: int, what: str,
-             skip: Optional[Callable[[IRFwOperation], bool]] = None) -> None:
+def gathers(graph: IRGraph, flow: Flow, num: int, what: str,
+            skip: Optional[Callable[[IRFwOperation, Tuple[IRTensor, ...]], bool]] = None, note: str = "") -> None:
     """Adds to ``flow.losses`` every op of ``flow.blocked`` that reads a tensor the flow splits (a
     batch tensor under a batch split, or an output of an op it splits): the plan gathers that
     tensor whole for it. A blocked op that reads only tensors the flow follows but leaves whole
     (through ops it keeps whole, or a split it dropped) costs no gather and is not one, nor is an
-    op ``skip`` says is whole by the flow's design."""
+    op ``skip`` (called with the op and the split tensors it reads) says is whole by the flow's
+    design. ``note`` ends each loss's reason."""
     if not flow.blocked:
         return
     made = graph_makers(graph.ops)
@@ -235,11 +236,11 @@ def _gathers(graph: IRGraph, flow: Flow, num: int, what: str,
         return id(t) in flow.tracked and (flow.batch if isinstance(maker, IRDataOperation)
                                           else maker is not None and id(maker) in flow.splits)
     for op in flow.blocked:
-        if id(op) in flow.losses or id(op) in flow.splits or (skip is not None and skip(op)):
+        if id(op) in flow.losses or id(op) in flow.splits:
             continue
         reads = tuple(t for t in op.inputs if split(t))
-        if reads:
-            why = refusal(op, flow.tracked, num)
+        if reads and not (skip is not None and skip(op, reads)):
+            why = refusal(op, flow.tracked, num) + note
             if id(op) in flow.local:
                 why += ("; it is part of a token-local dispatch region (cube.ir.dispatch), which a pipeline runs "
                         "on each micro-batch's tokens but a batch split runs whole on the tokens gathered")
@@ -262,7 +263,7 @@ def batch_flow(graph: IRGraph, num: int) -> Flow:
     flow.blocked.extend(o for r in regions for o in r.ops if _reads(o, flow))
     flow.batch = True
     flow.unproven = dict(dispatch.why)
-    _gathers(graph, flow, num, "data parallel")
+    gathers(graph, flow, num, "data parallel")
     return flow
 
 
@@ -313,7 +314,7 @@ def context_flow(graph: IRGraph, num: int) -> Flow:
     if batch:   # (the eager attentions' splits above already followed)
         flow = follow(graph, seeds, num, start={**start, **batch}, drop=meta)
     flow.empty = "no sequence dim found to split"
-    _gathers(graph, flow, num, "context parallel")
+    gathers(graph, flow, num, "context parallel")
     return flow
 
 
@@ -629,12 +630,12 @@ def sequence_flow(graph: IRGraph, tensor: Flow, num: int, dim: int = 1) -> Flow:
         for t in op.inputs:
             readers.setdefault(id(t), []).append(op)
 
-    def designed(op: IRFwOperation) -> bool:
+    def designed(op: IRFwOperation, reads) -> bool:
         # a reshape read only by ops whole in the sequence (a flatten before a linear): its gather is
         # the one the plan makes before that op anyway
         return op_info(op.name).alias and all(_whole_in_sequence(r) for t in op.outputs
                                               for r in readers.get(id(t), ()))
-    _gathers(graph, out, num, "sequence parallel", skip=designed)
+    gathers(graph, out, num, "sequence parallel", skip=designed)
     return out
 
 

@@ -6,7 +6,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 from cube.ir.blocks import rerun_hazard
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
-from cube.ir.tensor import IRTensor
+from cube.ir.tensor import IRTensor, TensorKind
 
 
 class IRGraph:
@@ -298,6 +298,17 @@ def readers(ops: Iterable[IROperator]) -> Dict[int, List[IROperator]]:
 def makers(ops: Iterable[IROperator]) -> Dict[int, IROperator]:
     """Tensor id -> the op of ``ops`` making it."""
     return {id(t): op for op in ops for t in op.outputs}
+
+
+def constant(t: IRTensor, made: Dict[int, IROperator]) -> bool:
+    """Whether ``t`` is a parameter, buffer or constant, or made of one by ``slice`` ops alone (``made``:
+    ``makers`` of the graph)."""
+    while t.kind is TensorKind.ACTIVATION:
+        m = made.get(id(t))
+        if m is None or m.name != "slice" or len(m.inputs) != 1:
+            return False
+        t = m.inputs[0]
+    return t.kind in (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST)
 
 
 def _by_letter(node: IROperator, letter: str) -> tuple:

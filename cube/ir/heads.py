@@ -30,13 +30,11 @@ from __future__ import annotations
 
 from typing import List, Set
 
-from cube.ir.follow import Flow, Loss, follow, megatron_flow, refusal
-from cube.ir.graph import IRGraph, makers as graph_makers
-from cube.ir.operator import IRDataOperation, IRFwOperation
-from cube.ir.tensor import TensorKind
+from cube.ir.follow import Flow, follow, gathers, megatron_flow
+from cube.ir.graph import IRGraph, constant, makers as graph_makers
+from cube.ir.operator import IRFwOperation
 
 _STEPS = 6   # the most one-input ops (a transpose, a cast) between a shared linear and the op gathering it
-_CONSTANT = (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST)
 
 
 def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
@@ -63,23 +61,14 @@ def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
     out = follow(graph, {}, num, flow=base, start=start,
                  drop={id(op) for op in ops if id(op) not in inside and id(op) not in flow.splits})
     out.empty = flow.empty
-    _losses(graph, out, region, tensor, num)
+    _losses(graph, out, inside, tensor, num)
     return out
 
 
-def _losses(graph: IRGraph, out: Flow, region: List[IRFwOperation], tensor: Flow, num: int) -> None:
-    """Adds to ``out.losses`` each op of ``region`` left whole that reads a tensor ``out`` splits, unless
-    it is whole by design (module docstring)."""
+def _losses(graph: IRGraph, out: Flow, inside: Set[int], tensor: Flow, num: int) -> None:
+    """Adds to ``out.losses`` each op of the region (``inside``) left whole that reads a tensor ``out``
+    splits, unless it is whole by design (module docstring)."""
     made = graph_makers(graph.ops)
-
-    def split(t) -> bool:
-        maker = made.get(id(t))
-        return id(t) in out.tracked and (out.batch if isinstance(maker, IRDataOperation)
-                                         else maker is not None and id(maker) in out.splits)
-
-    def constant(t) -> bool:   # a parameter, buffer or constant, or a slice of one (of a slice of one)
-        m = made.get(id(t))
-        return t.kind in _CONSTANT or (m is not None and m.name == "slice" and constant(m.inputs[0]))
 
     def shared(t) -> bool:
         """Whether ``t`` is made by a linear of ``tensor.shared``, directly or through ops of one input
@@ -90,17 +79,13 @@ def _losses(graph: IRGraph, out: Flow, region: List[IRFwOperation], tensor: Flow
                 return False
             if id(maker) in tensor.shared:
                 return True
-            if not maker.inputs or not all(constant(x) for x in maker.inputs[1:]):
+            if not maker.inputs or not all(constant(x, made) for x in maker.inputs[1:]):
                 return False
             t = maker.inputs[0]
         return False
 
-    for op in region:
-        if id(op) in out.splits:
-            continue
-        reads = tuple(t for t in op.inputs if split(t))
-        if not reads or (id(op) not in tensor.losses and all(shared(t) for t in reads)):
-            continue
-        out.losses[id(op)] = Loss(op, refusal(op, out.tracked, num) + "; its region runs split by heads (context "
-                                  "parallel through a recurrence, cube.ir.heads), which does not reach it",
-                                  "context parallel", reads)
+    def by_design(op: IRFwOperation, reads) -> bool:
+        return id(op) not in inside or (id(op) not in tensor.losses and all(shared(t) for t in reads))
+    gathers(graph, out, num, "context parallel", skip=by_design,
+            note="; its region runs split by heads (context parallel through a recurrence, cube.ir.heads), which "
+                 "does not reach it")

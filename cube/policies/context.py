@@ -7,8 +7,9 @@ holds a whole sequence's activations; ``flex_attention`` gathers one layer's key
 inside its call (``cube.runtime.flex``). A recurrence along the sequence (a state-space mixer, a
 delta rule, a causal conv) runs split by heads or channels between two all-to-all exchanges, as
 Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``; with ``tp == 1``).
-``tp > 1`` also splits heads and linears Megatron-style inside each context-parallel rank; the remaining ``ngpus // (cp * tp)`` devices are data parallel.
-The devices form a ``("dp", "cp", "tp")`` mesh, tensor parallel innermost.
+``tp > 1`` also splits heads and linears Megatron-style inside each context-parallel rank; the
+remaining ``ngpus // (cp * tp)`` devices are data parallel. The devices form a ``("dp", "cp",
+"tp")`` mesh, tensor parallel innermost.
 """
 from typing import Optional
 

@@ -63,7 +63,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from cube.errors import CubeInternalError
-from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_readers
+from cube.ir.graph import IRGraph, constant, makers as graph_makers, readers as graph_readers
 from cube.ir.operator import IRFwOperation
 from cube.ir.ops import op_info
 from cube.ir.tensor import IRTensor, TensorKind
@@ -398,13 +398,7 @@ def _scale(op: IRFwOperation, t: IRTensor, makers) -> Optional[IRTensor]:
     c = op.args[1]
     if not isinstance(c, IRTensor) or c is not op.inputs[1]:
         return None
-    src = c
-    while src.kind is TensorKind.ACTIVATION:
-        m = makers.get(id(src))
-        if m is None or m.name != "slice" or len(m.inputs) != 1:
-            return None
-        src = m.inputs[0]
-    if src.kind not in (TensorKind.PARAM, TensorKind.BUFFER, TensorKind.CONST):
+    if not constant(c, makers):
         return None
     lead = t.ndim - c.ndim
     if lead < 0 or any(s not in (1, t.shape[lead + d]) for d, s in enumerate(c.shape)) or \
