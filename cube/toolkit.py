@@ -52,18 +52,20 @@ def data_parallel(graph: IRGraph, over: Union[MeshDim, int], fuse: bool = True) 
     return batch_flow(graph, n) if n > 1 else Flow(batch=True)
 
 
-def context_parallel(graph: IRGraph, over: Union[MeshDim, int], heads: bool = True) -> Flow:
+def context_parallel(graph: IRGraph, over: Union[MeshDim, int], heads: bool = True,
+                     tp: Union[MeshDim, int] = 1) -> Flow:
     """The sequence split over ``over`` (``cube.ir.follow.context_flow``): activations along their
     token dim, attention as ring attention. With ``heads``, a recurrence along the sequence (a
     state-space mixer, a delta rule) runs split by heads between two all-to-all exchanges, as
-    Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``); policies pass
-    ``heads=False`` when tensor parallel splits the heads too (not planned together yet: the
-    recurrence then runs whole on its inputs gathered, a lost split)."""
+    Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``); without, it
+    runs whole on its inputs gathered (a lost split). ``tp``: the tensor-parallel mesh dim (or
+    degree) placed after ``over`` that splits those heads further: the heads must divide among
+    both (else the recurrence's ops stay whole, reported)."""
     n = _size(over)
     if n == 1:
         return Flow()
     flow = context_flow(graph, n)
-    return head_parallel(graph, flow, n) if heads else flow
+    return head_parallel(graph, flow, n, within=_size(tp)) if heads else flow
 
 
 def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int], vocab: bool = False) -> Flow:

@@ -45,12 +45,44 @@ def test_the_scan_trains_exactly_under_context_parallel(opt):
     assert_exact(parity(Scan(), _batch(6), CP2, 2, steps=2, opt=opt, strict=True))
 
 
-def test_with_tensor_parallel_too_the_recurrence_is_a_lost_split():
-    """cp x tp would split the same channels twice: not planned yet, so the mixer's sequence split is
-    lost, and strict=True refuses the plan naming it (without it, the mixer runs whole, exact)."""
+CP2_TP2 = functools.partial(PASContext, cp=2, tp=2)
+
+
+def test_with_tensor_parallel_too_each_rank_runs_a_quarter_of_the_channels():
+    """cp x tp: context parallel splits the mixer's channels in two, tensor parallel each half in two
+    again (Megatron-LM's context parallel inside its tensor-parallel ranks)."""
     torch.manual_seed(0)
-    with pytest.raises(LostSplitError, match="context parallel over cp=2 lost at op"):
-        _rank0(Scan(), _batch(6), functools.partial(PASContext, cp=2, tp=2), 4)
+    plan = _rank0(Scan(), _batch(6), CP2_TP2, 4)
+    big = [c for c in plan.calls if c.op is not None and any(t.numel() >= 2 * 16 * 6 * 4 for t in c.op.outputs)]
+    quarters = [c for c in big if all(torch.Size([e - s for s, e in b]).numel() * 4 == t.numel()
+                                      for t, b in zip(c.op.outputs, c.layout.outputs))]
+    assert len(big) >= 3 and quarters == big, [c.op.name for c in big]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_with_tensor_parallel_too_the_scan_trains_exactly(opt):
+    torch.manual_seed(0)
+    assert_exact(parity(Scan(), _batch(6), CP2_TP2, 4, steps=2, opt=opt, strict=True))
+
+
+@pytest.mark.parametrize("name", ["mamba2", "lfm2"])
+def test_with_tensor_parallel_too_hugging_face_mixers_train_exactly(name):
+    """Mamba-2 reads a value gathered only for ``zeros_like`` (its first chunk's state): no gradient
+    comes back for it, so its senders must not wait for one (they did: a deadlock). LFM2's depthwise
+    conv runs on a window of the sequence and a quarter of the channels: one group per local channel."""
+    if not zoo.installed(name):
+        pytest.skip(f"{zoo.PACKAGES[name]} is not installed here")
+    model, sample = zoo.build(name, zoo.B)
+    torch.manual_seed(0)
+    assert_exact(parity(model, sample, CP2_TP2, 4, steps=1, opt="sgd", param_floor=zoo.PARAM_FLOOR, strict=True))
+
+
+def test_heads_too_few_for_cp_times_tp_are_refused_saying_so():
+    """16 channels split over cp=2 but not over cp x tp = 6: the recurrence stays whole (a lost split),
+    and strict=True says why and what to change."""
+    torch.manual_seed(0)
+    with pytest.raises(LostSplitError, match="do not divide into 6: choose cp x tp dividing the heads"):
+        _rank0(Scan(), _batch(6), functools.partial(PASContext, cp=2, tp=3), 6)
 
 
 @pytest.mark.parametrize("name", ["mamba", "mamba2", "falcon_h1"])

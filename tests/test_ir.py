@@ -87,6 +87,35 @@ def test_no_grad_region_is_inlined():
     assert any(op.grad_enabled and op.name == "linear" for op in graph.select(ntype=IRFwOperation))
 
 
+class _ShapeReads(torch.nn.Module):
+    """Values made from a trained one that autograd does not track: a detached copy, a buffer of its
+    shape, random numbers of its shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        state = torch.zeros_like(h[:, :1]) + torch.ones_like(h) + torch.rand_like(h) + h.detach()
+        return (h * state).sum()
+
+
+def test_outputs_autograd_does_not_track_need_no_gradient():
+    """The IR says what eager autograd says: a read whose gradient never comes is no gradient path (a
+    plan moving ``h`` to such a reader must not wait for its gradient in backward)."""
+    model, sample = _ShapeReads(), (torch.randn(2, 6, 8),)
+    graph, _ = build_graph(export(model, sample), model, "tuple")
+    ops = {op.name: op for op in graph.select(ntype=IRFwOperation)}
+    free = {"zeros_like", "ones_like", "rand_like", "detach"}
+    assert free <= set(ops), sorted(ops)
+    assert all(o.requires_grad is False for n in free for o in ops[n].outputs)
+    h = model.proj(sample[0])
+    eager = [torch.zeros_like(h), torch.ones_like(h), torch.rand_like(h), h.detach()]
+    assert not any(t.requires_grad for t in eager) and h.requires_grad
+    assert all(o.requires_grad for o in ops["linear"].outputs + ops["slice"].outputs)
+
+
 class _Float32Gate(torch.nn.Module):
     """A router computed under ``torch.autocast(dtype=torch.float32)`` (torchtitan's MoE router): on a
     CPU torch has no float32 autocast, warns, and runs the region as written."""

@@ -431,6 +431,7 @@ PLANS: Dict[str, Plan] = {
     "dp_tp": Plan("cube.policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 1), ("nmicros", 1))),
     "sp": Plan("cube.policies.megatron3d:PASMegatron", 2, (("tp", 2), ("pp", 1), ("nmicros", 1), ("sp", True))),
     "cp": Plan("cube.policies.context:PASContext", 2, (("cp", 2),)),
+    "cp_tp": Plan("cube.policies.context:PASContext", 4, (("cp", 2), ("tp", 2))),
     "interleaved": Plan("cube.policies.pipeline:PAS1F1BInterleaved", 2, (("nmicros", 4), ("nvirtual", 2)), nmicros=4,
                         micro=1),
     "zbv": Plan("cube.policies.pipeline:PASZBV", 2, (("nmicros", 4),), nmicros=4, micro=1),
@@ -451,9 +452,9 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{(m, p): ("normalizes with statistics over the batch", _BN) for m in ("resnet", "timm_resnet")
        for p in _ONE[1:]},
     # no sequence: an image classifier's activations have no dim context parallelism splits
-    **{(m, "cp"): ("no sequence dim found to split", "an image model: no sequence for context parallelism to split")
+    **{(m, p): ("no sequence dim found to split", "an image model: no sequence for context parallelism to split")
        for m in ("vit", "swin", "convnext", "resnet", "timm_vit", "timm_resnet", "timm_convnext", "timm_swin",
-                 "tv_vit")},
+                 "tv_vit") for p in ("cp", "cp_tp")},
     # a convolutional network has no pair of linear layers for Megatron's split: under strict=True the
     # policy's "splits nothing" is an error
     **{(m, "tensor"): ("no linear pairs found to split", "a convolutional network: no pair of linear layers "

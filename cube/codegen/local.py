@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from cube.errors import CubeInternalError
+from cube.ir.halo import conv_groups
 from cube.ir.layout import PieceLayout, box_shape
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
@@ -73,13 +74,9 @@ def local_call(op: IRFwOperation, layout: PieceLayout, term_ranks: Tuple[int, ..
             dim = _get(op, names, "dim") % op.inputs[0].ndim
             sizes = _get(op, names, "sizes")
             _set(args, kwargs, names, "sizes", list(out_shapes[0][dim:dim + len(sizes)]))
-    groups = _get(op, names, "groups", 1) if op.name.startswith("conv") and "groups" in names else 1
-    if groups > 1:
-        # a depthwise conv split along its channels (cube.trace.rules.conv) keeps one group per local
-        # channel; a grouped conv split along another dim keeps its groups
-        c = len(layout.inputs[0]) - op.inputs[1].ndim + 1
-        local, full = box_shape(layout.inputs[0])[c], op.inputs[0].shape[c]
-        _set(args, kwargs, names, "groups", groups * local // full)
+    groups = conv_groups(op, box_shape(layout.inputs[0]))
+    if groups is not None:
+        _set(args, kwargs, names, "groups", groups)
     partial = bool(layout.out_terms and layout.out_terms[0])
     if not partial:
         return fn, args, kwargs

@@ -320,14 +320,31 @@ def fill(op: IRFwOperation) -> float:
     return float("-inf") if op.name.startswith("max") else 0.0
 
 
-def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int], out_shape: Sequence[int]
-               ) -> Tuple[Any, list, dict]:
+def conv_groups(op: IRFwOperation, in_shape: Sequence[int]) -> Optional[int]:
+    """The ``groups`` of a grouped convolution's piece whose input 0 has ``in_shape`` (None: not a
+    grouped convolution): a depthwise conv split along its channels (``cube.trace.rules.conv``) keeps
+    one group per local channel; one split along another dim keeps its groups."""
+    if not op.name.startswith("conv"):
+        return None
+    names = [a.name for a in op.target._schema.arguments]
+    if "groups" not in names:
+        return None
+    groups = _arg(op, "groups", 1)
+    if groups <= 1:
+        return None
+    c = len(in_shape) - op.inputs[1].ndim + 1   # input 0's channel dim (after any batch dims)
+    return groups * in_shape[c] // op.inputs[0].shape[c]
+
+
+def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int], out_shape: Sequence[int],
+               in_shape: Sequence[int]) -> Tuple[Any, list, dict]:
     """``(target, args, kwargs)`` of a piece that runs on windows along the ``exchanged`` dims.
 
     Args:
         split: the spatial dims of input 0 that are split.
         exchanged: those of them whose piece reads a window (no padding there: the window has it).
         out_shape: the piece's output shape (an adaptive pool's or upsampling's output size).
+        in_shape: the piece's input 0 shape, before its window (a depthwise conv's local channels).
     """
     target, args, kwargs = op.target, list(op.args), dict(op.kwargs)
     names = [a.name for a in target._schema.arguments]
@@ -360,6 +377,9 @@ def local_args(op: IRFwOperation, split: Sequence[int], exchanged: Sequence[int]
                                for d, p in enumerate(_per_dim(_arg(op, "output_padding", 0), nsp))])
     if "output_size" in names and _arg(op, "output_size") is not None and split:
         put("output_size", list(out_shape[first:]))
+    groups = conv_groups(op, in_shape)
+    if groups is not None:
+        put("groups", groups)
     return target, args, kwargs
 
 

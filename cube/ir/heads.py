@@ -28,6 +28,7 @@ of the sequence, an op tensor parallel loses too) stays a lost split (``cube.ir.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Set
 
 from cube.ir.follow import Flow, follow, gathers, megatron_flow
@@ -37,10 +38,15 @@ from cube.ir.operator import IRFwOperation
 _STEPS = 6   # the most one-input ops (a transpose, a cast) between a shared linear and the op gathering it
 
 
-def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
+def head_parallel(graph: IRGraph, flow: Flow, num: int, within: int = 1) -> Flow:
     """``flow`` (a sequence split ``num`` ways, ``context_flow``) with the region of each lost split
     split by heads where tensor parallel splits it (module docstring); ``flow`` itself when no region
-    gains a split."""
+    gains a split.
+
+    ``within``: the degree tensor parallel splits the same heads further, inside each of these blocks
+    (its mesh dim comes after this one). The region takes the splits of a tensor-parallel plan
+    ``num * within`` ways, so its heads divide among both: a head count neither plan can split that
+    far leaves its ops whole (a lost split, refused under ``strict=True``), not an uneven split."""
     if not flow.losses:
         return flow
     ops = graph.select(ntype=IRFwOperation)
@@ -52,17 +58,32 @@ def head_parallel(graph: IRGraph, flow: Flow, num: int) -> Flow:
         if id(op) in flow.losses or any(id(t) in made for t in op.inputs):
             region.append(op)
             made.update(id(t) for t in op.outputs)
-    tensor = megatron_flow(graph, num)
+    tensor = megatron_flow(graph, num * within)
     start = {id(op): tensor.splits[id(op)][1:] for op in region if id(op) in tensor.splits}
     if not start:
-        return flow
+        return _too_few(graph, flow, region, tensor, num, within)
     inside = {id(op) for op in region}
     base = flow.copy(losses={k: v for k, v in flow.losses.items() if k not in inside})
     out = follow(graph, {}, num, flow=base, start=start,
                  drop={id(op) for op in ops if id(op) not in inside and id(op) not in flow.splits})
     out.empty = flow.empty
     _losses(graph, out, inside, tensor, num)
-    return out
+    return _too_few(graph, out, region, tensor, num, within)
+
+
+def _too_few(graph: IRGraph, out: Flow, region: List[IRFwOperation], tensor: Flow, num: int, within: int) -> Flow:
+    """``out``, or a copy with each loss in the region saying so where its heads divide ``num`` ways but not
+    ``num * within`` (too few heads for context and tensor parallel together)."""
+    if within == 1:
+        return out
+    fewer = megatron_flow(graph, num).splits
+    if not any(id(op) in fewer and id(op) not in tensor.splits for op in region):
+        return out
+    note = (f"; tensor parallel splits each of the {num} blocks of its region's heads {within} ways, and some "
+            f"do not divide into {num * within}: choose cp x tp dividing the heads")
+    inside = {id(op) for op in region}
+    return out.copy(losses={k: replace(loss, why=loss.why + note) if k in inside else loss
+                            for k, loss in out.losses.items()})
 
 
 def _losses(graph: IRGraph, out: Flow, inside: Set[int], tensor: Flow, num: int) -> None:

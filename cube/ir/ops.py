@@ -76,6 +76,10 @@ class OpInfo:
             its float32 running statistics (batch norm: the kernels' mixed mode); None: in its
             inputs' dtype, as the kernels do (norms, softmax and attention keep float32
             statistics inside).
+        grad_free: its outputs never need a gradient, whatever it reads, as torch marks them:
+            ``detach`` and ``zeros_like``/``rand_like`` and their kin, which read only their input's
+            shape, dtype and device. What it reads then returns no gradient (a sender waiting for
+            one would wait forever).
     """
 
     name: str
@@ -94,6 +98,7 @@ class OpInfo:
     saves_inputs: bool = True
     autocast: Optional[str] = None
     half: Optional[str] = None
+    grad_free: bool = False
 
 
 _ROWS: Dict[str, OpInfo] = {}
@@ -194,6 +199,9 @@ binary_cross_entropy binary_cross_entropy_with_logits""", half="fp32")
 _add("log_softmax _log_softmax", half="fp32_cpu")
 _add("layer_norm rms_norm group_norm", half="same")
 _add("batch_norm instance_norm", half="stats")
+
+# outputs autograd never tracks (torch's derivatives mark them not differentiable)
+_add("detach detach_ zeros_like ones_like full_like empty_like rand_like randn_like randint_like", grad_free=True)
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)

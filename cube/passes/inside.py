@@ -118,7 +118,8 @@ def group_of(by: Dict[int, IROperator], r: int, factors) -> Ranks:
 def _halo(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: PieceLayout) -> Optional[Inside]:
     root = op.root
     specs, split, exchanged, p2p, recvs = _exchanges(op, by, r, layout)
-    target, args, kwargs = halo.local_args(op, split, exchanged, box_shape(layout.outputs[0]))
+    target, args, kwargs = halo.local_args(op, split, exchanged, box_shape(layout.outputs[0]),
+                                            box_shape(layout.inputs[0]))
     args = [target] + args
     if not specs:
         return Inside(None, tuple(args), kwargs)
@@ -172,7 +173,7 @@ def _transposed(op: IRFwOperation, by: Dict[int, IROperator], r: int, layout: Pi
     root = op.root
     specs, split, _, p2p, recvs = _exchanges(op, by, r, layout)
     out = box_shape(layout.outputs[0])
-    target, args, kwargs = halo.local_args(op, split, split, out)
+    target, args, kwargs = halo.local_args(op, split, split, out, box_shape(layout.inputs[0]))
     crop = []
     for d in split:
         pos, num = _position(op, root.anno.inputs[0][d].head.name)

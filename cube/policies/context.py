@@ -6,8 +6,9 @@ and value blocks passed around the ``cp`` ranks, load-balanced under a causal ma
 holds a whole sequence's activations; ``flex_attention`` gathers one layer's keys and values
 inside its call (``cube.runtime.flex``). A recurrence along the sequence (a state-space mixer, a
 delta rule, a causal conv) runs split by heads or channels between two all-to-all exchanges, as
-Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``; with ``tp == 1``).
-``tp > 1`` also splits heads and linears Megatron-style inside each context-parallel rank; the
+Megatron-LM's context parallel for state-space layers does (``cube.ir.heads``; tensor parallel
+splits each rank's heads further). ``tp > 1`` also splits heads and linears Megatron-style inside
+each context-parallel rank; the
 remaining ``ngpus // (cp * tp)`` devices are data parallel. The devices form a ``("dp", "cp",
 "tp")`` mesh, tensor parallel innermost.
 """
@@ -38,6 +39,6 @@ def PASContext(graph: IRGraph, resource, cp: Optional[int] = None, tp: int = 1, 
     mesh = DeviceMesh(("dp", resource.ngpus // (cp * tp)), ("cp", cp), ("tp", tp))
     fuse_local(graph, mesh["dp"].size * cp)   # MoE layers: one op each, run on each rank's tokens (cube.ir.experts)
     place_all(graph, mesh, dp=data_parallel(graph, mesh["dp"]),
-              cp=context_parallel(graph, mesh["cp"], heads=tp == 1), tp=tensor_parallel(graph, mesh["tp"]))
+              cp=context_parallel(graph, mesh["cp"], tp=mesh["tp"]), tp=tensor_parallel(graph, mesh["tp"]))
     apply_recompute(graph, recompute)
     return graph

@@ -136,8 +136,8 @@ def PASMegatron(graph: IRGraph, resource, tp: Optional[int] = None, pp: Optional
     data, tensor = data_parallel(graph, mesh["dp"]), tensor_parallel(graph, mesh["tp"], vocab=vocab_parallel)
     if sp:
         tensor = sequence_parallel(graph, tensor, mesh["tp"])
-    # a recurrence's heads split over cp where tp splits none of them (cube.ir.heads)
-    context = {"cp": context_parallel(graph, mesh["cp"], heads=mesh["tp"].size == 1)} if cp != 1 else {}
+    # a recurrence's heads split over cp, and tp's heads inside each cp block (cube.ir.heads)
+    context = {"cp": context_parallel(graph, mesh["cp"], tp=mesh["tp"])} if cp != 1 else {}
     splits = dict(dp=data, **context, tp=tensor)
     if ep != 1:
         if not isinstance(ep, int) or ep < 1 or mesh["dp"].size % ep:

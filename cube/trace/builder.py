@@ -12,6 +12,7 @@ import torch.fx
 
 from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
+from cube.ir.ops import op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
@@ -337,8 +338,9 @@ class _Builder:
     def _op(self, node: torch.fx.Node, target, args, kwargs, outputs: List[IRTensor]) -> IRFwOperation:
         """Appends an op (made by fx ``node``) with the given output tensors."""
         inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, IRTensor)]
-        # fake values do not track autograd: an output needs a gradient when a float input does
-        needs = self.grad_enabled and any(t.requires_grad for t in inputs)
+        # fake values do not track autograd: an output needs a gradient when a float input does,
+        # unless torch never tracks the op's outputs (a gradient cube expects would never come)
+        needs = self.grad_enabled and not op_info(op_name(target)).grad_free and any(t.requires_grad for t in inputs)
         for o in outputs:
             o.requires_grad = bool(needs and (o.dtype.is_floating_point or o.dtype.is_complex))
         op = IRFwOperation(name=op_name(target), inputs=inputs, outputs=outputs, target=target,
