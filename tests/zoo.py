@@ -459,6 +459,10 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     # policy's "splits nothing" is an error
     **{(m, "tensor"): ("no linear pairs found to split", "a convolutional network: no pair of linear layers "
                        "for Megatron-LM's tensor split (data parallel splits it)") for m in ("resnet", "timm_resnet")},
+    # context parallel splits a recurrence by heads (cube.ir.heads) and tensor parallel each block again: the
+    # configuration's 2 key heads do not divide into cp x tp = 4 (Megatron-LM asks the same of its heads)
+    ("qwen3_next", "cp_tp"): ("choose cp x tp dividing the heads", "Qwen3-Next's gated delta rule splits by heads "
+                              "over cp and tp together; the zoo configuration's 2 key heads do not divide into 4"),
     # torch's batch norm itself refuses one sample per channel in training (timm's ResNet ends at 1x1 pixels)
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
 }
@@ -466,16 +470,7 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
 
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
-GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
-    # Llama 4's MoE tiles its flattened tokens expert-major (hidden.repeat(E, 1), scores transposed to (E, N)):
-    # rows of (expert, token) pairs, which cube.trace.rows gives back their dims only token-major
-    # (repeat_interleave); the sequence split ends there
-    ("llama4", "sp"): ("sequence parallel over tp=2 lost at op 'reshape'", "Llama 4's MoE tiles the flattened "
-                       "tokens expert-major (hidden.repeat(E, 1)): rows of (expert, token) pairs cube does not "
-                       "give back their sequence dim yet, so the MoE runs on the gathered sequence"),
-    ("llama4", "cp"): ("no sequence dim found to split", "the same expert-major tiling of Llama 4's MoE ends the "
-                       "sequence split in every layer, and context parallel keeps none"),
-}
+GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {}
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 

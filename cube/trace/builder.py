@@ -571,6 +571,8 @@ def build_graph(ep, model: torch.nn.Module, batch_structure: str,
     name = type(model).__name__
     graph = IRGraph([data_op] + _live(b.ops, outs), b.attrs, loss, name=name)
     graph = unmerge_heads(unflatten_loss(unflatten_rows(graph, registry), registry), registry)
+    # again: the experts' copies of token rows that unmerge_heads gave back as (E, N, ...) (cube.trace.major)
+    graph = unflatten_rows(graph, registry)
     if config.fused_cut():
         graph = split_fused(graph, registry, b.consts)
     graph = unmerge(graph, registry)

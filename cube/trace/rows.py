@@ -82,7 +82,8 @@ from cube.ir.graph import IRGraph, makers as graph_makers, readers as graph_read
 from cube.ir.ops import op_info
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
-from cube.trace import along, inplace
+from cube.trace import along, inplace, major
+from cube.trace.major import Unsqueezed
 from cube.trace.rules import Registry
 
 aten = torch.ops.aten
@@ -186,6 +187,16 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
                 inside.add(id(op.outputs[0]))
                 todo.append(op.outputs[0])
                 continue
+            o = op.outputs[0] if len(op.outputs) == 1 else None
+            # a view of a value made in the chain back to x's leading dims restores them, also where it reads
+            # as (1, N, ...) (a batch of one); a view of the merge itself never does (Llama 4's copies)
+            restoring = o is not None and t is not u and t.shape[:-1] == rows and o.ndim >= 2 and \
+                o.shape[-1] == t.shape[-1] and tuple(o.shape[:-1]) == tuple(x.shape[:o.ndim - 1])
+            if not restoring and major.view(op, t, rows):   # into, out of or between expert-major values
+                ops[id(op)] = op
+                inside.add(id(op.outputs[0]))
+                todo.append(op.outputs[0])
+                continue
             if op.name in _RESTORES and op.inputs == [t] and t is not u and len(op.outputs) == 1 and \
                     not along.reshapes_row(op, x, rows):
                 if id(t) in restores:
@@ -199,7 +210,7 @@ def _find(merge: IRFwOperation, readers, makers, order, loss: IRTensor, siblings
             # starts there too (``_back``, once the walk is done)
             pending += [t_in for t_in in op.inputs if t_in.ndim == u.ndim and t_in.shape[:-1] == rows]
             for o in op.outputs:
-                if o is loss or not (o.shape[:-1] == rows or _pair_rows(o, rows)):
+                if o is loss or not (o.shape[:-1] == rows or _pair_rows(o, rows) or major.is_major(o, rows)):
                     return None
                 inside.add(id(o))
                 todo.append(o)
@@ -255,7 +266,7 @@ def _rowish(op: IRFwOperation) -> bool:
     """Whether ``op`` is of a kind ``_row`` may find row-wise (a first look, before the chain is known)."""
     name = op.name
     return name in _MATMULS or name in _NORMS or name in _SOFTMAX or name in _DROPOUTS or name == "addmm" or \
-        name in _TOPK or name in _REDUCTIONS or name == EXPERTS or name in _PAIRS or \
+        name in _TOPK or name in _REDUCTIONS or name == EXPERTS or name in _PAIRS or name in major.OPS or \
         op_info(name).rule == "elementwise" or along.rowish(op)
 
 
@@ -269,6 +280,8 @@ def _nd(t: IRTensor, rows: Tuple[int, ...], lead: Tuple[int, ...]) -> Tuple[int,
     per row of ``rows``, ``(*lead, c, ...)`` for ``c`` (the pairs of a token and its ``c`` experts)."""
     if len(rows) != 1:   # rows of several dims: every chain value is ``rows + (last,)``
         return tuple(lead) + tuple(t.shape[-1:])
+    if major.is_major(t, rows):   # (c, N, ...): the experts' copies of the rows (cube.trace.major)
+        return major.nd(t, lead)
     c = t.shape[0] // rows[0]
     return tuple(lead) + ((c,) if c > 1 else ()) + tuple(t.shape[1:])
 
@@ -294,6 +307,8 @@ def _over_rows(t: IRTensor, rows: Tuple[int, ...]) -> bool:
 def _row(op: IRFwOperation, inside, rows, makers, lead) -> Optional[Tuple[Any, str, tuple, dict]]:
     """``(target, name, args, kwargs)`` of ``op`` when it is row-wise (chain values still in its
     arguments), or None."""
+    if major.involved(op, inside, rows):   # values of the rows behind a dim of experts (cube.trace.major)
+        return major.row(op, inside, rows, lead, lambda t: _nd(t, rows, lead))
     if along.rowish(op) and len(rows) == 1:   # along dims past the rows, or a draw (cube.trace.along)
         return along.row(op, inside, rows, lambda t: _nd(t, rows, lead))
     if any(id(t) in inside and t.shape[:-1] != rows for t in op.inputs) or \
@@ -392,7 +407,7 @@ def _pair(op: IRFwOperation, inside, rows, lead) -> Optional[Tuple[Any, str, tup
         if first is not ins[0] or len(op.inputs) != 1 or not isinstance(reps, int) or dim != 0 or \
                 first.shape[0] != n or set(op.kwargs) - {"dim", "output_size"}:
             return None
-        return op.target, name, (_Unsqueezed(first, len(lead)), reps, len(lead)), {}
+        return op.target, name, (Unsqueezed(first, len(lead)), reps, len(lead)), {}
     if name == "index":   # a weight from outside indexed by a chain value: the pair's expert's weight
         idx = args[1] if len(args) > 1 else None
         if not isinstance(first, IRTensor) or id(first) in inside or not isinstance(idx, (list, tuple)) or \
@@ -436,13 +451,6 @@ def _pair_elementwise(op: IRFwOperation, inside, rows) -> bool:
                                       all(a in (1, b) for a, b in zip(t.shape, o.shape)))
                for t in op.inputs if id(t) in inside) and \
         all(t.ndim < o.ndim and all(s == 1 for s in t.shape[:-1]) for t in op.inputs if id(t) not in inside)
-
-
-@dataclass(frozen=True)
-class _Unsqueezed:
-    """A chain value the rewritten op reads with a new dim at ``dim``: ``_rewrite`` makes the op."""
-    value: IRTensor
-    dim: int
 
 
 @dataclass(frozen=True)
@@ -504,11 +512,12 @@ def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOp
                 args = args[:i] + (wt,) + args[i + 1:]
         swap = lambda a: new.get(id(a), a) if isinstance(a, IRTensor) else a   # noqa: E731
         for i, a in enumerate(args):
-            if isinstance(a, _Unsqueezed):
-                v = swap(a.value)
-                shape = v.shape[:a.dim] + (1,) + v.shape[a.dim:]
-                vu = IRTensor(shape, v.dtype, v.requires_grad, TensorKind.ACTIVATION, v.hint)
-                made_ops.append(make_op(op, aten.unsqueeze.default, "unsqueeze", (v, a.dim), {}, [vu], registry))
+            if isinstance(a, Unsqueezed):
+                vu = swap(a.value)
+                for _ in range(a.times):
+                    v, shape = vu, vu.shape[:a.dim] + (1,) + vu.shape[a.dim:]
+                    vu = IRTensor(shape, v.dtype, v.requires_grad, TensorKind.ACTIVATION, v.hint)
+                    made_ops.append(make_op(op, aten.unsqueeze.default, "unsqueeze", (v, a.dim), {}, [vu], registry))
                 args = args[:i] + (vu,) + args[i + 1:]
         if name == EXPERTS:
             weights = set(weights_of(op))
@@ -561,8 +570,27 @@ def make_op(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[
     op = IRFwOperation(name=name, inputs=list(_tensors((args, kwargs))), outputs=outputs, target=target,
                        args=tuple(args), kwargs=dict(kwargs), module_path=like.module_path, source=like.source,
                        grad_enabled=like.grad_enabled, recompute=like.recompute)
+    _check_shapes(op)
     registry.annotate(op)
     return op
+
+
+def _check_shapes(op: IRFwOperation) -> None:
+    """Runs ``op`` on meta tensors: a rewrite whose declared output shapes are not the op's (a
+    broadcast it did not mean) is an internal error here, not a wrong shape at run time. An op
+    with no meta kernel is not checked."""
+    if not isinstance(op.target, torch._ops.OpOverload):
+        return
+    meta = lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, IRTensor) else a  # noqa: E731
+    try:
+        got = op.target(*map_leaves(op.args, meta), **map_leaves(op.kwargs, meta))
+    except Exception:   # noqa: BLE001 - no meta kernel for it: nothing to compare
+        return
+    got = [got] if isinstance(got, torch.Tensor) else [g for g in got if isinstance(g, torch.Tensor)] \
+        if isinstance(got, (list, tuple)) else []
+    if [tuple(g.shape) for g in got] != [tuple(o.shape) for o in op.outputs]:
+        raise CubeInternalError(f"op {op.name!r} ({op.where()}) rewritten to make {[tuple(o.shape) for o in op.outputs]}, "
+                                f"but it makes {[tuple(g.shape) for g in got]}")
 
 
 _LOSSES = {"cross_entropy_loss"}
