@@ -2,8 +2,9 @@
 the copies laid out expert by expert (Llama 4's: ``hidden.repeat(E, 1)``, the scores transposed to
 ``(E, N)``, ``bmm`` per expert, ``reshape(E, -1, H).sum(0)``), runs on ``(E, B, S, ...)``, so the
 sequence split of context and sequence parallel goes through it instead of gathering the sequence.
-Checked on such a layer written here and on Hugging Face's Llama 4 as shipped, trained exactly
-against the plain model under ``strict=True``."""
+Tensor parallel splits such a layer by experts (``cube.ir.follow._column``). Checked on such a layer
+written here and on Hugging Face's Llama 4 as shipped, trained exactly against the plain model under
+``strict=True``."""
 import functools
 
 import pytest
@@ -16,6 +17,7 @@ from cube.errors import CubeInternalError
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.policies.context import PASContext
+from cube.policies.megatron import PASMegatronTP
 from cube.policies.megatron3d import PASMegatron
 from cube.policies.pipeline import PAS1F1B
 from cube.policies.single import PASSingle
@@ -105,6 +107,18 @@ def test_sequence_parallel_keeps_its_split_and_trains_exactly():
     torch.manual_seed(0)
     policy = functools.partial(PASMegatron, tp=2, pp=1, nmicros=1, sp=True)
     assert_exact(parity(ExpertMajor(), _batch(), policy, 2, steps=2, opt="sgd", strict=True))
+
+
+def test_tensor_parallel_splits_the_experts_between_its_ranks():
+    """Every token goes through every expert, so tensor parallel splits the experts as Megatron's pair
+    splits an MLP: each rank its experts' weights whole, the sum over the experts its partial sums
+    (before, every rank held and ran every expert)."""
+    torch.manual_seed(0)
+    model, sample = ExpertMajor(), _batch()
+    plan = cube.plan(model, sample, PASMegatronTP, 2, strict=True).program.plans[0]
+    held = {t.names[0]: t.user_box(b) for t, b in plan.attrs}
+    assert held["gate_up"][0] == (0, E // 2) and held["down"][0] == (0, E // 2), held
+    assert_exact(parity(model, sample, PASMegatronTP, 2, steps=2, opt="sgd", strict=True))
 
 
 def test_one_sample_micro_batches_train_exactly():

@@ -363,7 +363,7 @@ def megatron_flow(graph: IRGraph, num: int, vocab: bool = False) -> Flow:
         info = op_info(op.name)   # a matmul of an input and a weight
         if info.cost != "matmul" or info.batched or id(op) in flow.splits or op.anno is None:
             continue
-        col = _column(op)
+        col = _column(op, readers.makers)
         if col is None or not op.algorithms("dim").satisfy(*col, num):
             continue
         trial = _trial(readers, flow, op, col, num, inside_ends=vocab)
@@ -546,7 +546,7 @@ def _gathered_columns(readers: "_Readers", flow: Flow, num: int) -> None:
         if info.cost != "matmul" or info.batched or id(op) in flow.splits or op.anno is None \
                 or any(id(t) in flow.tracked for t in op.inputs):
             continue
-        col = _column(op)
+        col = _column(op, readers.makers)
         if col is not None and op.algorithms("dim").satisfy(*col, num) and _feeds_split(readers, flow, op):
             flow.splits[id(op)] = (op, *col)
             flow.losses.pop(id(op), None)   # kept after all: its output is gathered, not the weight
@@ -791,12 +791,31 @@ def _trial(readers: _Readers, flow: Flow, start: IRFwOperation, col: Tuple[int, 
     return _Trial(stop=start, why="its split reaches no op that sums it away")
 
 
-def _column(op: IRFwOperation) -> Optional[Tuple[int, int]]:
-    """(idx, dim) of the output-feature split of a matmul-like op: the weight's dim of 'n'."""
+def _unsqueezed_param(t: IRTensor, makers: Dict[int, IRFwOperation]) -> bool:
+    """Whether ``t`` is a parameter given dims of 1 by ``unsqueeze`` ops (``W[:, None]``)."""
+    while t.kind is not TensorKind.PARAM:
+        m = makers.get(id(t))
+        if m is None or m.name != "unsqueeze" or len(m.inputs) != 1:
+            return False
+        t = m.inputs[0]
+    return True
+
+
+def _column(op: IRFwOperation, makers: Dict[int, IRFwOperation]) -> Optional[Tuple[int, int]]:
+    """(idx, dim) of the output-feature split of a matmul-like op: the weight's dim of 'n'; for a
+    matmul by experts' matrices from a parameter, their dim of experts."""
     for idx, group in enumerate(op.anno.inputs):
         for dim, d in enumerate(group):
             if d.head is not None and d.head.name == "n" and op.inputs[idx].ndim == 2:
                 return idx, dim
+    if op.name == "matmul" and op.inputs[1].ndim >= 3 and op.inputs[1].kind is not TensorKind.PARAM and \
+            op.inputs[1].shape[0] == op.inputs[0].shape[0] > 1 and _unsqueezed_param(op.inputs[1], makers):
+        # experts' matrices, one per row of dim 0, multiplying every token (Llama 4's MoE as
+        # cube.trace.major gives it): split by experts, each rank its experts' weights whole, the
+        # experts' sum over dim 0 the partial sums a row linear's would be
+        head = op.anno.inputs[1][0].head
+        if head is not None and not head.inside:
+            return 1, 0
     if op.name in ("matmul", "mm") and op.inputs[0].ndim == 2 and op.inputs[0].kind is TensorKind.PARAM:
         # ``W @ x`` (Mamba's ``dt_proj.weight @ time_step.transpose(1, 2)``): the weight's rows ('m') are the
         # output features
