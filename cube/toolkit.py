@@ -18,8 +18,9 @@ from typing import List, Optional, Sequence, Tuple, Union
 from cube import schedule
 from cube.ir import lost
 from cube.ir.blocks import recompute_blocks
-from cube.ir.follow import Flow, batch_flow, context_flow, cut, expert_flow, megatron_flow, sequence_flow
+from cube.ir.follow import Flow, batch_flow, context_flow, cut, expert_flow, sequence_flow
 from cube.ir.heads import head_parallel
+from cube.ir.megatron import megatron_flow
 from cube.ir.graph import IRGraph
 from cube.ir.operator import IRDataOperation, IRFwOperation, IROperator
 from cube.mesh import DeviceMesh, MeshDim
@@ -70,7 +71,7 @@ def context_parallel(graph: IRGraph, over: Union[MeshDim, int], heads: bool = Tr
 
 def tensor_parallel(graph: IRGraph, over: Union[MeshDim, int], vocab: bool = False) -> Flow:
     """Megatron's tensor parallel plan over ``over`` (column/row linear pairs, attention heads),
-    found from the graph's structure (``cube.ir.follow.megatron_flow``). With ``vocab``, also
+    found from the graph's structure (``cube.ir.megatron.megatron_flow``). With ``vocab``, also
     Megatron's vocabulary parallelism: the LM head split over the vocabulary up to a
     vocabulary-parallel cross entropy (the logits stay split), the input embedding split by rows."""
     n = _size(over)

@@ -31,7 +31,8 @@ def _pipeline(graph, resource, schedule, nstages, nmicros=4, tensor=False, nvirt
     sent between the stages)."""
     from cube import schedule as sched
     from cube.ir import IRFwOperation
-    from cube.ir.follow import batch_flow, megatron_flow, place
+    from cube.ir.follow import batch_flow, place
+    from cube.ir.megatron import megatron_flow
     dp = resource.ngpus // nstages
     fw = graph.select(ntype=IRFwOperation)
     n = nstages * nvirtual

@@ -2,7 +2,7 @@
 the copies laid out expert by expert (Llama 4's: ``hidden.repeat(E, 1)``, the scores transposed to
 ``(E, N)``, ``bmm`` per expert, ``reshape(E, -1, H).sum(0)``), runs on ``(E, B, S, ...)``, so the
 sequence split of context and sequence parallel goes through it instead of gathering the sequence.
-Tensor parallel splits such a layer by experts (``cube.ir.follow._column``). Checked on such a layer
+Tensor parallel splits such a layer by experts (``cube.ir.megatron._column``). Checked on such a layer
 written here and on Hugging Face's Llama 4 as shipped, trained exactly against the plain model under
 ``strict=True``."""
 import functools

@@ -2,7 +2,7 @@
 
 With fewer key/value heads than tensor-parallel ranks, the key and value projections cannot be
 split by heads: tensor parallel splits them by output features and gathers their outputs
-(``cube.ir.follow._gathered_columns``), so what follows (the rotary embedding's slices of the key's
+(``cube.ir.megatron._gathered_columns``), so what follows (the rotary embedding's slices of the key's
 head dim) runs whole on every rank. Sequence parallel extends that plan: the projections read the
 all-gathered sequence, and their gathered outputs stay whole, so no op is asked to split the
 single head's dim it slices (``cube.ir.follow.follow`` does not follow the features of a split its
@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cube
-from cube.ir.follow import megatron_flow, sequence_flow
+from cube.ir.follow import sequence_flow
+from cube.ir.megatron import megatron_flow
 from cube.ir.operator import IRFwOperation
 from cube.policies.megatron3d import PASMegatron
 from tests.inprocess import parity

@@ -31,8 +31,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import List, Set
 
-from cube.ir.follow import Flow, follow, gathers, megatron_flow
+from cube.ir.follow import Flow, follow, gathers
 from cube.ir.graph import IRGraph, constant, makers as graph_makers
+from cube.ir.megatron import megatron_flow
 from cube.ir.operator import IRFwOperation
 
 _STEPS = 6   # the most one-input ops (a transpose, a cast) between a shared linear and the op gathering it

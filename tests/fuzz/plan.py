@@ -135,7 +135,8 @@ def base_place(graph, base: str, group: Tuple[int, ...], flows: dict, node) -> P
         return Place(group, ((None, None, n),) if n > 1 else ())
     key = (base, n)
     if key not in flows:
-        from cube.ir.follow import batch_flow, megatron_flow
+        from cube.ir.follow import batch_flow
+        from cube.ir.megatron import megatron_flow
         flows[key] = batch_flow(graph, n) if base == "dp" else megatron_flow(graph, n)
     split = flows[key].split_of(node)
     return Place(group, ((None, None, n),) if split is None else ((split[0], split[1], n),))
