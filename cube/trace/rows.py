@@ -577,8 +577,10 @@ def make_op(like: IRFwOperation, target, name: str, args, kwargs, outputs: List[
 
 def _check_shapes(op: IRFwOperation) -> None:
     """Runs ``op`` on meta tensors: a rewrite whose declared output shapes are not the op's (a
-    broadcast it did not mean) is an internal error here, not a wrong shape at run time. An op
-    with no meta kernel is not checked."""
+    broadcast it did not mean) is an internal error here, not a wrong shape at run time. A dim of
+    1 the op makes where the rewrite declares more is a broadcast it means (``cube.trace.heads``
+    gives a repeat back as its input, broadcast by the ops reading it). An op with no meta kernel is
+    not checked."""
     if not isinstance(op.target, torch._ops.OpOverload):
         return
     meta = lambda a: torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, IRTensor) else a  # noqa: E731
@@ -588,7 +590,8 @@ def _check_shapes(op: IRFwOperation) -> None:
         return
     got = [got] if isinstance(got, torch.Tensor) else [g for g in got if isinstance(g, torch.Tensor)] \
         if isinstance(got, (list, tuple)) else []
-    if [tuple(g.shape) for g in got] != [tuple(o.shape) for o in op.outputs]:
+    if len(got) != len(op.outputs) or any(g.ndim != o.ndim or any(a not in (1, b) for a, b in zip(g.shape, o.shape))
+                                          for g, o in zip(got, op.outputs)):
         raise CubeInternalError(f"op {op.name!r} ({op.where()}) rewritten to make {[tuple(o.shape) for o in op.outputs]}, "
                                 f"but it makes {[tuple(g.shape) for g in got]}")
 
