@@ -432,6 +432,8 @@ PLANS: Dict[str, Plan] = {
     "sp": Plan("cube.policies.megatron3d:PASMegatron", 2, (("tp", 2), ("pp", 1), ("nmicros", 1), ("sp", True))),
     "cp": Plan("cube.policies.context:PASContext", 2, (("cp", 2),)),
     "cp_tp": Plan("cube.policies.context:PASContext", 4, (("cp", 2), ("tp", 2))),
+    "sp_cp": Plan("cube.policies.megatron3d:PASMegatron", 4, (("tp", 2), ("pp", 1), ("nmicros", 1), ("sp", True),
+                                                            ("cp", 2))),
     "interleaved": Plan("cube.policies.pipeline:PAS1F1BInterleaved", 2, (("nmicros", 4), ("nvirtual", 2)), nmicros=4,
                         micro=1),
     "zbv": Plan("cube.policies.pipeline:PASZBV", 2, (("nmicros", 4),), nmicros=4, micro=1),
@@ -454,15 +456,16 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
     # no sequence: an image classifier's activations have no dim context parallelism splits
     **{(m, p): ("no sequence dim found to split", "an image model: no sequence for context parallelism to split")
        for m in ("vit", "swin", "convnext", "resnet", "timm_vit", "timm_resnet", "timm_convnext", "timm_swin",
-                 "tv_vit") for p in ("cp", "cp_tp")},
+                 "tv_vit") for p in ("cp", "cp_tp", "sp_cp")},
     # a convolutional network has no pair of linear layers for Megatron's split: under strict=True the
     # policy's "splits nothing" is an error
     **{(m, "tensor"): ("no linear pairs found to split", "a convolutional network: no pair of linear layers "
                        "for Megatron-LM's tensor split (data parallel splits it)") for m in ("resnet", "timm_resnet")},
     # context parallel splits a recurrence by heads (cube.ir.heads) and tensor parallel each block again: the
     # configuration's 2 key heads do not divide into cp x tp = 4 (Megatron-LM asks the same of its heads)
-    ("qwen3_next", "cp_tp"): ("choose cp x tp dividing the heads", "Qwen3-Next's gated delta rule splits by heads "
-                              "over cp and tp together; the zoo configuration's 2 key heads do not divide into 4"),
+    **{("qwen3_next", p): ("choose cp x tp dividing the heads", "Qwen3-Next's gated delta rule splits by heads "
+                           "over cp and tp together; the zoo configuration's 2 key heads do not divide into 4")
+       for p in ("cp_tp", "sp_cp")},
     # torch's batch norm itself refuses one sample per channel in training (timm's ResNet ends at 1x1 pixels)
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
 }
