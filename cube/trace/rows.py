@@ -592,7 +592,8 @@ def _check_shapes(op: IRFwOperation) -> None:
         if isinstance(got, (list, tuple)) else []
     if len(got) != len(op.outputs) or any(g.ndim != o.ndim or any(a not in (1, b) for a, b in zip(g.shape, o.shape))
                                           for g, o in zip(got, op.outputs)):
-        raise CubeInternalError(f"op {op.name!r} ({op.where()}) rewritten to make {[tuple(o.shape) for o in op.outputs]}, "
+        declared = [tuple(o.shape) for o in op.outputs]
+        raise CubeInternalError(f"op {op.name!r} ({op.where()}) rewritten to make {declared}, "
                                 f"but it makes {[tuple(g.shape) for g in got]}")
 
 
