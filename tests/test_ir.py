@@ -116,6 +116,32 @@ def test_outputs_autograd_does_not_track_need_no_gradient():
     assert all(o.requires_grad for o in ops["linear"].outputs + ops["slice"].outputs)
 
 
+def _autograd_tracks(name: str, *args) -> "bool | None":
+    """Whether eager autograd tracks the float output of aten op ``name`` called on a ``(2, 3)`` meta
+    tensor that needs a gradient (and ``args``); None where it takes other arguments or makes no float."""
+    op = getattr(torch.ops.aten, name, None)
+    x = torch.empty(2, 3, device="meta", requires_grad=True)
+    try:
+        with torch.enable_grad():
+            out = op.default(x, *args)
+    except Exception:   # noqa: BLE001 - an op this call does not fit
+        return None
+    return out.requires_grad if isinstance(out, torch.Tensor) and out.dtype.is_floating_point else None
+
+
+def test_the_ops_table_says_which_outputs_autograd_tracks():
+    """``OpInfo.grad_free`` against eager autograd, for every row callable on one tensor (and
+    ``full_like`` with its value): the IR's gradients follow it (a read whose gradient never comes
+    must not be waited for)."""
+    from cube.ir.ops import op_info, rows
+    seen = {name: _autograd_tracks(name) for name in rows()}
+    seen["full_like"] = _autograd_tracks("full_like", 1.0)
+    checked = {name: tracks for name, tracks in seen.items() if tracks is not None}
+    assert len(checked) >= 50 and {"zeros_like", "ones_like", "full_like", "rand_like", "detach", "exp"} <= set(checked)
+    wrong = {name: tracks for name, tracks in checked.items() if tracks == op_info(name).grad_free}
+    assert not wrong, f"grad_free disagrees with autograd for {wrong}"
+
+
 class _Float32Gate(torch.nn.Module):
     """A router computed under ``torch.autocast(dtype=torch.float32)`` (torchtitan's MoE router): on a
     CPU torch has no float32 autocast, warns, and runs the region as written."""

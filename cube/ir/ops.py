@@ -201,7 +201,7 @@ _add("layer_norm rms_norm group_norm", half="same")
 _add("batch_norm instance_norm", half="stats")
 
 # outputs autograd never tracks (torch's derivatives mark them not differentiable)
-_add("detach detach_ zeros_like ones_like full_like empty_like rand_like randn_like randint_like", grad_free=True)
+_add("detach detach_ zeros_like ones_like full_like empty_like rand_like randn_like randint_like histc", grad_free=True)
 
 # how a piece is called
 _add("view reshape _unsafe_view flatten contiguous clone detach squeeze unsqueeze", same_elements=True)
