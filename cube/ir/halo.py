@@ -324,12 +324,7 @@ def conv_groups(op: IRFwOperation, in_shape: Sequence[int]) -> Optional[int]:
     """The ``groups`` of a grouped convolution's piece whose input 0 has ``in_shape`` (None: not a
     grouped convolution): a depthwise conv split along its channels (``cube.trace.rules.conv``) keeps
     one group per local channel; one split along another dim keeps its groups."""
-    if not op.name.startswith("conv"):
-        return None
-    names = [a.name for a in op.target._schema.arguments]
-    if "groups" not in names:
-        return None
-    groups = _arg(op, "groups", 1)
+    groups = _arg(op, "groups", 1) if op.name.startswith("conv") else 1
     if groups <= 1:
         return None
     c = len(in_shape) - op.inputs[1].ndim + 1   # input 0's channel dim (after any batch dims)

@@ -51,6 +51,7 @@ Made = Tuple[Any, str, tuple, dict]
 
 OPS = frozenset({"transpose", "permute"})   # besides views, elementwise ops, bmm, chunk and reductions
 _VIEWS = frozenset({"view", "_unsafe_view", "reshape"})
+_SWAPS = frozenset({"t", "numpy_T", "transpose", "permute"})
 _REDUCTIONS = frozenset({"sum", "mean", "amax", "amin"})
 
 
@@ -124,7 +125,7 @@ def row(op: IRFwOperation, inside, rows: Tuple[int, ...], lead: Tuple[int, ...],
         return aten.reshape.default, "reshape", (first, list(shape(op.outputs[0]))), {}
     if name in OPS:
         o = op.outputs[0]
-        if len(op.inputs) != 1 or first is not ins[0] or first.ndim != 2 or kwargs or not _swaps(op):
+        if len(op.inputs) != 1 or first is not ins[0] or first.ndim != 2 or kwargs or not swaps(op):
             return None
         if _one(first, rows) and is_major(o, rows):    # (N, c) -> (c, N): c in front of lead
             return aten.permute.default, "permute", (first, [k] + list(range(k))), {}
@@ -159,11 +160,15 @@ def row(op: IRFwOperation, inside, rows: Tuple[int, ...], lead: Tuple[int, ...],
     return None
 
 
-def _swaps(op: IRFwOperation) -> bool:
-    """Whether ``op`` (``transpose``/``permute``) swaps the two dims of a 2-D tensor."""
+def swaps(op: IRFwOperation) -> bool:
+    """Whether ``op`` (``t``, ``numpy_T``, ``transpose`` or ``permute``) swaps the two dims of a 2-D tensor."""
+    if len(op.inputs) != 1 or op.inputs[0].ndim != 2 or op.name not in _SWAPS:
+        return False
     if op.name == "transpose":
         return len(op.args) == 3 and {d % 2 for d in op.args[1:3] if isinstance(d, int)} == {0, 1}
-    return len(op.args) == 2 and isinstance(op.args[1], (list, tuple)) and [d % 2 for d in op.args[1]] == [1, 0]
+    if op.name == "permute":
+        return len(op.args) == 2 and isinstance(op.args[1], (list, tuple)) and [d % 2 for d in op.args[1]] == [1, 0]
+    return True
 
 
 def _elementwise(op: IRFwOperation, inside, rows: Tuple[int, ...]) -> bool:

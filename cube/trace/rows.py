@@ -93,7 +93,6 @@ _RESTORES = {"view", "_unsafe_view", "reshape", "unflatten"}
 _MATMULS = {"linear", "matmul", "mm"}
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
-_TRANSPOSES = {"t", "numpy_T", "transpose", "permute"}
 _DROPOUTS = {"dropout", "native_dropout"}
 
 
@@ -346,7 +345,7 @@ def _row(op: IRFwOperation, inside, rows, makers, lead) -> Optional[Tuple[Any, s
                 any(op.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")) or set(op.kwargs) - {"beta", "alpha"} or \
                 not isinstance(b, IRTensor) or b.ndim > 1 or not isinstance(w, IRTensor) or w.ndim != 2:
             return None
-        if wt is not None and _transposes(wt):
+        if wt is not None and major.swaps(wt):
             return aten.linear.default, "linear", (x, wt.inputs[0], b), {}
         # a weight of shape (in, out) (Hugging Face's Conv1D: addmm(bias, x, weight)): linear of its transpose
         return aten.linear.default, "linear", (x, _Transposed(w), b), {}
@@ -463,17 +462,6 @@ def _draws_nothing(op: IRFwOperation, inside) -> bool:
     """A dropout of a chain value that draws nothing (probability 0; module docstring)."""
     return len(op.inputs) == 1 and bool(op.args) and op.args[0] is op.inputs[0] and id(op.inputs[0]) in inside and \
         not inplace.draws(op.target, op.args, op.kwargs)
-
-
-def _transposes(op: IRFwOperation) -> bool:
-    """Whether ``op`` swaps the two dims of a 2-D tensor."""
-    if len(op.inputs) != 1 or op.inputs[0].ndim != 2 or op.name not in _TRANSPOSES:
-        return False
-    if op.name == "transpose":
-        return {d % 2 for d in op.args[1:3]} == {0, 1}
-    if op.name == "permute":
-        return [d % 2 for d in op.args[1]] == [1, 0]
-    return True
 
 
 def _rewrite(chain: _Chain, makers, registry: Registry) -> Dict[int, List[IRFwOperation]]:
