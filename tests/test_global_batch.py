@@ -20,6 +20,7 @@ import torch.nn as nn
 import cube
 import cube.debug
 from cube.policies.megatron3d import PASMegatron
+from cube.policies.data import PASData
 from cube.policies.pipeline import PAS1F1B, PASGPipe
 from tests.launch import parity_across_ranks
 from tests.models import build
@@ -185,3 +186,26 @@ def test_a_constant_from_the_batch_size_is_the_global_one():
     batches = [(torch.randn(8, 8),) for _ in range(2)]
     for loss_err, param_err, _, _ in _train(_MeanOfSum(), batches, functools.partial(PAS1F1B, nmicros=4), 2):
         assert loss_err <= RTOL and param_err <= RTOL
+
+
+class _SqueezedColumn(nn.Module):
+    """``x.squeeze()`` of a ``(B, 1)`` value written into a column, as MBart's ``shift_tokens_right``:
+    on a piece of one sample, ``squeeze()`` drops the batch dim too; traced, it drops dim 1 alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 1), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.b(x).clone()
+        y[:, 0] = self.a(x).squeeze()
+        return y.pow(2).mean()
+
+
+@pytest.mark.parametrize("policy", [functools.partial(PAS1F1B, nmicros=2), PASData], ids=["1f1b", "data"])
+def test_squeeze_of_every_size_one_dim_keeps_a_batch_of_one(policy):
+    from tests.inprocess import assert_exact, parity
+    torch.manual_seed(0)
+    nmicros, batch = (1, 2) if policy is PASData else (2, 1)   # one sample a rank, or a micro-batch
+    assert_exact(parity(_SqueezedColumn(), (torch.randn(batch, 8),), policy, 2, steps=2, nmicros=nmicros,
+                        opt="sgd"))

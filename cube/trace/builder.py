@@ -33,7 +33,8 @@ _IDENTITY = {"alias"}
 
 # ops the builder writes as what they compute (the method of ``_Builder`` doing it)
 _REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
-             "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as"}
+             "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as",
+             "squeeze": "_squeeze"}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
@@ -420,6 +421,20 @@ class _Builder:
         if not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
             return False, args
         self.env[node] = self._op(node, torch.ops.aten.expand.default, [args[0], list(args[1].shape)], {},
+                                  [_tensor_of(val, node.name)]).outputs[0]
+        self._alias(node, node.args[0], node)
+        return True, args
+
+    def _squeeze(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.squeeze()`` drops every dim of size 1, so on a piece of one sample (a micro-batch, a
+        rank's block of the batch) it would drop the batch dim too (MBart's ``shift_tokens_right``):
+        it becomes ``squeeze`` of the dims of size 1 in the trace, the same op on the traced shape (a
+        symbolic dim, as the batch, is not one of them: torch's trace assumes it is not 1)."""
+        if node.target is not torch.ops.aten.squeeze.default or not isinstance(args[0], IRTensor):
+            return False, args
+        traced = node.args[0].meta.get("val")   # a dim the trace holds as a symbol (the batch) is no 1
+        dims = [d for d, s in enumerate(traced.shape) if isinstance(s, int) and s == 1]
+        self.env[node] = self._op(node, torch.ops.aten.squeeze.dims, [args[0], dims], {},
                                   [_tensor_of(val, node.name)]).outputs[0]
         self._alias(node, node.args[0], node)
         return True, args

@@ -412,6 +412,13 @@ def max_rule(op: IRFwOperation) -> str:
     return _reduce(op, _arg(op, 1, "dim"), bool(_arg(op, 2, "keepdim", False)), "^")
 
 
+def norm_rule(op: IRFwOperation) -> str:
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` (what ``x.norm(...)`` and ``torch.norm`` trace to)
+    and ``norm(x, p, dim, keepdim)``: a reduction over ``dim`` (every dim when none is given), the
+    reduced dims whole; the dims after the order, not the order itself."""
+    return _reduce(op, _arg(op, 2, "dim"), bool(_arg(op, 3, "keepdim", False)), "^")
+
+
 def loss(op: IRFwOperation) -> str:
     """cross_entropy_loss / nll_loss over ``(n, c, ...)``. A cross entropy of class-index targets
     without class weights may split its classes (``c~``, ``OpInfo.inside="vocab_loss"``: Megatron's
@@ -815,7 +822,7 @@ RULES: Dict[str, Rule] = {
     "flex_attention": flex_attention, "block_mask": block_mask,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
-    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "loss": loss,
+    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "norm_rule": norm_rule, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax: dim is whole
     "scan": scan,                                                 # cumsum: dim split, a scan inside the call
