@@ -35,7 +35,33 @@ def test_untraceable_model_names_model_and_line(tmp_path):
     assert msg.startswith("cube could not trace DataDependent.forward"), msg
     assert "DataDependent.forward" in msg and "test_errors.py" in msg
     assert "if y.sum() > 0" in msg          # the failing model line
-    assert "Fix:" in msg
+    assert "Fix:" in msg and "A Python branch there reads a tensor's value" in msg and "torch.where" in msg, msg
+    assert "shape of a tensor" not in msg, msg   # a branch, not a data-dependent shape
+
+
+class LayerDrop(nn.Module):
+    """Hugging Face's LayerDrop (M2M100, NLLB-MoE ship it on): a layer skipped at random each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers, self.layerdrop = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]), 0.05
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and self.layerdrop > 0.0:
+                dropout_probability = torch.rand([])
+                if dropout_probability < self.layerdrop:
+                    continue
+            x = layer(x)
+        return x.mean()
+
+
+def test_layerdrop_is_named_with_its_fix(tmp_path):
+    with pytest.raises(cube.TraceError) as err:
+        _compile(LayerDrop(), torch.randn(2, 4), PASSingle, tmp_path)
+    msg = str(err.value)
+    assert "if dropout_probability < self.layerdrop" in msg and "It is LayerDrop" in msg, msg
+    assert "decoder_layerdrop = 0.0" in msg, msg
 
 
 def test_policy_returning_non_graph(tmp_path):

@@ -88,3 +88,30 @@ def test_hugging_face_rwkv_trains_exactly(plan):
         pytest.skip("transformers is not installed here")
     outcome = zoo.run("rwkv", plan)
     assert outcome.kind == "exact", outcome
+
+
+class Trigram(nn.Module):
+    """MobileBERT's trigram input: each token's features beside those of the token after it and before it,
+    written as a pad of a slice (``pad(x[:, 1:], (0, 0, 0, 1))``), traced as one pad of ``x``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(E, E), nn.Linear(3 * E, E)
+
+    def forward(self, x, y):
+        x = self.inp(x)
+        x = torch.cat([F.pad(x[:, 1:], [0, 0, 0, 1, 0, 0], value=0.0), x,
+                       F.pad(x[:, :-1], [0, 0, 1, 0, 0, 0], value=0.0)], dim=2)
+        return F.mse_loss(self.out(x), y)
+
+
+def test_a_pad_of_a_slice_is_one_shift():
+    ops = cube.trace_model(Trigram(), _batch()).graph.ops[1:]
+    pads = [op.args[1] for op in ops if op.name == "pad"]
+    assert "slice" not in [op.name for op in ops] and pads == [[0, 0, -1, 1, 0, 0], [0, 0, 1, -1, 0, 0]], pads
+
+
+@pytest.mark.parametrize("policy,world", [(CP2, 2), (SP2, 2)], ids=["cp", "sp"])
+def test_a_pad_of_a_slice_trains_exactly(policy, world):
+    torch.manual_seed(0)
+    assert_exact(parity(Trigram(), _batch(), policy, world, steps=2, opt="sgd", strict=True))

@@ -34,7 +34,7 @@ _IDENTITY = {"alias"}
 # ops the builder writes as what they compute (the method of ``_Builder`` doing it)
 _REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
              "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as",
-             "squeeze": "_squeeze"}
+             "squeeze": "_squeeze", "pad": "_shifted", "constant_pad_nd": "_shifted"}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
@@ -437,6 +437,38 @@ class _Builder:
         self.env[node] = self._op(node, torch.ops.aten.squeeze.dims, [args[0], dims], {},
                                   [_tensor_of(val, node.name)]).outputs[0]
         self._alias(node, node.args[0], node)
+        return True, args
+
+    def _shifted(self, node: torch.fx.Node, args, kwargs, val):
+        """A constant pad of a slice along the padded dim, ``pad(x[:, 1:], (0, 0, 0, 1))`` (a token reads the
+        one after it: MobileBERT's trigram input, Funnel's shifts), is one pad of ``x``, negative where the
+        slice cut: ``pad(x, (0, 0, -1, 1))``, the same values. A slice of its own is a value shorter than
+        ``x`` along that dim, whole under a split of it; the pad is a halo exchange (``rules.pad``)."""
+        src = node.args[0]
+        sizes = args[1] if len(args) > 1 else None
+        mode = args[2] if len(args) > 2 else kwargs.get("mode", "constant")
+        if not (isinstance(src, torch.fx.Node) and src.target is torch.ops.aten.slice.Tensor and mode == "constant"
+                and isinstance(sizes, (list, tuple)) and all(isinstance(v, int) for v in sizes)):
+            return False, args
+        base = src.args[0]
+        shape = base.meta["val"].shape if isinstance(base, torch.fx.Node) and "val" in base.meta else None
+        dim, start, end, step = (list(src.args[1:]) + [0, None, None, 1][len(src.args) - 1:])[:4]
+        if shape is None or step != 1 or not all(isinstance(v, int) or v is None for v in (dim, start, end)):
+            return False, args
+        dim = dim % len(shape)
+        size = shape[dim]
+        if not isinstance(size, int):   # a symbolic dim (the batch): its size is no constant of the trace
+            return False, args
+        start, end = slice(start, end).indices(size)[:2]
+        if start >= end:
+            return False, args
+        k = 2 * (len(shape) - 1 - dim)   # the pad list names the last dim first
+        pads = list(sizes) + [0] * max(0, k + 2 - len(sizes))
+        pads[k], pads[k + 1] = pads[k] - start, pads[k + 1] - (size - end)
+        fn = torch.ops.aten.pad.default if op_name(node.target) == "pad" else torch.ops.aten.constant_pad_nd.default
+        rest = list(args[2:])
+        self.env[node] = self._op(node, fn, [self._map(base), pads] + rest, kwargs,
+                                  [_tensor_of(val, node.name)]).outputs[0]
         return True, args
 
     def _cat(self, node: torch.fx.Node, args, kwargs, val):

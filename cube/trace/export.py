@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import threading
 import traceback
 from contextlib import contextmanager
@@ -140,7 +141,8 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> 
         where = _user_frame(e)
         first = str(e).strip().splitlines()
         msg = "\n".join(first[:12])
-        fix = _DATA_DEPENDENT_FIX if _data_dependent(e) else (
+        fix = _branch_fix(where) if _data_dependent(e) and _BRANCH.search(where) else \
+            _DATA_DEPENDENT_FIX if _data_dependent(e) else (
             "Fix: make forward traceable for the sample batch (no data-dependent Python control "
             "flow on tensor values, no unsupported ops), or wrap the offending part in a function "
             "registered with cube.register_op.")
@@ -156,6 +158,23 @@ _DATA_DEPENDENT_FIX = (
     "compiles a static graph whose every shape follows from the batch's shape. Fix: compute with fixed "
     "shapes (pad to a capacity, a dense dispatch over all experts, torch.where instead of boolean "
     "indexing), or wrap the code in a function registered with cube.register_op.")
+
+
+# the failing line is a Python branch (``if x < p:``): export could not decide it from the batch's shape
+_BRANCH = re.compile(r" in \w+: (if|elif|while|assert)\b|\bif\b.*\belse\b")
+
+
+def _branch_fix(where: str) -> str:
+    """The fix for a Python branch on a tensor's value; LayerDrop (Hugging Face's
+    ``if torch.rand([]) < self.layerdrop: continue``, on by default in M2M100 and NLLB-MoE) by name."""
+    head = ("A Python branch there reads a tensor's value (a test of the data, or a random choice each step); "
+            "cube compiles one static graph, the same on every rank, micro-batch and step. ")
+    if "layerdrop" in where.lower():
+        return head + ("It is LayerDrop: each training step skips whole layers at random. Fix: set the model's "
+                       "layer drop probability to 0 (Hugging Face: config.encoder_layerdrop = "
+                       "config.decoder_layerdrop = 0.0, or config.layerdrop = 0.0) before building the model.")
+    return head + ("Fix: compute both branches and pick with torch.where, decide it outside forward (a Python "
+                   "number, not a tensor), or wrap the code in a function registered with cube.register_op.")
 
 
 def _data_dependent(e: BaseException) -> bool:
