@@ -116,7 +116,10 @@ maximum where masked_fill masked_fill_ le lt ge gt eq ne logical_not logical_and
 bitwise_and bitwise_or __and__ __or__ dropout dropout_ alpha_dropout contiguous clone alias detach detach_
 lift_fresh_copy to _to_copy zeros_like ones_like full_like empty_like rand_like randn_like fill fill_ zero
 zero_ copy_ reciprocal square floor ceil round sign native_dropout broadcast_tensors floor_divide remainder fmod
-trunc isnan isinf bitwise_xor __xor__ xlogy expm1""", rule="elementwise")
+trunc isnan isinf bitwise_xor __xor__ xlogy expm1 hardswish hardsigmoid log_sigmoid""", rule="elementwise")
+_add("glu", rule="glu")
+_add("prelu", rule="prelu")
+_add("im2col", rule="im2col")
 # random numbers of their input's shape (the functional forms of ``x.exponential_()``... that tracing makes, and
 # what stays in place on a copy): elementwise, so a batch, sequence or head split carries through them; each
 # piece draws its own numbers (cube.runtime.rng)
@@ -222,6 +225,17 @@ BUILTIN = frozenset(_ROWS)
 # Hugging Face's grouped expert matmuls, one expert's matrix per row of their first input (batched:
 # not a linear layer's product of an input and a weight, which tensor parallel splits)
 _add("_grouped_mm grouped_mm_fallback", cost="matmul", batched=True)
+
+
+# ATen's aliases (``torch.multiply`` traces to ``aten.multiply``): the trace records the op they name, so every
+# row, rule and pass that knows ``mul`` knows ``multiply`` (``cube.trace.builder``)
+ALIASES = dict(multiply="mul", multiply_="mul_", divide="div", divide_="div_", subtract="sub", subtract_="sub_",
+               true_divide="div", true_divide_="div_", greater="gt", greater_="gt_", greater_equal="ge",
+               greater_equal_="ge_", less="lt", less_="lt_", less_equal="le", less_equal_="le_", not_equal="ne",
+               not_equal_="ne_", absolute="abs", absolute_="abs_", arccos="acos", arcsin="asin", arctan="atan",
+               arctan2="atan2", arccosh="acosh", arcsinh="asinh", arctanh="atanh", fix="trunc", fix_="trunc_",
+               negative="neg", negative_="neg_", clip="clamp", clip_="clamp_", special_expit="sigmoid",
+               special_erf="erf")
 
 
 def op_info(name: str) -> OpInfo:

@@ -12,7 +12,7 @@ import torch.fx
 
 from cube.errors import CubeInternalError
 from cube.ir.graph import IRGraph
-from cube.ir.ops import op_info
+from cube.ir.ops import ALIASES, op_info
 from cube.ir.operator import IRDataOperation, IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.trace import inplace
@@ -497,6 +497,7 @@ class _Builder:
             if view is not None and view.node is src:   # an item of a multi-output view
                 self._alias(node, src, src, node.args[1])
             return
+        target = _canonical(target)
         name = op_name(target)
         if name in _DROPPED:
             self.env[node] = None
@@ -561,6 +562,18 @@ class _Builder:
         self.env[node] = value
         if inplace.is_view(node):
             self._alias(node, node.args[0], node)
+
+
+def _canonical(target: Any) -> Any:
+    """The op an ATen alias names (``aten.multiply.Tensor`` -> ``aten.mul.Tensor``, ``cube.ir.ops.ALIASES``),
+    the same overload and arguments; any other target as it is."""
+    schema = getattr(target, "_schema", None)
+    name = schema.name.split("::")[-1] if schema is not None and schema.name.startswith("aten::") else None
+    if name not in ALIASES:
+        return target
+    op = getattr(getattr(torch.ops.aten, ALIASES[name]), target._overloadname, None)
+    same = op is not None and [a.name for a in op._schema.arguments] == [a.name for a in schema.arguments]
+    return op if same else target
 
 
 def _like(t: IRTensor, hint: str) -> IRTensor:

@@ -635,6 +635,32 @@ def cat(op: IRFwOperation) -> str:
     return _along(op, _dim(_arg(op, 1, "dim", 0), op.outputs[0].ndim))
 
 
+def prelu(op: IRFwOperation) -> str:
+    """``prelu(x, weight)``: one slope per channel (dim 1 of ``x``), or one for all; ``x`` splits freely,
+    a channel split splits the slopes with it."""
+    x, w = op.inputs[0], op.inputs[1]
+    names = _Names()
+    g = ["1" if s == 1 else names() for s in x.shape]
+    wg = ["1" if s == 1 or x.ndim < 2 else g[1] for s in w.shape]
+    return _anno([g, wg], [g])
+
+
+def im2col(op: IRFwOperation) -> str:
+    """``unfold(x, kernel, ...)`` (``(B, C, H, W) -> (B, C * kh * kw, L)``): the batch splits; the
+    channels (merged with the kernel's offsets) and the positions are whole."""
+    x = op.inputs[0]
+    names = _Names()
+    b = ["1" if x.shape[0] == 1 else names()] if x.ndim == 4 else []
+    ins = b + [names(True) if s != 1 else "1" for s in x.shape[len(b):]]
+    out = b + [names(True) if s != 1 else "1" for s in op.outputs[0].shape[len(b):]]
+    return _anno([ins], [out])
+
+
+def glu(op: IRFwOperation) -> str:
+    """``glu(x, dim)``: the two halves of ``dim`` gate each other, so ``dim`` is whole; the others split."""
+    return _along(op, _dim(_arg(op, 1, "dim", -1), op.outputs[0].ndim))
+
+
 def stack(op: IRFwOperation) -> str:
     out = op.outputs[0]
     d = _dim(_arg(op, 1, "dim", 0), out.ndim)
@@ -822,7 +848,7 @@ RULES: Dict[str, Rule] = {
     "flex_attention": flex_attention, "block_mask": block_mask,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
-    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "norm_rule": norm_rule, "loss": loss,
+    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "norm_rule": norm_rule, "glu": glu, "prelu": prelu, "im2col": im2col, "loss": loss,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax: dim is whole
     "scan": scan,                                                 # cumsum: dim split, a scan inside the call
