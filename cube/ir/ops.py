@@ -128,6 +128,7 @@ randint_like geometric geometric_ log_normal log_normal_ cauchy cauchy_""", rule
 _add("normal", rule="drawn")   # normal(mean, std): elementwise over its tensors; normal(0., 1., size): creation
 _add("linear", rule="linear")
 _add("addmm", rule="addmm")
+_add("baddbmm", rule="baddbmm")
 _add("matmul mm bmm", rule="matmul")
 _add("einsum", rule="einsum")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
@@ -235,7 +236,7 @@ ALIASES = dict(multiply="mul", multiply_="mul_", divide="div", divide_="div_", s
                not_equal_="ne_", absolute="abs", absolute_="abs_", arccos="acos", arcsin="asin", arctan="atan",
                arctan2="atan2", arccosh="acosh", arcsinh="asinh", arctanh="atanh", fix="trunc", fix_="trunc_",
                negative="neg", negative_="neg_", clip="clamp", clip_="clamp_", special_expit="sigmoid",
-               special_erf="erf")
+               special_erf="erf", concatenate="cat")
 
 
 def op_info(name: str) -> OpInfo:

@@ -34,7 +34,7 @@ _IDENTITY = {"alias"}
 # ops the builder writes as what they compute (the method of ``_Builder`` doing it)
 _REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
              "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as",
-             "squeeze": "_squeeze", "pad": "_shifted", "constant_pad_nd": "_shifted"}
+             "squeeze": "_squeeze", "pad": "_shifted", "constant_pad_nd": "_shifted", "reshape_as": "_reshape_as"}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
@@ -423,6 +423,14 @@ class _Builder:
         self.env[node] = self._op(node, torch.ops.aten.expand.default, [args[0], list(args[1].shape)], {},
                                   [_tensor_of(val, node.name)]).outputs[0]
         self._alias(node, node.args[0], node)
+        return True, args
+
+    def _reshape_as(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.reshape_as(y)`` reads only y's shape: a ``reshape`` of x (LeViT's batch norm over rows)."""
+        if not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
+            return False, args
+        self.env[node] = self._op(node, torch.ops.aten.reshape.default, [args[0], list(args[1].shape)], {},
+                                  [_tensor_of(val, node.name)]).outputs[0]
         return True, args
 
     def _squeeze(self, node: torch.fx.Node, args, kwargs, val):

@@ -120,6 +120,16 @@ def addmm(op: IRFwOperation) -> str:
     return _anno([bg, ["m", "k+"], ["k+", "n"]], [["m", "n"]])
 
 
+def baddbmm(op: IRFwOperation) -> str:
+    """``beta * input + alpha * (batch1 @ batch2)``, ``(b, m, k) @ (b, k, n)``: the batch, rows and columns
+    split, ``input`` broadcasting as an elementwise operand; the reduced ``k`` is whole (a split of it would
+    add ``input`` once per piece)."""
+    bias = op.inputs[0]
+    out = ["b", "m", "n"]
+    bg = [("1" if s == 1 else l) for s, l in zip(bias.shape, out[3 - bias.ndim:])]
+    return _anno([bg, ["b", "m", "k^"], ["b", "k^", "n"]], [out])
+
+
 def matmul(op: IRFwOperation) -> str:
     a, b = op.inputs
     out = op.outputs[0]
@@ -844,11 +854,13 @@ def drawn(op: IRFwOperation) -> str:
 # ----------------------------------------------------------------------------- registry
 # rule name (``OpInfo.rule`` in cube.ir.ops, where each op names its rule) -> the rule
 RULES: Dict[str, Rule] = {
-    "elementwise": elementwise, "linear": linear, "addmm": addmm, "matmul": matmul, "einsum": einsum, "sdpa": sdpa,
+    "elementwise": elementwise, "linear": linear, "addmm": addmm, "baddbmm": baddbmm, "matmul": matmul,
+    "einsum": einsum, "sdpa": sdpa,
     "flex_attention": flex_attention, "block_mask": block_mask,
     "embedding": embedding, "layer_norm": layer_norm, "rms_norm": rms_norm, "batch_norm": batch_norm,
     "group_norm": group_norm, "conv_transpose": conv_transpose,
-    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "norm_rule": norm_rule, "glu": glu, "prelu": prelu, "im2col": im2col, "loss": loss,
+    "conv": conv, "pool": pool, "sum_rule": sum_rule, "max_rule": max_rule, "norm_rule": norm_rule, "loss": loss,
+    "glu": glu, "prelu": prelu, "im2col": im2col,
     "pointwise_loss": pointwise_loss,
     "along_dim": _frozen_dims(lambda op: [_arg(op, 1, "dim")]),   # softmax: dim is whole
     "scan": scan,                                                 # cumsum: dim split, a scan inside the call
