@@ -1,7 +1,7 @@
 """ATen's aliases trace as the op they name (``torch.multiply`` is ``mul``: ConvBERT's attention), so
 every rule and pass that knows the op knows its alias; and the elementwise activations of vision and
-speech models (hardswish, log-sigmoid, GLU, PReLU) and ``unfold`` (im2col) have rules. All train exactly under data, tensor and
-context parallel."""
+speech models (hardswish, log-sigmoid, GLU, PReLU) and ``unfold`` (im2col) have rules. All train
+exactly under data, tensor and context parallel and a pipeline of one-sample micro-batches."""
 import functools
 
 import pytest

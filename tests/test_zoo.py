@@ -16,10 +16,10 @@ FAST = {("gpt2", "tensor"), ("llama", "tensor"), ("gpt_neox", "tensor"), ("phi3"
         ("qwen3", "data"), ("gemma2", "data"), ("mixtral", "data"), ("vit", "data"), ("swin", "data"),
         ("resnet", "data"), ("llama", "pipeline_1"), ("qwen3", "pipeline_1"), ("bart", "pipeline_1"),
         ("llama", "3d"), ("gpt2", "single"), ("convnext", "single")}
-FAST |= {(m, "pipeline") for m in zoo.MODELS}
+FAST |= {(m, "pipeline") for m in zoo.MODELS if m not in zoo.WIDER}
 ALL = [(m, p) for m in zoo.MODELS for p in zoo.PLANS]
-# the families added later: tests/test_zoo_added.py and tests/test_zoo_recent.py
-CASES = [(m, p) for m, p in ALL if m not in zoo.ADDED and m not in zoo.RECENT]
+# the families added later: tests/test_zoo_added.py, tests/test_zoo_recent.py and tests/test_zoo_wider.py
+CASES = [(m, p) for m, p in ALL if m not in zoo.ADDED and m not in zoo.RECENT and m not in zoo.WIDER]
 
 
 def cases(which, fast=FAST):

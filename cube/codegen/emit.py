@@ -26,6 +26,7 @@ from cube.ir.layout import Box
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor, TensorKind
 from cube.passes.rank_plans import Call
+from cube.runtime import functions
 from cube.passes.precision import low_precision
 from cube.passes.rng import graph_draws
 from cube.passes.program import Program, RankProgram, Segment
@@ -49,6 +50,9 @@ def _target_str(target) -> str:
     ns = target.namespace
     packet = target._schema.name.split("::")[-1]
     overload = target._overloadname or "default"
+    if ns == functions.NAMESPACE:   # a model's autograd.Function: defined again where the program loads
+        module, qualname, constants = functions.described(packet)
+        return f"runtime.functions.op({module!r}, {qualname!r}, {constants!r})"
     prefix = "aten" if ns == "aten" else f"torch.ops.{ns}"
     return f"{prefix}.{packet}.{overload}"
 

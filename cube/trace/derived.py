@@ -148,6 +148,83 @@ def _derive(op: IRFwOperation) -> Optional[str]:
     return ", ".join(ins) + " -> " + group(0, op.outputs[0])
 
 
+def derive_function(op: IRFwOperation) -> Optional[str]:
+    """An annotation for a model's own ``torch.autograd.Function`` run as one op (``cube.runtime.functions``):
+    each dim of its output splits with the dims of its inputs of that size at that place (right-aligned, as
+    an elementwise op broadcasts), inputs without such a dim read whole, where the pieces give the halves of
+    the whole op's output in forward and of its gradients in backward (the Function's backward as written);
+    every other dim whole. None where no dim splits."""
+    if len(op.outputs) != 1 or not op.inputs:
+        return None
+    key = ("function", str(op.target), _shapes(op))
+    if key not in _CACHE:
+        _CACHE[key] = _derive_function(op)
+    return _CACHE[key]
+
+
+def _derive_function(op: IRFwOperation) -> Optional[str]:
+    out = op.outputs[0]
+    letters: Dict[Tuple[int, int], str] = {}
+    for d, size in enumerate(out.shape):
+        group = {0: d}
+        for slot, t in enumerate(op.inputs, start=1):
+            k = t.ndim - (out.ndim - d)
+            if 0 <= k < t.ndim and t.shape[k] == size:
+                group[slot] = k
+        if size > 1 and _checked(op, group) and _checked_backward(op, group):
+            for slot, k in group.items():
+                letters[(slot, k)] = _LETTERS[d]
+    if not letters:
+        return None
+    fresh = iter(f"z{i}^" for i in range(1000))
+
+    def group_text(slot: int, t: IRTensor) -> str:
+        return " ".join(letters.get((slot, k)) or ("1" if n == 1 else next(fresh)) for k, n in enumerate(t.shape))
+    return ", ".join(group_text(slot, t) for slot, t in enumerate(op.inputs, start=1)) + " -> " + group_text(0, out)
+
+
+def _checked_backward(op: IRFwOperation, group: Dict[int, int]) -> bool:
+    """Whether the gradients of ``op``'s inputs on the two halves of the split ``group`` are the halves of
+    the whole op's (an input read whole: the sum of the two halves' gradients), for a random output gradient."""
+    gen = torch.Generator().manual_seed(1)
+    values = [_random(t, gen) for t in op.inputs]
+    grad_out = _random(op.outputs[0], gen)
+    d0 = group[0]
+    half = op.outputs[0].shape[d0] // 2
+
+    def grads(pieces: List[torch.Tensor], g: torch.Tensor) -> List[Optional[torch.Tensor]]:
+        leaves = [v.detach().requires_grad_(v.dtype.is_floating_point) for v in pieces]
+        wanted = [v for v in leaves if v.requires_grad]
+        with torch.enable_grad():
+            out = op.target(leaves)
+            got = torch.autograd.grad(out, wanted, g, allow_unused=True) if wanted and out.requires_grad else []
+        found = dict(zip(map(id, wanted), got))
+        return [found.get(id(v)) for v in leaves]
+
+    try:
+        whole = grads(values, grad_out)
+        parts = []
+        for h in range(2):
+            pieces = [v if group.get(i + 1) is None else v.narrow(group[i + 1], h * half, half)
+                      for i, v in enumerate(values)]
+            parts.append(grads(pieces, grad_out.narrow(d0, h * half, half)))
+    except Exception:   # noqa: BLE001 - a backward that refuses the pieces: the split is not trusted
+        return False
+    for i, w in enumerate(whole):
+        a, b = parts[0][i], parts[1][i]
+        if w is None or (a is None and b is None):
+            if not (a is None and b is None) and w is not None:
+                return False
+            continue
+        a = torch.zeros_like(values[i] if group.get(i + 1) is None else values[i].narrow(group[i + 1], 0, half)) \
+            if a is None else a
+        b = torch.zeros_like(a) if b is None else b
+        joined = a + b if group.get(i + 1) is None else torch.cat([a, b], dim=group[i + 1])
+        if joined.shape != w.shape or not torch.allclose(joined, w, rtol=1e-5, atol=1e-6, equal_nan=True):
+            return False
+    return True
+
+
 def _random(t: IRTensor, gen: torch.Generator) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return torch.randn(t.shape, dtype=t.dtype, generator=gen)

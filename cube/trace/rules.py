@@ -16,6 +16,7 @@ from cube.ir import ops
 from cube.ir.annotation import OpAnno, parse
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
+from cube.runtime import functions as fn_ops
 
 Rule = Union[str, Callable[[IRFwOperation], str]]
 
@@ -890,11 +891,17 @@ class Registry:
         """Sets ``op.anno`` (or ``op.anno_error``) from the rule for ``op.name``."""
         rule = self.rules.get(op.name)
         if rule is None or rule is opaque:   # opaque: split nothing, the hand rule's placeholder
-            from cube.trace.derived import derive   # a rule from DTensor's strategies, each split checked
-            text = derive(op)
+            from cube.trace import derived   # from DTensor's strategies or the op's own runs, each split checked
+            function = getattr(op.target, "namespace", None) == fn_ops.NAMESPACE
+            text = derived.derive_function(op) if function else derived.derive(op)
             if text is not None:
                 rule = text
                 op.anno_derived = True
+            elif function:
+                module, qualname, _ = fn_ops.described(op.name)
+                op.anno_error = (f"{module}.{qualname}, a torch.autograd.Function run as written, splits along "
+                                 f"no dim: its pieces do not give the halves of its output and gradients")
+                return
             elif rule is None:
                 op.anno_error = f"cube has no partition rule for {op.name!r}"
                 return
