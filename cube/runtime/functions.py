@@ -90,7 +90,8 @@ def _define(name: str, cls: type, constants: Tuple[Any, ...]) -> None:
         out = apply(xs)
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"{cls.__module__}.{cls.__qualname__} returned {type(out).__name__}, not one tensor")
-        return out.clone() if any(out is x for x in xs) else out
+        # an op's output may not alias its inputs (a gradient reversal returns x.view_as(x))
+        return out.clone() if out._is_view() or any(out is x for x in xs) else out
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[0])

@@ -138,6 +138,12 @@ def _derive(op: IRFwOperation) -> Optional[str]:
         if all(used[(slot, d)] == 1 for slot, d in g.items()) and _checked(op, g):
             for slot, d in g.items():
                 letters[(slot, d)] = _LETTERS[i]
+    return _annotation(op, letters)
+
+
+def _annotation(op: IRFwOperation, letters: Dict[Tuple[int, int], str]) -> Optional[str]:
+    """The annotation giving ``letters[(slot, dim)]`` (slot 0 the output, then the inputs) to those dims,
+    every other dim whole; None without a letter."""
     if not letters:
         return None
     fresh = iter(f"z{i}^" for i in range(1000))
@@ -174,13 +180,7 @@ def _derive_function(op: IRFwOperation) -> Optional[str]:
         if size > 1 and _checked(op, group) and _checked_backward(op, group):
             for slot, k in group.items():
                 letters[(slot, k)] = _LETTERS[d]
-    if not letters:
-        return None
-    fresh = iter(f"z{i}^" for i in range(1000))
-
-    def group_text(slot: int, t: IRTensor) -> str:
-        return " ".join(letters.get((slot, k)) or ("1" if n == 1 else next(fresh)) for k, n in enumerate(t.shape))
-    return ", ".join(group_text(slot, t) for slot, t in enumerate(op.inputs, start=1)) + " -> " + group_text(0, out)
+    return _annotation(op, letters)
 
 
 def _checked_backward(op: IRFwOperation, group: Dict[int, int]) -> bool:
