@@ -46,7 +46,7 @@ from cube.runtime import profile as rt_profile
 from cube.runtime import watchdog as rt_watchdog
 from cube.runtime import session as rt_session
 from cube.runtime.utils import atomic_write
-from cube.trace import build_graph, export
+from cube.trace import build_graph, export, flex
 from cube.trace.casts import low_casts
 from cube.trace.export import TraceError
 from cube.trace.rules import REGISTRY
@@ -825,6 +825,9 @@ def _format_phases(timings: dict) -> str:
 
 
 def _load_source(path: Path, name: str):
+    # the flex_attention ops generated code may call are defined when a model is traced: a program loaded
+    # from the cache in a fresh process is not (a model's autograd.Functions define their own, on load)
+    flex.op()
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

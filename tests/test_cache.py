@@ -1,4 +1,10 @@
 """Generated code is cached by plan, reused, and two compiles do not interfere."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 import cube
@@ -56,3 +62,31 @@ def test_first_batch_is_not_lost(tmp_path):
     gen = step.load_model()
     losses = [step(gen, loader).item() for _ in range(3)]
     assert losses == [model(b).item() for b in batches]
+
+
+_FRESH = """
+import sys, torch
+from cube.policies.single import PASSingle
+from tests.parity import compile_step
+from tests.test_{module} import {model}, _batch
+torch.manual_seed(0)
+model, batch = {model}(), _batch()
+step = compile_step(model, iter([batch] * 2), PASSingle, sys.argv[1])
+print(step.cache_hit, float(step(__import__("cube").load_model(), iter([batch]))))
+"""
+
+
+@pytest.mark.parametrize("module,model", [("flex_attention", "LM"), ("autograd_functions", "Net")],
+                         ids=["flex_attention", "autograd_function"])
+def test_a_cached_program_loads_in_a_fresh_process(tmp_path, module, model):
+    """Ops the trace defines (flex_attention's, a model's own autograd.Function run as one op) are defined
+    again when a fresh process loads the program from the cache without tracing."""
+    script = tmp_path / "run.py"
+    script.write_text(_FRESH.format(module=module, model=model))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    runs = [subprocess.run([sys.executable, str(script), str(tmp_path / "cache")], capture_output=True, text=True,
+                           env=env, timeout=300) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    (hit0, loss0), (hit1, loss1) = [r.stdout.split()[-2:] for r in runs]
+    assert (hit0, hit1) == ("False", "True") and loss0 == loss1, (runs[0].stdout, runs[1].stdout)

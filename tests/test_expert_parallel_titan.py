@@ -92,3 +92,39 @@ def test_data_parallel_replicas_round_their_own_bf16_expert_gradients():
     with device_check_off():
         assert_exact(parity(model, sample, _ep(2), 4, steps=2, opt="adamw", batches=batches,
                             reference=_halves_reference), tol=2e-5)
+
+
+def test_deepseek_v3_pipeline_counts_each_micro_batchs_tokens():
+    """A pipeline of two micro-batches (1F1B, 2 ranks): the MoE counts the tokens per expert before its sort
+    (a one-hot summed over the batch, then the group offsets); on each micro-batch it counts that
+    micro-batch's, the ones its sort orders (``Region.counting``), and adds them to its ``tokens_per_expert``
+    buffer, which after the steps holds the global batches' counts, as on one device. (Loss and every
+    parameter against the plain model: ``tests/test_zoo.py``, ``tt_deepseek_v3`` under ``pipeline``.)"""
+    from cube.policies.pipeline import PAS1F1B
+    model, _ = _model()
+    gen = torch.Generator().manual_seed(2)
+    batches = [_packed(4, gen) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    with device_check_off():
+        for b in batches:
+            ref(*b).backward()
+    want = dict(ref.named_buffers())["model.layers.1.moe.tokens_per_expert_E"]
+    assert want.sum() > 0, want
+
+    def counts():
+        it = iter(batches)
+
+        @cube.compile(copy.deepcopy(model), it, PAS=functools.partial(PAS1F1B, nmicros=2), strict=True)
+        def step(m, data):
+            loss = m(*next(data))
+            loss.backward()
+            return loss
+        gen_model = cube.load_model()
+        for _ in batches:
+            step(gen_model, it)
+        got = {names[0]: getattr(gen_model, local) for local, (names, _) in gen_model.BUFFERS.items()}
+        return got.get("model.layers.1.moe.tokens_per_expert_E")
+    import cube.debug
+    with device_check_off():
+        held = [c for c in cube.debug.run(counts, 2) if c is not None]
+    assert len(held) == 1 and torch.equal(held[0], want), (held, want)

@@ -436,7 +436,18 @@ def _packed(batch: int, gen: torch.Generator) -> tuple:
 
 
 # torchtitan's language models (pip package torchtitan): they attend with flex_attention only
-_TITAN = {"tt_llama3": lambda: _titan("llama3"), "tt_qwen3": lambda: _titan("qwen3")}
+def _titan_moe(family: str) -> nn.Module:
+    """torchtitan's MoE ``debugmodel`` (DeepSeek-V3's: a dense block, then an MoE block of 8 routed experts,
+    top-3, two shared experts, latent attention), its states initialized as torchtitan's trainer does
+    (``build()`` leaves the experts' weights empty)."""
+    model = _titan(family)
+    with torch.no_grad():
+        model.model.init_states()
+    return model
+
+
+_TITAN = {"tt_llama3": lambda: _titan("llama3"), "tt_qwen3": lambda: _titan("qwen3"),
+          "tt_deepseek_v3": lambda: _titan_moe("deepseek_v3")}
 PACKAGES = {**{m: "timm" for m in _VISION if m.startswith("timm_")}, "tv_vit": "torchvision",
             **{m: "torchtitan" for m in _TITAN}, **{m: "torch" for m in _TORCH}}
 MODELS = list(_TEXT) + list(_SEQ2SEQ) + list(_TORCH) + list(_IMAGE) + list(_TITAN)

@@ -85,6 +85,8 @@ class Region:
         recount: offsets tensor id -> ``(groups, dtype)`` for group offsets counted outside the
             region over the whole batch from the sorted ids (``Dispatch._whole_offsets``): the fused
             layer counts them again from its own tokens' ids (``bincount`` then ``cumsum``).
+        counting: the ops counting those offsets (the one-hot ``scatter``, its ``sum``, the ``cumsum``):
+            on a micro-batch they count the micro-batch's tokens, the ones its sort orders.
     """
 
     sort: IRFwOperation
@@ -92,6 +94,7 @@ class Region:
     outputs: List[IRTensor]
     sizes: Dict[int, int] = field(default_factory=dict)
     recount: Dict[int, tuple] = field(default_factory=dict)
+    counting: List[IRFwOperation] = field(default_factory=list)
     scaled: Set[int] = field(default_factory=set)
     needs: List[IRTensor] = field(default_factory=list)
 
@@ -364,6 +367,8 @@ class Dispatch:
         if math.prod(ids.shape) != math.prod(index.shape):
             return None
         region.recount[id(offs)] = (groups, offs.dtype)
+        region.counting = [scatter, total, cum]
+        region.scaled.update({id(hot), id(zero), id(index)})   # one row per token (or sample) along dim 0
         return _Val("offsets", bound=groups)
 
     def _grouped(self, op: IRFwOperation, vals: Dict[int, _Val], region: Optional[Region] = None) -> Dict[int, object]:

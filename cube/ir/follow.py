@@ -138,7 +138,7 @@ def follow(graph: IRGraph, seeds: Dict[int, int], num: int, flow: Optional[Flow]
             if choice is None:
                 region = local(op, out.tracked) if local is not None and _reads(op, out) else None
                 if region is not None:
-                    out.local.update({id(o): region for o in region.ops})
+                    out.local.update({id(o): region for o in region.ops + region.counting})
                     out.tracked.update({id(t): 0 for t in region.outputs})
                 elif _reads(op, out):
                     out.blocked.append(op)
