@@ -564,9 +564,9 @@ _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 # models that draw random numbers in training besides dropout (module docstring): compared under exact_rng=True
 DRAWS = frozenset({"phimoe"})
 # models compared in float64: their batch norms over a few values (LeViT's, over 4 samples of 1x1 pixels at the last
-# stage; MobileViT's) make float32 rounding alone, which a plan orders otherwise than one process, move some
-# parameters by more than the tolerance (1e-4 to 1e-2), while float64 agrees to 1e-11
-DOUBLE = frozenset({"levit", "mobilevit"})
+# stage; MobileViT's, MobileNetV2's) make float32 rounding alone, which a plan orders otherwise than one process,
+# move some parameters by more than the tolerance (1e-4 to 7e-2), while float64 agrees to 1e-11
+DOUBLE = frozenset({"levit", "mobilevit", "mobilenet_v2"})
 SEED = 1234
 
 

@@ -11,7 +11,7 @@ on every rank of the group, and each rank's gradient is that of its own block:
 - ``cross_entropy``: the logits stay split. Forward all-reduces each row's maximum, then its sum of
   exponentials together with the target's logit (and, under label smoothing, the sum of the row's
   logits); backward is ``softmax - onehot`` (smoothed) on the rank's block, with no communication.
-  The statistics are in float32 whatever the logits' dtype.
+  The statistics are in float32 whatever the logits' dtype (float64 logits: in float64).
 
 A mean over valid targets divides by ``count`` (the global count, given by the step) or by the valid
 targets of this piece summed over ``count_ranks`` (the pieces of the batch), as
@@ -100,7 +100,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, weight: Optional[t
     the annotation splits the classes only then)."""
     if weight is not None:   # the annotation keeps the classes whole under class weights
         raise CubeInternalError("a vocabulary-parallel cross entropy was planned with class weights")
-    x = logits.float().movedim(1, -1) if logits.dim() > 1 else logits.float()
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))   # float32 at least: float64 stays
+    x = x.movedim(1, -1) if x.dim() > 1 else x
     rows = _VocabCrossEntropy.apply(x.reshape(-1, x.shape[-1]), target.reshape(-1), ignore_index,
                                     float(label_smoothing), tuple(ranks), start, classes)
     dtype = torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
