@@ -394,6 +394,8 @@ _IMAGE.update({
 WIDER = ("phi persimmon nemotron gpt_bigcode gpt_neo recurrent_gemma doge cohere2 zamba2 modernbert mobilebert "
          "deberta funnel xlnet big_bird convbert mbart pegasus m2m100 mt5 plbart deit beit dinov2 segformer "
          "convnextv2 regnet levit mobilenet_v2 mobilevit pvt_v2").split()
+_WIDER_IMAGE = ("deit beit dinov2 segformer convnextv2 regnet levit mobilenet_v2 mobilevit pvt_v2").split()
+_WIDER_BN = ("regnet levit mobilenet_v2 mobilevit").split()   # batch norms over the batch
 
 
 class TitanLM(nn.Module):
@@ -552,12 +554,40 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
        for p in ("cp_tp", "sp_cp")},
     # torch's batch norm itself refuses one sample per channel in training (timm's ResNet ends at 1x1 pixels)
     ("timm_resnet", "pipeline_1"): ("not on a micro-batch of 1", _BN + "; one sample per channel is refused by torch"),
+    # the vision models of WIDER: no sequence for context parallelism; batch norms under micro-batches (torch
+    # itself refuses a norm over one value per channel, on one-sample micro-batches of the models whose last
+    # stage is 1x1 pixels); convolutional networks without linear pairs for Megatron-LM's tensor split
+    **{(m, p): ("no sequence dim found to split", "an image model: no sequence for context parallelism to split")
+       for m in _WIDER_IMAGE for p in ("cp", "cp_tp", "sp_cp")},
+    **{(m, p): ("normalizes with statistics over the batch", _BN) for m in _WIDER_BN
+       for p in ("pipeline", "3d", "interleaved", "zbv", "dualpipev", "pipeline_1")},
+    **{(m, p): ("more than 1 value per channel", _BN + "; one value per channel is refused by torch")
+       for m in ("levit", "mobilenet_v2", "mobilevit") for p in _ONE},
+    **{(m, p): ("no linear pairs found to split", "a convolutional network: no pair of linear layers for "
+                "Megatron-LM's tensor split (data parallel splits it)") for m in ("regnet", "mobilenet_v2")
+       for p in ("tensor", "dp_tp")},
 }
 
 
 # (model, plan) -> (a part of the refusal's message, what is missing): splits the plan cannot keep yet,
 # refused under strict=True (without it: the op runs whole on gathered inputs, exact, logged). docs/models.md
-GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {}
+GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
+    # Funnel pools the sequence by strided slices around its CLS token: the slices keep the sequence whole
+    **{("funnel", p): ("lost at op 'slice'", "Funnel's pooling of the sequence (strided slices around the CLS "
+                       "token) has no split of the sequence") for p in ("cp", "sp", "cp_tp", "sp_cp")},
+    # ConvBERT concatenates its attention heads with its span-convolution heads before the output projection,
+    # and runs the convolution's kernels over positions merged with the batch
+    **{("convbert", p): ("lost at op 'linear'", "ConvBERT's attention heads and span-convolution heads are "
+                         "concatenated before the output projection: no Megatron pair through the cat")
+       for p in ("tensor", "sp", "3d", "dp_tp", "sp_cp")},
+    **{("convbert", p): ("lost at op 'conv1d'", "ConvBERT's span convolution: a kernel of 9 positions on the "
+                         "zoo's 16-token sequence, more than a block of 8, and kernels over positions merged "
+                         "with the batch") for p in ("cp", "cp_tp")},
+    # torchtitan's MoE returns its routed tokens flattened (T, D) and adds them to the shared experts' (B, L, D)
+    **{("tt_deepseek_v3", p): ("lost at op 'add'", "torchtitan's MoE: its sorted dispatch returns the tokens "
+                               "flattened with the batch, which a split of the sequence does not follow")
+       for p in ("sp", "cp", "cp_tp", "sp_cp")},
+}
 
 _REFUSALS = ("ValueError", "TraceError", "LostSplitError")
 
