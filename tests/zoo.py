@@ -565,7 +565,7 @@ REFUSED: Dict[Tuple[str, str], Tuple[str, str]] = {
        for m in ("levit", "mobilenet_v2", "mobilevit") for p in _ONE},
     **{(m, p): ("no linear pairs found to split", "a convolutional network: no pair of linear layers for "
                 "Megatron-LM's tensor split (data parallel splits it)") for m in ("regnet", "mobilenet_v2")
-       for p in ("tensor", "dp_tp")},
+       for p in ("tensor",)},
 }
 
 
