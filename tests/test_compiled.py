@@ -170,7 +170,9 @@ def test_every_communicating_call_of_generated_code_stays_out_of_graphs():
                "runtime.ops.cross_entropy_part", "runtime.ops.nll_part",
                # called by train_step, which is never compiled (pipeline.run calls the stage methods)
                "runtime.pipeline.run", "runtime.pipeline.micro_batches", "runtime.p2p.backward",
-               "runtime.p2p.finish", "runtime.rng.step"}
+               "runtime.p2p.finish", "runtime.rng.step",
+               # looks up the op running a model's autograd.Function (defined once per process)
+               "runtime.functions.op"}
     printed = set()
     for path in (ROOT / "cube" / "codegen").glob("*.py"):
         printed |= set(re.findall(r"\b(runtime(?:\.[a-z_0-9]+)+)\(", path.read_text()))

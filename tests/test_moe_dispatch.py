@@ -117,17 +117,20 @@ def test_a_sort_dispatch_moe_pipelines_exactly(variant):
     assert max(max(e) for e in errors) < 1e-5, errors
 
 
-def test_counts_before_the_sort_are_proved_but_not_pipelined():
+def test_counts_before_the_sort_are_proved_and_pipelined():
     """Group offsets counted from a one-hot of the top-k ids before the sort (torchtitan's MoE) make
-    a token-local region (expert parallel counts each rank's tokens again); micro-batches would need
-    the same recount, and stay refused, naming the op."""
+    a token-local region (expert parallel counts each rank's tokens again); on a micro-batch the ops
+    counting them (``Region.counting``) count the micro-batch's tokens, the ones its sort orders: exact."""
     torch.manual_seed(0)
     graph = cube.trace_model(SortMoE("onehot"), _sample(4)).graph
     flow = batch_flow(graph, 2)
     (region,) = {id(r): r for r in flow.local.values()}.values()
     assert not flow.unproven and region.sort.name == "argsort" and len(region.recount) == 1
-    with pytest.raises(ValueError, match="op 'cumsum'.*not linear"):
-        cube.plan(SortMoE("onehot"), _sample(), functools.partial(PAS1F1B, nmicros=2), 2)
+    assert [op.name for op in region.counting] == ["scatter", "sum", "cumsum"], region.counting
+    assert all(flow.local.get(id(op)) is region for op in region.counting)
+    errors = parity(SortMoE("onehot"), _sample(), functools.partial(PAS1F1B, nmicros=2), 2, steps=2, nmicros=2,
+                    opt="sgd", strict=True)
+    assert max(max(e) for e in errors) < 1e-5, errors
 
 
 @pytest.mark.parametrize("variant,op", [("cumsum", "'cumsum'"), ("unrestored", "'view'"), ("capacity", "'slice'"),

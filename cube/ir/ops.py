@@ -132,6 +132,9 @@ _add("baddbmm", rule="baddbmm")
 _add("matmul mm bmm", rule="matmul")
 _add("einsum", rule="einsum")
 _add("scaled_dot_product_attention", rule="sdpa", inside="ring")
+# a grouped matmul by sorted rows' group offsets: whole, its rows carried by the token-local dispatch region it
+# sits in (cube.ir.dispatch), its experts split by expert parallel (cube.ir.experts' fused layer)
+_add("_grouped_mm", rule="opaque")
 _add("moe_experts", inside="experts")   # cube.ir.experts: a fused sort-dispatch MoE layer
 _add("flex_attention", rule="flex_attention", inside="gather_kv")   # cube.trace.flex's ops
 _add("block_mask", rule="block_mask")
