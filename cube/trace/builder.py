@@ -441,6 +441,8 @@ class _Builder:
         if node.target is not torch.ops.aten.squeeze.default or not isinstance(args[0], IRTensor):
             return False, args
         traced = node.args[0].meta.get("val")   # a dim the trace holds as a symbol (the batch) is no 1
+        if not isinstance(traced, torch.Tensor):
+            return False, args
         dims = [d for d, s in enumerate(traced.shape) if isinstance(s, int) and s == 1]
         self.env[node] = self._op(node, torch.ops.aten.squeeze.dims, [args[0], dims], {},
                                   [_tensor_of(val, node.name)]).outputs[0]
