@@ -583,6 +583,12 @@ GAPS: Dict[Tuple[str, str], Tuple[str, str]] = {
     **{("convbert", p): ("lost at op 'conv1d'", "ConvBERT's span convolution: a kernel of 9 positions on the "
                          "zoo's 16-token sequence, more than a block of 8, and kernels over positions merged "
                          "with the batch") for p in ("cp", "cp_tp")},
+    # PhiMoE's router multiplier is a torch.autograd.Function, run as written as one op (cube.runtime.functions)
+    # on the tokens' merged rows (B * S, E): a split of the sequence does not reach it (cube.trace.along rewrites
+    # the router's other ops onto the (B, S) dims, not an op it does not know)
+    **{("phimoe", p): ("lost at op 'fn_PhimoeMultiplier", "PhiMoE's router multiplier, an autograd.Function run "
+                       "as one op on the tokens' merged rows, which a split of the sequence does not reach")
+       for p in ("cp", "cp_tp", "sp_cp")},
     # torchtitan's MoE returns its routed tokens flattened (T, D) and adds them to the shared experts' (B, L, D)
     **{("tt_deepseek_v3", p): ("lost at op 'add'", "torchtitan's MoE: its sorted dispatch returns the tokens "
                                "flattened with the batch, which a split of the sequence does not follow")
