@@ -58,3 +58,25 @@ def test_aliased_ops_train_exactly(policy, nmicros):
     sample = _sample() if nmicros == 1 else (_sample()[0][:1],)   # micro-batches of one sample
     strict = policy is PASData or nmicros > 1
     assert_exact(parity(Aliased(), sample, policy, 2, steps=2, nmicros=nmicros, opt="sgd", strict=strict))
+
+
+class WrittenThroughShapes(nn.Module):
+    """``reshape_as`` and ``expand_as`` read only the other tensor's shape (traced as ``reshape`` and
+    ``expand``), and stay views of their input: a write through ``reshape_as``'s result reaches it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = h.reshape_as(torch.empty(h.shape[0], 2, 4))
+        y[:, 0] = y[:, 0] * 3
+        return (h.pow(2) + h.expand_as(torch.empty(2, h.shape[0], 8)).sum(0)).mean()
+
+
+def test_a_write_through_reshape_as_reaches_its_input():
+    torch.manual_seed(0)
+    ops = {op.name for op in cube.trace_model(WrittenThroughShapes(), (torch.randn(4, 8),)).graph.ops[1:]}
+    assert "reshape_as" not in ops and "expand_as" not in ops, ops
+    assert_exact(parity(WrittenThroughShapes(), (torch.randn(4, 8),), PASData, 2, steps=2, opt="sgd", strict=True))

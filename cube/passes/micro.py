@@ -194,6 +194,8 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
     for op in fops:
         for t in op.inputs:
             readers.setdefault(id(t), []).append(op)
+    # the tokens per group a dispatch region counts on each micro-batch (``Region.counting``'s sum)
+    counted = {id(t) for region in local.values() for op in region.counting if op.name == "sum" for t in op.outputs}
     dataonly = {id(t) for t in data.outputs}   # tensors computed from the batch alone, needing no gradient
     countable: Set[int] = set()   # of those, the ones reduced over the batch (counted on the global batch)
     for fop, mop in pairs:
@@ -214,7 +216,7 @@ def micro_shares(full: IRGraph, micro: IRGraph, nmicros: int, batch: int) -> Mic
                              f"from the batch alone (a count of valid targets, say) other than as the divisor or "
                              f"factor of a loss summed over the batch; cube counts such values on the global "
                              f"batch only for `loss_sum / count`. {_FIX}")
-        if _accumulates_state(fop, shares, local, readers):
+        if _accumulates_state(fop, shares, counted, readers):
             continue   # each micro-batch adds its share to the buffer: together, the global batch's
         if id(fop) in local:   # a token-local region runs on the micro-batch's own tokens
             if mop is not None:
@@ -440,7 +442,7 @@ def _target_count(fop: IRFwOperation, mop: IRFwOperation, info: MicroBatches, ca
     return k
 
 
-def _accumulates_state(fop: IRFwOperation, shares: Set[int], local, readers) -> bool:
+def _accumulates_state(fop: IRFwOperation, shares: Set[int], counted: Set[int], readers) -> bool:
     """Whether ``fop`` is ``buffer.add_(share)`` that nothing of the step reads after (torchtitan's MoE
     counting the tokens each expert gets, ``tokens_per_expert.add_(counts)``, for its load-balancing bias):
     the micro-batches add their shares one after another, and the shares add up to the global batch's. A
@@ -449,10 +451,8 @@ def _accumulates_state(fop: IRFwOperation, shares: Set[int], local, readers) -> 
     if fop.name != "add_" or len(fop.inputs) != 2 or _arg(fop, "alpha", 1) != 1:
         return False
     state, term = fop.inputs
-    counted = any(t is term for region in local.values() for op in region.counting if op.name == "sum"
-                  for t in op.outputs)
-    return state.kind is TensorKind.BUFFER and (id(term) in shares or counted) and id(state) not in shares and \
-        not any(readers.get(id(t)) for t in fop.outputs)
+    return state.kind is TensorKind.BUFFER and (id(term) in shares or id(term) in counted) and \
+        id(state) not in shares and not any(readers.get(id(t)) for t in fop.outputs)
 
 
 def _linear(fop: IRFwOperation, share_in, batchy, shares, batch: int, nmicros: int) -> None:

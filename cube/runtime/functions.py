@@ -17,7 +17,7 @@ import hashlib
 import importlib
 import re
 import threading
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -25,6 +25,7 @@ NAMESPACE = "cube_fn"
 _LOCK = threading.Lock()
 _LIB = None
 _DEFINED: Dict[str, Tuple[str, str, Tuple[Any, ...]]] = {}   # op name -> (module, qualname, constants)
+_OPS: Dict[Tuple[str, str, Tuple[Any, ...]], Any] = {}        # (module, qualname, constants) -> its op
 
 # a constant argument is one of these (or a tuple or list of them); ``TENSOR`` marks a tensor's place
 TENSOR = "<tensor>"
@@ -65,16 +66,38 @@ def _merge(constants: Sequence[Any], xs: Sequence[torch.Tensor]) -> List[Any]:
     return [next(it) if c == TENSOR else c for c in constants]
 
 
+def _frozen(v: Any) -> Any:
+    return tuple(_frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+
+
 def op(module: str, qualname: str, constants: Sequence[Any]) -> "torch._ops.OpOverload":
     """The op running ``module:qualname``'s Function on tensors placed as ``constants`` says (``TENSOR``
-    at a tensor's place, the call's other arguments as they were), defined once per process."""
-    constants = tuple(tuple(c) if isinstance(c, list) else c for c in constants)
-    name = name_of(module, qualname, constants)
+    at a tensor's place, the call's other arguments as they were), defined once per process. Generated
+    code calls this on every forward: after the first call it is one dictionary lookup."""
+    key = (module, qualname, _frozen(constants))
+    found = _OPS.get(key)
+    if found is not None:
+        return found
+    name = name_of(*key)
     with _LOCK:
         if name not in _DEFINED:
-            _define(name, find(module, qualname), constants)
-            _DEFINED[name] = (module, qualname, constants)
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+            _define(name, find(module, qualname), key[2])
+            _DEFINED[name] = key
+    found = _OPS[key] = getattr(getattr(torch.ops, NAMESPACE), name).default
+    return found
+
+
+def input_grads(fn, xs: Sequence[torch.Tensor], grad: torch.Tensor) -> List[Optional[torch.Tensor]]:
+    """The gradients of ``fn(xs)`` (one tensor) for each of ``xs`` at the output gradient ``grad``: None for
+    an input that is not floating point or complex, or that the output does not depend on."""
+    leaves = [x.detach().requires_grad_(x.dtype.is_floating_point or x.dtype.is_complex) for x in xs]
+    wanted = [x for x in leaves if x.requires_grad]
+    with torch.enable_grad():
+        out = fn(leaves)
+        got = torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted and out.requires_grad \
+            else [None] * len(wanted)
+    found = dict(zip(map(id, wanted), got))
+    return [found.get(id(x)) for x in leaves]
 
 
 def described(name: str) -> Tuple[str, str, Tuple[Any, ...]]:
@@ -97,15 +120,7 @@ def _define(name: str, cls: type, constants: Tuple[Any, ...]) -> None:
         ctx.save_for_backward(*inputs[0])
 
     def backward(ctx, grad):
-        xs = ctx.saved_tensors
-        leaves = [x.detach().requires_grad_(x.dtype.is_floating_point or x.dtype.is_complex) for x in xs]
-        wanted = [x for x in leaves if x.requires_grad]
-        with torch.enable_grad():
-            out = apply(leaves)
-            got = torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted and out.requires_grad \
-                else [None] * len(wanted)
-        found = dict(zip(map(id, wanted), got))
-        return [found.get(id(x)) for x in leaves],
+        return input_grads(apply, ctx.saved_tensors, grad),
 
     _library().define(f"{name}(Tensor[] xs) -> Tensor")
     torch.library.impl(f"{NAMESPACE}::{name}", "CompositeExplicitAutograd", lib=_library())(impl)

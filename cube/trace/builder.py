@@ -33,8 +33,10 @@ _IDENTITY = {"alias"}
 
 # ops the builder writes as what they compute (the method of ``_Builder`` doing it)
 _REWRITES = {"type_as": "_type_as", "new_zeros": "_new_like", "new_ones": "_new_like", "new_empty": "_new_like",
-             "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_expand_as",
-             "squeeze": "_squeeze", "pad": "_shifted", "constant_pad_nd": "_shifted", "reshape_as": "_reshape_as"}
+             "new_full": "_new_like", "cat": "_cat", "concat": "_cat", "expand_as": "_shape_of",
+             "reshape_as": "_shape_of", "squeeze": "_squeeze", "pad": "_shifted", "constant_pad_nd": "_shifted"}
+# x.expand_as(y), x.reshape_as(y) -> the op to y's shape (``_shape_of``)
+_SHAPE_OF = {"expand_as": torch.ops.aten.expand.default, "reshape_as": torch.ops.aten.reshape.default}
 
 # x.new_X(...) -> torch.X(...) with x's dtype and device
 _NEW = {"new_zeros": ("zeros", "default"), "new_ones": ("ones", "default"), "new_empty": ("empty", "memory_format"),
@@ -415,22 +417,16 @@ class _Builder:
                                   [_tensor_of(val, node.name)]).outputs[0]
         return True, args
 
-    def _expand_as(self, node: torch.fx.Node, args, kwargs, val):
-        """``x.expand_as(y)`` reads only y's shape: an ``expand`` of x (a split y is not gathered for it, and
-        ``torch.arange(s).expand_as(positions)`` carries no batch of its own)."""
+    def _shape_of(self, node: torch.fx.Node, args, kwargs, val):
+        """``x.expand_as(y)`` and ``x.reshape_as(y)`` read only y's shape: an ``expand`` (a ``reshape``) of x
+        to it (a split y is not gathered for them, ``torch.arange(s).expand_as(positions)`` carries no batch
+        of its own, LeViT's batch norm over rows reshapes back); a view of x where the trace's is."""
         if not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
             return False, args
-        self.env[node] = self._op(node, torch.ops.aten.expand.default, [args[0], list(args[1].shape)], {},
+        self.env[node] = self._op(node, _SHAPE_OF[op_name(node.target)], [args[0], list(args[1].shape)], {},
                                   [_tensor_of(val, node.name)]).outputs[0]
-        self._alias(node, node.args[0], node)
-        return True, args
-
-    def _reshape_as(self, node: torch.fx.Node, args, kwargs, val):
-        """``x.reshape_as(y)`` reads only y's shape: a ``reshape`` of x (LeViT's batch norm over rows)."""
-        if not isinstance(args[0], IRTensor) or not isinstance(args[1], IRTensor):
-            return False, args
-        self.env[node] = self._op(node, torch.ops.aten.reshape.default, [args[0], list(args[1].shape)], {},
-                                  [_tensor_of(val, node.name)]).outputs[0]
+        if inplace.is_view(node):
+            self._alias(node, node.args[0], node)
         return True, args
 
     def _squeeze(self, node: torch.fx.Node, args, kwargs, val):

@@ -28,6 +28,7 @@ import torch
 
 from cube.ir.operator import IRFwOperation
 from cube.ir.tensor import IRTensor
+from cube.runtime.functions import input_grads
 
 _CHECK_ELEMENTS = 1 << 20
 _LETTERS = [f"d{i}" for i in range(64)]
@@ -192,22 +193,13 @@ def _checked_backward(op: IRFwOperation, group: Dict[int, int]) -> bool:
     d0 = group[0]
     half = op.outputs[0].shape[d0] // 2
 
-    def grads(pieces: List[torch.Tensor], g: torch.Tensor) -> List[Optional[torch.Tensor]]:
-        leaves = [v.detach().requires_grad_(v.dtype.is_floating_point) for v in pieces]
-        wanted = [v for v in leaves if v.requires_grad]
-        with torch.enable_grad():
-            out = op.target(leaves)
-            got = torch.autograd.grad(out, wanted, g, allow_unused=True) if wanted and out.requires_grad else []
-        found = dict(zip(map(id, wanted), got))
-        return [found.get(id(v)) for v in leaves]
-
     try:
-        whole = grads(values, grad_out)
+        whole = input_grads(op.target, values, grad_out)
         parts = []
         for h in range(2):
             pieces = [v if group.get(i + 1) is None else v.narrow(group[i + 1], h * half, half)
                       for i, v in enumerate(values)]
-            parts.append(grads(pieces, grad_out.narrow(d0, h * half, half)))
+            parts.append(input_grads(op.target, pieces, grad_out.narrow(d0, h * half, half)))
     except Exception:   # noqa: BLE001 - a backward that refuses the pieces: the split is not trusted
         return False
     for i, w in enumerate(whole):

@@ -141,11 +141,12 @@ def export(model: torch.nn.Module, args: tuple, dynamic_batch: bool = False) -> 
         where = _user_frame(e)
         first = str(e).strip().splitlines()
         msg = "\n".join(first[:12])
-        fix = _branch_fix(where) if _data_dependent(e) and _BRANCH.search(where) else \
-            _DATA_DEPENDENT_FIX if _data_dependent(e) else (
-            "Fix: make forward traceable for the sample batch (no data-dependent Python control "
-            "flow on tensor values, no unsupported ops), or wrap the offending part in a function "
-            "registered with cube.register_op.")
+        if _data_dependent(e):
+            fix = _branch_fix(where) if _BRANCH.search(where) else _DATA_DEPENDENT_FIX
+        else:
+            fix = ("Fix: make forward traceable for the sample batch (no data-dependent Python control "
+                   "flow on tensor values, no unsupported ops), or wrap the offending part in a function "
+                   "registered with cube.register_op.")
         raise TraceError(
             f"cube could not trace {_model_location(model)} with torch.export (non-strict).\n"
             + (f"It failed at {where}\n" if where else "")

@@ -26,7 +26,7 @@ aten = torch.ops.aten
 # views whose result is the same elements as their input (shape aside)
 _IDENTITY = {"alias", "detach", "to", "contiguous", "lift_fresh"}
 _RESHAPES = {"view", "_unsafe_view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze",
-             "view_as", "expand"}
+             "view_as", "reshape_as", "expand"}
 _SLICES = {"split", "split_with_sizes", "chunk", "tensor_split"}
 
 
